@@ -1,0 +1,44 @@
+// Cached per-device properties; see device_info.h.
+#include "ffi/device_info.h"
+
+#include <cuda_runtime.h>
+
+#include <map>
+#include <mutex>
+
+namespace jax_tma::ffi_util {
+
+const DeviceInfo& device_info(int ordinal) {
+  static std::mutex mutex;
+  static std::map<int, DeviceInfo> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto it = cache.find(ordinal);
+  if (it != cache.end()) return it->second;
+  DeviceInfo info;
+  cudaError_t err = cudaDeviceGetAttribute(&info.major, cudaDevAttrComputeCapabilityMajor, ordinal);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&info.minor, cudaDevAttrComputeCapabilityMinor, ordinal);
+  }
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&info.num_sms, cudaDevAttrMultiProcessorCount, ordinal);
+  }
+  if (err != cudaSuccess) {
+    info.error = std::string("querying CUDA device ") + std::to_string(ordinal) + " failed: " +
+                 cudaGetErrorString(err);
+  }
+  return cache.emplace(ordinal, info).first->second;
+}
+
+std::string use_device(int ordinal) {
+  int current = -1;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err == cudaSuccess && current == ordinal) return {};
+  err = cudaSetDevice(ordinal);
+  if (err != cudaSuccess) {
+    return std::string("selecting CUDA device ") + std::to_string(ordinal) + " failed: " +
+           cudaGetErrorString(err);
+  }
+  return {};
+}
+
+}  // namespace jax_tma::ffi_util

@@ -1,0 +1,31 @@
+// The Python extension jax_tma._jax_tma: hands XLA FFI handlers to Python as capsules, to be
+// registered with jax.ffi.register_ffi_target(name, capsule, platform="CUDA").
+#include <nanobind/nanobind.h>
+
+#include "ffi/gemm.h"
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <class Fn>
+nb::capsule handler_capsule(Fn* fn) {
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+}  // namespace
+
+NB_MODULE(_jax_tma, m) {
+  m.doc() = "jax_tma CUDA kernels as XLA FFI handlers";
+  m.def("registrations", []() {
+    nb::dict targets;
+    targets["jax_tma_gemm_sm90"] = handler_capsule(jax_tma::ffi_handlers::GemmSm90);
+    targets["jax_tma_gemm_sm90_into"] = handler_capsule(jax_tma::ffi_handlers::GemmSm90Into);
+    return targets;
+  });
+  // The XLA FFI API version these handlers were compiled against: a jaxlib whose API is older
+  // than this does not register them.
+  m.attr("ffi_api_major") = XLA_FFI_API_MAJOR;
+  m.attr("ffi_api_minor") = XLA_FFI_API_MINOR;
+}

@@ -1,0 +1,148 @@
+"""Loads the compiled extension, registers its FFI targets and says whether kernels can run.
+
+Everything that decides "kernel or XLA" on the process level lives here: whether the
+extension was built, whether the running jaxlib accepts its FFI API version, whether the
+user disabled it (``JAX_TMA_DISABLE=1``), and what GPU is visible. Shape/dtype decisions
+belong to the op modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import os
+import pathlib
+import re
+import warnings
+from typing import Any
+
+import jax
+
+try:
+    from jax_tma import _jax_tma as _C  # type: ignore[attr-defined]
+
+    _IMPORT_ERROR: str | None = None
+except ImportError as err:  # built without a CUDA compiler, or not built at all
+    _C = None
+    _IMPORT_ERROR = str(err)
+
+HOPPER_CAPABILITY = "9.0"
+
+
+def _runtime_ffi_api_minor() -> int | None:
+    """XLA FFI API minor version of the running jaxlib, read from its headers."""
+    try:
+        header = pathlib.Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h"
+        match = re.search(r"#define XLA_FFI_API_MINOR (\d+)", header.read_text())
+    except (OSError, AttributeError):
+        return None
+    return int(match.group(1)) if match else None
+
+
+def _jaxlib_version() -> str:
+    try:
+        return importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return "(unknown version)"
+
+
+def _register() -> str | None:
+    """Registers every FFI target of the extension; returns why it could not, or None."""
+    if _C is None:
+        return (
+            "the jax_tma extension is not built (no CUDA compiler when the package was "
+            f"installed: {_IMPORT_ERROR})"
+        )
+    runtime_minor = _runtime_ffi_api_minor()
+    if runtime_minor is not None and _C.ffi_api_minor > runtime_minor:
+        return (
+            f"the extension was built against XLA FFI API 0.{_C.ffi_api_minor} but the "
+            f"installed jaxlib {_jaxlib_version()} provides 0.{runtime_minor}; rebuild "
+            "jax_tma against this jaxlib"
+        )
+    for name, capsule in _C.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
+    return None
+
+
+_REGISTRATION_ERROR = _register()
+
+
+def disabled_by_env() -> bool:
+    """True when ``JAX_TMA_DISABLE`` asks for the XLA path everywhere."""
+    return os.environ.get("JAX_TMA_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def extension_error() -> str | None:
+    """Why the extension's handlers are not registered, or None when they are."""
+    return _REGISTRATION_ERROR
+
+
+def cuda_devices() -> list[Any]:
+    """The visible CUDA devices (empty on a machine without a CUDA backend)."""
+    try:
+        return list(jax.devices("cuda"))
+    except RuntimeError:
+        return []
+
+
+def non_hopper_reason(devices: list[Any]) -> str | None:
+    """None when every device is compute capability 9.0, otherwise which one is not."""
+    for dev in devices:
+        cap = getattr(dev, "compute_capability", None)
+        if cap != HOPPER_CAPABILITY:
+            return (
+                f"{dev.device_kind} (compute capability {cap}) is not a Hopper GPU; the "
+                "kernels are built for sm_90a"
+            )
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelStatus:
+    """Whether jax_tma's kernels run on the default backend, and why not if they don't."""
+
+    available: bool
+    reason: str
+    device: str
+
+
+def kernel_status() -> KernelStatus:
+    """Reports whether ops traced now would run the Hopper kernels on the default backend."""
+    device = jax.devices()[0]
+    desc = f"{device.device_kind} ({device.platform})"
+    if disabled_by_env():
+        return KernelStatus(False, "JAX_TMA_DISABLE is set", desc)
+    if _REGISTRATION_ERROR is not None:
+        return KernelStatus(False, _REGISTRATION_ERROR, desc)
+    if device.platform != "gpu" or not cuda_devices():
+        return KernelStatus(False, f"no CUDA GPU: the default backend is {device.platform}", desc)
+    reason = non_hopper_reason(cuda_devices())
+    if reason is not None:
+        return KernelStatus(False, reason, desc)
+    return KernelStatus(True, "Hopper GPU and compiled kernels present", desc)
+
+
+@functools.cache
+def warn_if_unavailable() -> None:
+    """Once per process: warn when kernels cannot run and the user did not ask for that."""
+    status = kernel_status()
+    if not status.available and not disabled_by_env():
+        warnings.warn(
+            f"jax_tma: Hopper kernels are not in use ({status.reason}); ops run through XLA.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def cuda_lowering_blocker() -> str | None:
+    """Why a CUDA lowering must not emit jax_tma custom calls, or None when it may.
+
+    When no CUDA device is visible (cross-lowering, ``jax.export``), Hopper is assumed.
+    """
+    if disabled_by_env():
+        return "JAX_TMA_DISABLE is set"
+    if _REGISTRATION_ERROR is not None:
+        return _REGISTRATION_ERROR
+    return non_hopper_reason(cuda_devices())

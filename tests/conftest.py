@@ -1,0 +1,54 @@
+"""Shared test helpers: Hopper-GPU gating, random operands and float64 references."""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+from jax_tma import _ext
+
+
+def hopper_available() -> bool:
+    devices = _ext.cuda_devices()
+    return bool(devices) and _ext.non_hopper_reason(devices) is None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` skip without a Hopper GPU.
+
+    JAX_TMA_REQUIRE_GPU=1 (set by scripts/gpu_check.sh) makes a missing GPU an error instead,
+    so a GPU run can never pass by skipping.
+    """
+    if hopper_available():
+        return
+    if os.environ.get("JAX_TMA_REQUIRE_GPU") == "1":
+        raise pytest.UsageError("JAX_TMA_REQUIRE_GPU=1 but no Hopper (sm_90) GPU is visible")
+    skip = pytest.mark.skip(reason="needs a Hopper (compute capability 9.0) GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def random_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
+    """Standard-normal values rounded to `dtype` (never zeros)."""
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+
+def f64_matmul(a, b) -> np.ndarray:
+    return np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+
+
+def rel_error(x, ref) -> float:
+    """Frobenius-norm relative error; NaN anywhere in x gives NaN (which fails any bound)."""
+    x = np.asarray(x, np.float64)
+    ref = np.asarray(ref, np.float64)
+    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A generator seeded from the test id, so every case draws its own reproducible data."""
+    return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))

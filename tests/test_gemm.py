@@ -1,0 +1,279 @@
+"""jax_tma.matmul: jnp.matmul parity, the CUDA lowering, and the sm90 kernel on a Hopper GPU.
+
+Error bounds (Frobenius-norm relative error against a float64 reference on random data):
+bf16 operands/output 1e-2, fp16 2e-3, fp32 output from 16-bit operands 1e-5.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jax_tma
+from jax_tma import _ext, _testing, gemm
+from conftest import f64_matmul, random_array, rel_error
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+TOL = {BF16: 1e-2, F16: 2e-3, np.dtype(np.float32): 1e-5}
+
+
+def cuda_hlo(fn, *args) -> str:
+    """StableHLO of fn(*args) lowered for CUDA (works on a machine without a GPU)."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def spec(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+# ---------------------------------------------------------------- jnp.matmul parity (CPU)
+
+PARITY_CASES = [
+    ((64, 32), (32, 48), BF16, None),
+    ((5, 8), (8, 7), F16, None),
+    ((64, 32), (32, 48), BF16, np.float32),
+    ((64, 32), (32, 48), F16, BF16),
+    ((64, 30), (30, 48), BF16, None),  # K % 8 != 0: XLA
+    ((3, 64, 32), (32, 16), BF16, None),  # batched, broadcast
+    ((2, 3, 8, 16), (3, 16, 4), F16, None),
+    ((16,), (16, 8), BF16, None),  # 1-D operands
+    ((8, 16), (16,), BF16, None),
+    ((16,), (16,), BF16, None),
+    ((32, 16), (16, 24), np.float32, None),
+    ((32, 16), (16, 24), np.int32, None),
+    ((0, 16), (16, 8), BF16, None),  # empty
+    ((8, 0), (0, 8), BF16, None),
+]
+
+
+@pytest.mark.parametrize("a_shape,b_shape,dtype,out_dtype", PARITY_CASES)
+def test_abstract_eval_matches_jnp(a_shape, b_shape, dtype, out_dtype):
+    args = (spec(a_shape, dtype), spec(b_shape, dtype))
+    ours = jax.eval_shape(lambda a, b: jax_tma.matmul(a, b, out_dtype=out_dtype), *args)
+    ref = jax.eval_shape(lambda a, b: jnp.matmul(a, b, preferred_element_type=out_dtype), *args)
+    assert (ours.shape, ours.dtype) == (ref.shape, ref.dtype)
+
+
+def test_mixed_input_dtypes_match_jnp():
+    args = (spec((16, 16), BF16), spec((16, 16), F16))
+    ours = jax.eval_shape(jax_tma.matmul, *args)
+    ref = jax.eval_shape(jnp.matmul, *args)
+    assert (ours.shape, ours.dtype) == (ref.shape, ref.dtype)
+
+
+@pytest.mark.parametrize("a_shape,b_shape,dtype,out_dtype", PARITY_CASES)
+def test_values_match_float64_reference(rng, a_shape, b_shape, dtype, out_dtype):
+    if np.dtype(dtype).kind == "i":
+        a, b = (rng.integers(-8, 8, s).astype(dtype) for s in (a_shape, b_shape))
+    else:
+        a, b = (random_array(rng, s, dtype) for s in (a_shape, b_shape))
+    out = jax_tma.matmul(a, b, out_dtype=out_dtype)
+    ref = f64_matmul(a, b)
+    assert out.shape == ref.shape
+    if out.dtype.kind == "i":
+        np.testing.assert_array_equal(np.asarray(out), ref)
+    elif ref.size:
+        assert rel_error(out, ref) <= TOL[np.dtype(out.dtype)]
+    xla = jnp.matmul(a, b, preferred_element_type=out_dtype)
+    np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(xla, np.float64))
+
+
+ERROR_CASES = [
+    ((4, 8), (7, 4)),  # contracting mismatch
+    ((4, 8), (2, 7, 4)),  # batched contracting mismatch
+    ((2, 4, 8), (3, 8, 4)),  # batch dims do not broadcast
+    ((), (8, 4)),  # 0-d operand
+    ((4, 8), ()),
+]
+
+
+@pytest.mark.parametrize("a_shape,b_shape", ERROR_CASES)
+def test_errors_match_jnp(a_shape, b_shape):
+    a, b = jnp.ones(a_shape, BF16), jnp.ones(b_shape, BF16)
+    with pytest.raises(Exception) as ref:
+        jnp.matmul(a, b)
+    with pytest.raises(type(ref.value)) as ours:
+        jax_tma.matmul(a, b)
+    assert str(ours.value) == str(ref.value)
+
+
+def test_bad_out_dtype_matches_jnp():
+    a = jnp.ones((8, 8), BF16)
+    with pytest.raises(Exception) as ref:
+        jnp.matmul(a, a, preferred_element_type="not-a-dtype")
+    with pytest.raises(type(ref.value)):
+        jax_tma.matmul(a, a, out_dtype="not-a-dtype")
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="block_n=192"):
+        jax_tma.GemmConfig(block_n=192)
+    with pytest.raises(ValueError, match="not a compiled configuration"):
+        jax_tma.GemmConfig(block_n=256, stages=9)
+    with pytest.raises(TypeError, match="GemmConfig"):
+        jax_tma.matmul(jnp.ones((8, 8), BF16), jnp.ones((8, 8), BF16), config={"block_n": 128})
+    for cfg in jax_tma.COMPILED_CONFIGS:
+        assert jax_tma.GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages) == cfg
+
+
+def test_default_config_heuristic():
+    assert gemm.default_config(8192, 8192, 8192).block_n == 256
+    assert gemm.default_config(1, 4096, 4096).block_n == 128
+    assert gemm.default_config(4097, 7, 64).block_n == 128
+
+
+def test_warns_once_when_kernels_unavailable():
+    status = jax_tma.kernel_status()
+    if status.available:
+        pytest.skip("kernels are available here; nothing to warn about")
+    _ext.warn_if_unavailable.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = jnp.ones((8, 8), BF16)
+        jax_tma.matmul(a, a)
+        jax_tma.matmul(a, a)
+    msgs = [str(w.message) for w in caught if "jax_tma" in str(w.message)]
+    assert len(msgs) == 1 and status.reason in msgs[0]
+
+
+# ---------------------------------------------------------------- CUDA lowering (CPU)
+
+needs_extension = pytest.mark.skipif(
+    _ext.extension_error() is not None and os.environ.get("JAX_TMA_REQUIRE_EXTENSION") != "1",
+    reason="extension not built",
+)
+
+
+@needs_extension
+@pytest.mark.parametrize(
+    "m,n,k,dtype,out_dtype",
+    [(128, 256, 64, BF16, None), (7, 129, 8, F16, None), (1, 1, 8, BF16, np.float32), (4097, 7, 72, F16, BF16)],
+)
+def test_cuda_lowering_emits_kernel(m, n, k, dtype, out_dtype):
+    hlo = cuda_hlo(lambda a, b: jax_tma.matmul(a, b, out_dtype=out_dtype), spec((m, k), dtype), spec((k, n), dtype))
+    assert hlo.count(f"custom_call @{gemm.KERNEL_TARGET}(") == 1
+    assert "stablehlo.dot_general" not in hlo
+    assert ("stablehlo.pad" in hlo) == (n % 8 != 0)
+
+
+@needs_extension
+@pytest.mark.parametrize(
+    "a_shape,b_shape,a_dtype,b_dtype",
+    [
+        ((64, 32), (32, 64), np.float32, np.float32),
+        ((64, 30), (30, 64), BF16, BF16),
+        ((64, 32), (32, 64), BF16, F16),
+        ((4, 64, 32), (32, 64), BF16, BF16),
+        ((32,), (32, 64), BF16, BF16),
+        ((64, 32), (32, 64), np.int8, np.int8),
+    ],
+)
+def test_cuda_lowering_falls_back(a_shape, b_shape, a_dtype, b_dtype):
+    hlo = cuda_hlo(jax_tma.matmul, spec(a_shape, a_dtype), spec(b_shape, b_dtype))
+    assert "jax_tma_" not in hlo
+    assert "stablehlo.dot_general" in hlo
+
+
+@needs_extension
+def test_cuda_lowering_respects_disable(monkeypatch):
+    monkeypatch.setenv("JAX_TMA_DISABLE", "1")
+    hlo = cuda_hlo(jax_tma.matmul, spec((64, 32), BF16), spec((32, 64), BF16))
+    assert "jax_tma_" not in hlo and "stablehlo.dot_general" in hlo
+
+
+@needs_extension
+def test_cuda_lowering_forced_config():
+    cfg = jax_tma.GemmConfig(block_n=128, stages=6)
+    hlo = cuda_hlo(lambda a, b: jax_tma.matmul(a, b, config=cfg), spec((8192, 64), BF16), spec((64, 8192), BF16))
+    assert "block_n = 128" in hlo and "stages = 6" in hlo
+
+
+def test_extension_built_when_required():
+    if os.environ.get("JAX_TMA_REQUIRE_EXTENSION") != "1":
+        pytest.skip("JAX_TMA_REQUIRE_EXTENSION is not set")
+    assert _ext.extension_error() is None, _ext.extension_error()
+
+
+# ---------------------------------------------------------------- the kernel (Hopper GPU)
+
+MN = (1, 7, 64, 127, 129, 1000, 4097)
+KS = (8, 64, 72, 200, 1024, 4104, 8192)
+GPU_CASES = [
+    (m, n, KS[(i + 2 * j) % len(KS)], BF16 if (i + j) % 2 == 0 else F16)
+    for i, m in enumerate(MN)
+    for j, n in enumerate(MN)
+]
+CONFIG_IDS = ["default"] + [f"n{c.block_n}s{c.stages}" for c in gemm.COMPILED_CONFIGS]
+
+_REF_CACHE: dict = {}
+
+
+def _operands(m, n, k, dtype):
+    key = (m, n, k, dtype)
+    if key not in _REF_CACHE:
+        rng = np.random.default_rng(m * 1_000_003 + n * 1009 + k)
+        a, b = random_array(rng, (m, k), dtype), random_array(rng, (k, n), dtype)
+        _REF_CACHE.clear()  # keep one large reference alive at a time
+        _REF_CACHE[key] = (a, b, f64_matmul(a, b))
+    return _REF_CACHE[key]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, *gemm.COMPILED_CONFIGS], ids=CONFIG_IDS)
+@pytest.mark.parametrize("m,n,k,dtype", GPU_CASES, ids=[f"{m}x{n}x{k}-{d.name}" for m, n, k, d in GPU_CASES])
+def test_kernel_matches_float64(m, n, k, dtype, config):
+    a, b, ref = _operands(m, n, k, dtype)
+    poison = jnp.full((m, n), jnp.nan, dtype)
+    out = np.asarray(_testing.gemm_into(a, b, poison, config=config))
+    assert not np.isnan(out).any(), "kernel left poisoned (unwritten) outputs"
+    assert rel_error(out, ref) <= TOL[dtype]
+    xla = np.asarray(jnp.matmul(a, b))
+    assert rel_error(out, xla) <= TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(129, 1000, 72), (4097, 64, 8192), (7, 4097, 200)])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_kernel_fp32_output(m, n, k, dtype):
+    a, b, ref = _operands(m, n, k, dtype)
+    poison = jnp.full((m, n), jnp.nan, jnp.float32)
+    out = np.asarray(_testing.gemm_into(a, b, poison))
+    assert rel_error(out, ref) <= TOL[np.dtype(np.float32)]
+
+
+@pytest.mark.gpu
+def test_public_matmul_runs_kernel_inside_jit(rng):
+    """Two shapes through one jitted function, and a second function: all on the kernel."""
+
+    @jax.jit
+    def f(a, b):
+        return jax_tma.matmul(a, b)
+
+    @jax.jit
+    def g(a, b, c):
+        return jax_tma.matmul(jax_tma.matmul(a, b), c, out_dtype=jnp.float32)
+
+    for m, n, k in [(1000, 129, 72), (64, 4097, 1024)]:
+        a, b = random_array(rng, (m, k), BF16), random_array(rng, (k, n), BF16)
+        assert gemm.KERNEL_TARGET in f.lower(a, b).compile().as_text()
+        assert rel_error(f(a, b), f64_matmul(a, b)) <= TOL[BF16]
+    a, b, c = (random_array(rng, s, F16) for s in [(127, 64), (64, 200), (200, 7)])
+    assert gemm.KERNEL_TARGET in g.lower(a, b, c).compile().as_text()
+    ab = np.asarray(jax_tma.matmul(a, b))
+    assert rel_error(g(a, b, c), f64_matmul(ab, c)) <= TOL[F16]
+
+
+@pytest.mark.gpu
+def test_kernel_is_deterministic(rng):
+    a, b = random_array(rng, (1000, 64 * 9), BF16), random_array(rng, (64 * 9, 4097), BF16)
+    f = jax.jit(jax_tma.matmul)
+    first = np.asarray(f(a, b))
+    for _ in range(3):
+        np.testing.assert_array_equal(np.asarray(f(a, b)), first)
