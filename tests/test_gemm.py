@@ -1,7 +1,10 @@
 """jax_tma.matmul: jnp.matmul parity, the CUDA lowering, and the sm90 kernel on a Hopper GPU.
 
 Error bounds (Frobenius-norm relative error against a float64 reference on random data):
-bf16 operands/output 1e-2, fp16 2e-3, fp32 output from 16-bit operands 1e-5.
+bf16 operands/output 1e-2, fp16 2e-3, fp32 output from 16-bit operands 1e-5; fp32 operands
+2e-3 (XLA's default precision runs them as TF32 on GPUs). The jnp.matmul parity tests measure
+error against |a| @ |b|, so a short dot with cancellation is not held to a relative bound it
+cannot meet.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from conftest import f64_matmul, random_array, rel_error
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 TOL = {BF16: 1e-2, F16: 2e-3, np.dtype(np.float32): 1e-5}
+F32_OPERAND_TOL = 2e-3
 
 
 def cuda_hlo(fn, *args) -> str:
@@ -80,7 +84,9 @@ def test_values_match_float64_reference(rng, a_shape, b_shape, dtype, out_dtype)
     if out.dtype.kind == "i":
         np.testing.assert_array_equal(np.asarray(out), ref)
     elif ref.size:
-        assert rel_error(out, ref) <= TOL[np.dtype(out.dtype)]
+        scale = f64_matmul(np.abs(np.asarray(a, np.float64)), np.abs(np.asarray(b, np.float64)))
+        tol = F32_OPERAND_TOL if np.dtype(dtype) == np.float32 else TOL[np.dtype(out.dtype)]
+        assert np.linalg.norm(np.asarray(out, np.float64) - ref) <= tol * np.linalg.norm(scale)
     xla = jnp.matmul(a, b, preferred_element_type=out_dtype)
     np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(xla, np.float64))
 
