@@ -61,7 +61,8 @@ def _register() -> str | None:
             f"installed jaxlib {_jaxlib_version()} provides 0.{runtime_minor}; rebuild "
             "jax_tma against this jaxlib"
         )
-    for name, capsule in _C.registrations().items():
+    targets = {**_C.registrations(), **_C.testing_registrations()}
+    for name, capsule in targets.items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     return None
 

@@ -3,6 +3,7 @@
 #include <nanobind/nanobind.h>
 
 #include "ffi/gemm.h"
+#include "ffi/testing.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -22,6 +23,16 @@ NB_MODULE(_jax_tma, m) {
     nb::dict targets;
     targets["jax_tma_gemm_sm90"] = handler_capsule(jax_tma::ffi_handlers::GemmSm90);
     targets["jax_tma_gemm_sm90_into"] = handler_capsule(jax_tma::ffi_handlers::GemmSm90Into);
+    return targets;
+  });
+  // Targets of the primitive tests (jax_tma._testing).
+  m.def("testing_registrations", []() {
+    nb::dict targets;
+    targets["jax_tma_test_tma_round_trip"] = handler_capsule(jax_tma::ffi_handlers::TestTmaRoundTrip);
+    targets["jax_tma_test_tma_reduce_add"] = handler_capsule(jax_tma::ffi_handlers::TestTmaReduceAdd);
+    targets["jax_tma_test_tma_multicast"] = handler_capsule(jax_tma::ffi_handlers::TestTmaMulticast);
+    targets["jax_tma_test_pipeline_phases"] =
+        handler_capsule(jax_tma::ffi_handlers::TestPipelinePhases);
     return targets;
   });
   // The XLA FFI API version these handlers were compiled against: a jaxlib whose API is older

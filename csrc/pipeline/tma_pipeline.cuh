@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "pipeline/barrier_wait.cuh"
 #include "pipeline/pipeline_state.cuh"
 #include "ptx/mbarrier.cuh"
 
@@ -34,13 +35,8 @@ struct PipelineTmaAsync {
     }
   }
 
-  __device__ static void wait(uint64_t* bar, uint32_t phase) {
-    while (!ptx::mbarrier_try_wait_parity(bar, phase)) {
-    }
-  }
-
   // Producer: block until the consumers have released the stage.
-  __device__ void producer_acquire(const State& s) { wait(&storage.empty[s.index], s.phase); }
+  __device__ void producer_acquire(const State& s) { wait_parity(&storage.empty[s.index], s.phase); }
 
   // Producer: arm the full barrier with the stage's byte count; returns it for the copies.
   __device__ uint64_t* producer_expect_tx(const State& s, uint32_t bytes) {
@@ -59,7 +55,7 @@ struct PipelineTmaAsync {
   }
 
   // Consumer: block until the stage's bytes have landed.
-  __device__ void consumer_wait(const State& s) { wait(&storage.full[s.index], s.phase); }
+  __device__ void consumer_wait(const State& s) { wait_parity(&storage.full[s.index], s.phase); }
 
   // Consumer: one arrival on the stage's empty barrier.
   __device__ void consumer_release(const State& s) {
