@@ -5,13 +5,13 @@ set -u
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
 pass=0; fail=0
-for t in $("$PY" -m pytest --collect-only -q "$@" 2>/dev/null | grep "::"); do
-  if out=$("$PY" -m pytest -q -x "$t" 2>&1); then
+while IFS= read -r t; do
+  if out=$("$PY" -m pytest -q -x "$t" 2>&1 </dev/null); then
     pass=$((pass + 1))
   else
     fail=$((fail + 1))
     echo "FAILED: $t"
-    echo "$out" | grep -E "^E |Error|Segmentation|error:" | head -8
+    echo "$out" | grep -E "^E |Error|Segmentation|error:|File \"/work" | head -12
   fi
-done
+done < <("$PY" -m pytest --collect-only -q "$@" 2>/dev/null | grep "::")
 echo "$pass passed, $fail failed"

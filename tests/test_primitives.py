@@ -107,6 +107,7 @@ def test_tma_load_store_round_trip(rng, shape, box, dtype, swizzle):
         ((2, 2, 2, 2, 2, 8), (1, 1, 1, 1, 1, 8), BF16, 0, "rank 6 is outside 1..5"),
         ((64, 64), (8, 64), BF16, 96, "swizzle must be 0, 32, 64 or 128"),
     ],
+    ids=["box-too-large", "inner-box-bytes", "swizzle-span", "row-stride", "rank-6", "swizzle-mode"],
 )
 def test_tensor_map_rejects_invalid_boxes(shape, box, dtype, swizzle, message):
     x = jnp.ones(shape, dtype)
