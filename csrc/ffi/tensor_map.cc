@@ -5,7 +5,6 @@
 #include <cuda_runtime.h>
 
 #include <mutex>
-#include <sstream>
 
 namespace jax_tma::ffi_util {
 namespace {
@@ -59,47 +58,42 @@ int tensor_map_element_bytes(CUtensorMapDataType dtype) {
 }
 
 std::string validate_tensor_map(const void* base, const TensorMapSpec& spec) {
-  std::ostringstream msg;
+  using std::to_string;
   const int elem = tensor_map_element_bytes(spec.dtype);
   if (elem == 0) return "tensor map: unsupported element type";
   if (spec.rank < 1 || spec.rank > 5) {
-    msg << "tensor map: rank " << spec.rank << " is outside 1..5";
-    return msg.str();
+    return "tensor map: rank " + to_string(spec.rank) + " is outside 1..5";
   }
   if (reinterpret_cast<uintptr_t>(base) % 16 != 0) {
-    msg << "tensor map: base address " << base << " is not 16-byte aligned";
-    return msg.str();
+    return "tensor map: base address " + to_string(reinterpret_cast<uintptr_t>(base)) +
+           " is not 16-byte aligned";
   }
   for (int i = 0; i < spec.rank; ++i) {
     if (spec.dims[i] == 0 || spec.dims[i] > (uint64_t{1} << 32)) {
-      msg << "tensor map: dimension " << i << " has size " << spec.dims[i]
-          << " (must be 1..2^32)";
-      return msg.str();
+      return "tensor map: dimension " + to_string(i) + " has size " + to_string(spec.dims[i]) +
+             " (must be 1..2^32)";
     }
     if (spec.box[i] == 0 || spec.box[i] > 256) {
-      msg << "tensor map: box dimension " << i << " is " << spec.box[i] << " (must be 1..256)";
-      return msg.str();
+      return "tensor map: box dimension " + to_string(i) + " is " + to_string(spec.box[i]) +
+             " (must be 1..256)";
     }
   }
   for (int i = 0; i + 1 < spec.rank; ++i) {
     const uint64_t stride = spec.byte_strides[i];
     if (stride % 16 != 0 || stride == 0 || stride >= (uint64_t{1} << 40)) {
-      msg << "tensor map: stride of dimension " << i + 1 << " is " << stride
-          << " bytes (must be a positive multiple of 16 below 2^40)";
-      return msg.str();
+      return "tensor map: stride of dimension " + to_string(i + 1) + " is " + to_string(stride) +
+             " bytes (must be a positive multiple of 16 below 2^40)";
     }
   }
   const uint64_t inner_box_bytes = uint64_t{spec.box[0]} * elem;
   if (inner_box_bytes % 16 != 0) {
-    msg << "tensor map: inner box of " << spec.box[0] << " elements is " << inner_box_bytes
-        << " bytes (must be a multiple of 16)";
-    return msg.str();
+    return "tensor map: inner box of " + to_string(spec.box[0]) + " elements is " +
+           to_string(inner_box_bytes) + " bytes (must be a multiple of 16)";
   }
-  if (spec.swizzle != Swizzle::kNone &&
-      inner_box_bytes > static_cast<uint64_t>(static_cast<int>(spec.swizzle))) {
-    msg << "tensor map: inner box of " << inner_box_bytes << " bytes exceeds the "
-        << static_cast<int>(spec.swizzle) << "-byte swizzle span";
-    return msg.str();
+  const auto span = static_cast<uint64_t>(static_cast<int>(spec.swizzle));
+  if (spec.swizzle != Swizzle::kNone && inner_box_bytes > span) {
+    return "tensor map: inner box of " + to_string(inner_box_bytes) + " bytes exceeds the " +
+           to_string(span) + "-byte swizzle span";
   }
   return {};
 }
