@@ -81,3 +81,17 @@ def test_gemm_kernels_use_hopper_instructions(kernels, opcode):
 def test_gemm_kernels_do_not_spill(kernels):
     for name, body in _gemm_kernels(kernels).items():
         assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"
+
+
+@pytest.mark.parametrize(
+    "opcode",
+    [
+        "UTMALDG.1D", "UTMALDG.3D", "UTMALDG.4D", "UTMALDG.5D", "UTMALDG.2D.MULTICAST",
+        "UTMASTG.1D", "UTMASTG.5D", "UTMAREDG.2D.ADD", "UCGABAR_ARV", "UCGABAR_WAIT",
+        "SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64.TRYWAIT",
+    ],
+)
+def test_primitive_test_kernels_use_tma_instructions(kernels, opcode):
+    bodies = [body for name, body in kernels.items() if "testing" in name]
+    assert bodies, "no primitive test kernels in the extension"
+    assert any(re.search(rf"\b{re.escape(opcode)}\b", body) for body in bodies), opcode
