@@ -1,8 +1,8 @@
 """Internal entry points for tests; not part of the public API.
 
 The primitive test kernels (csrc/testing/) are called through ``jax_tma_test_*`` FFI
-targets. ``gemm_into`` runs the GEMM kernel writing into a caller-provided buffer (aliased to the
-output), so tests can poison the output first and prove that every element was written.
+targets. ``gemm_poisoned`` runs the GEMM kernel over NaN-filled output buffers, so tests prove that
+every element was written.
 """
 
 from __future__ import annotations
@@ -11,17 +11,17 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jax_tma import gemm
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def gemm_into(a: jax.Array, b: jax.Array, d_init: jax.Array, config: gemm.GemmConfig | None = None):
-    """Kernel result of ``a @ b`` written over ``d_init`` (shape [M, N], the output dtype)."""
-    return gemm._kernel_call(
-        a, b, out_dtype=d_init.dtype, config=config, target=gemm.KERNEL_TARGET + "_into", into=d_init
-    )
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
+def gemm_poisoned(a: jax.Array, b: jax.Array, out_dtype, config: gemm.GemmConfig | None = None):
+    """Kernel result of ``a @ b`` as out_dtype, written over NaN-filled buffers (the output, or
+    the split-K partial products), so that any element the kernel skips shows up as NaN."""
+    return gemm._kernel_call(a, b, out_dtype=jax.numpy.dtype(out_dtype), config=config, poison=True)
 
 
 # ---------------------------------------------------------------- primitive test kernels
@@ -87,3 +87,132 @@ def pipeline_phases(stages: int, consumers: int, iterations: int,
     return jax.ffi.ffi_call("jax_tma_test_pipeline_phases", out)(
         stages=_i64(stages), timeout_cycles=_i64(timeout_cycles)
     )
+
+
+def tensormap_replace(x: jax.Array, groups: np.ndarray, template: tuple[int, int, int],
+                      box: tuple[int, int], timeout_cycles: int = TIMEOUT_CYCLES):
+    """Tensor maps edited on the device: CTA g copies a template map over the flat buffer x
+    (template = (rows, cols, row stride) in elements) into its own 128-byte slot of a workspace,
+    replaces address, dims and row stride with groups[g] = (element offset, rows, cols, row
+    stride), and TMA-loads box (rows, cols) at (0, 0) through it. Returns (uint8 [G, box bytes]
+    shared-memory images, uint8 [G, 128] edited maps, timeout count)."""
+    groups = np.asarray(groups)
+    if groups.ndim != 2 or groups.shape[1] != 4:
+        raise ValueError(f"groups must be [G, 4], got shape {groups.shape}")
+    itemsize = x.dtype.itemsize
+    for g, (offset, rows, cols, stride) in enumerate(groups.tolist()):
+        # The device trusts these: TMA needs 16-byte aligned addresses and strides.
+        if offset * itemsize % 16 or stride * itemsize % 16 or min(rows, cols) < 1 or stride < cols:
+            raise ValueError(f"group {g} = {(offset, rows, cols, stride)} is not a valid TMA view")
+        if offset + (rows - 1) * stride + cols > x.size:
+            raise ValueError(f"group {g} = {(offset, rows, cols, stride)} reaches past x ({x.size})")
+    box_bytes = math.prod(box) * itemsize
+    out = (
+        jax.ShapeDtypeStruct((len(groups), box_bytes), np.uint8),
+        jax.ShapeDtypeStruct((len(groups), 128), np.uint8),
+        jax.ShapeDtypeStruct((1,), np.int32),
+    )
+    return jax.ffi.ffi_call("jax_tma_test_tensormap_replace", out)(
+        x.reshape(-1), jnp.asarray(groups, np.int32), template=np.asarray(template, np.int64),
+        box=np.asarray(box, np.int64), timeout_cycles=_i64(timeout_cycles),
+    )
+
+
+CP_ASYNC_CHUNK_BYTES = 1024  # csrc/testing/primitives_test.h kCpAsyncChunkBytes
+
+
+def cp_async_pipeline(src: jax.Array, stages: int, consumers: int, full_arrivals: int = 32,
+                      timeout_cycles: int = TIMEOUT_CYCLES):
+    """Copies the bytes of src through a PipelineCpAsync ring (one producer warp, `consumers`
+    warps); returns (uint8 output padded with zeros to whole 1 KiB chunks, timeout count)."""
+    padded = -(-src.size * src.dtype.itemsize // CP_ASYNC_CHUNK_BYTES) * CP_ASYNC_CHUNK_BYTES
+    out = (jax.ShapeDtypeStruct((padded,), np.uint8), jax.ShapeDtypeStruct((1,), np.int32))
+    return jax.ffi.ffi_call("jax_tma_test_cp_async_pipeline", out)(
+        src, stages=_i64(stages), consumers=_i64(consumers), full_arrivals=_i64(full_arrivals),
+        timeout_cycles=_i64(timeout_cycles),
+    )
+
+
+def dsmem_ring(src: jax.Array, extra_tx_bytes: int = 0, timeout_cycles: int = TIMEOUT_CYCLES):
+    """One cluster of src.shape[0] (2 or 4) CTAs; CTA r stores src[r] (uint32) into the shared
+    memory of CTA (r + 1) % size with st.async. Returns (what each CTA received, uint32
+    [size, words], timeout count)."""
+    out = (jax.ShapeDtypeStruct(src.shape, np.uint32), jax.ShapeDtypeStruct((1,), np.int32))
+    return jax.ffi.ffi_call("jax_tma_test_dsmem_ring", out)(
+        src, extra_tx_bytes=_i64(extra_tx_bytes), timeout_cycles=_i64(timeout_cycles)
+    )
+
+
+def tma_multicast_pipeline(x: jax.Array, y: jax.Array, stages: int, consumers: int,
+                           slow_cta: int = -1, extra_empty_arrivals: int = 0,
+                           timeout_cycles: int = TIMEOUT_CYCLES):
+    """PipelineTmaAsync across one cluster. x: [iterations, size, slice_rows, cols] shared tiles
+    (CTA r multicasts slice r), y: [size, iterations, y_rows, cols] private tiles. Returns
+    (out uint8 [size, iterations, stage bytes] = x[k] then y[r, k] as each CTA's consumers saw
+    the stage, releases aimed at each CTA in total and when its producer tail returned, int32
+    [size] each, timeout count)."""
+    iterations, size, slice_rows, cols = x.shape
+    y_rows = y.shape[2]
+    if y.shape != (size, iterations, y_rows, cols) or x.dtype != y.dtype:
+        raise ValueError(f"y must be {x.dtype} [{size}, {iterations}, rows, {cols}], got "
+                         f"{y.dtype} {y.shape}")
+    stage_bytes = (size * slice_rows + y_rows) * cols * x.dtype.itemsize
+    out = (
+        jax.ShapeDtypeStruct((size, iterations, stage_bytes), np.uint8),
+        jax.ShapeDtypeStruct((size,), np.int32),
+        jax.ShapeDtypeStruct((size,), np.int32),
+        jax.ShapeDtypeStruct((1,), np.int32),
+    )
+    return jax.ffi.ffi_call("jax_tma_test_tma_multicast_pipeline", out)(
+        x.reshape(-1, cols), y.reshape(-1, cols), stages=_i64(stages), cluster_size=_i64(size),
+        consumers=_i64(consumers), iterations=_i64(iterations), slice_rows=_i64(slice_rows),
+        y_rows=_i64(y_rows), slow_cta=_i64(slow_cta),
+        extra_empty_arrivals=_i64(extra_empty_arrivals), timeout_cycles=_i64(timeout_cycles),
+    )
+
+
+STORE_TILE = (32, 32)  # csrc/testing/primitives_test.h kStoreTileRows, kStoreTileCols
+
+
+def tma_store_pipeline(stages: int, iterations: int):
+    """PipelineTmaStore ring: int32 [iterations * 32, 32], tile k element i = k * 65536 + i."""
+    rows, cols = STORE_TILE
+    out = jax.ShapeDtypeStruct((iterations * rows, cols), np.int32)
+    return jax.ffi.ffi_call("jax_tma_test_tma_store_pipeline", out)(stages=_i64(stages))
+
+
+def named_barrier_ping_pong(iterations: int):
+    """Two warpgroups alternate writing and reading a buffer through named barriers; returns
+    int32 [iterations, 128]: what the reader's thread t saw at iteration k, which must be
+    k * 1000 + (t + 37 + k) % 128."""
+    out = jax.ShapeDtypeStruct((iterations, 128), np.int32)
+    return jax.ffi.ffi_call("jax_tma_test_named_barrier_ping_pong", out)()
+
+
+def ordered_barrier(groups: int, passes: int, timeout_cycles: int = TIMEOUT_CYCLES):
+    """OrderedBarrier<groups, 2>: returns (final section counters int32 [2], per-section log of
+    group ids in entry order int32 [2, groups * passes], timeout count)."""
+    out = (
+        jax.ShapeDtypeStruct((2,), np.int32),
+        jax.ShapeDtypeStruct((2, groups * passes), np.int32),
+        jax.ShapeDtypeStruct((1,), np.int32),
+    )
+    return jax.ffi.ffi_call("jax_tma_test_ordered_barrier", out)(
+        groups=_i64(groups), timeout_cycles=_i64(timeout_cycles)
+    )
+
+
+# ---------------------------------------------------------------- copy benchmark kernels
+
+
+def tma_copy(x: jax.Array, stages: int = 12, ctas_per_sm: int = 1) -> jax.Array:
+    """x copied by the persistent TMA load -> store kernel (any dtype, rank >= 1, rows a
+    multiple of 16 bytes)."""
+    return jax.ffi.ffi_call("jax_tma_test_tma_copy", jax.ShapeDtypeStruct(x.shape, x.dtype))(
+        x, stages=_i64(stages), ctas_per_sm=_i64(ctas_per_sm)
+    )
+
+
+def d2d_copy(x: jax.Array) -> jax.Array:
+    """x copied by cudaMemcpyAsync device to device (the bandwidth baseline)."""
+    return jax.ffi.ffi_call("jax_tma_test_d2d_copy", jax.ShapeDtypeStruct(x.shape, x.dtype))(x)

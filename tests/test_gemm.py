@@ -9,6 +9,8 @@ cannot meet.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import warnings
 
@@ -123,16 +125,61 @@ def test_config_validation():
         jax_tma.GemmConfig(block_n=192)
     with pytest.raises(ValueError, match="not a compiled configuration"):
         jax_tma.GemmConfig(block_n=256, stages=9)
+    with pytest.raises(ValueError, match="not a compiled configuration"):
+        jax_tma.GemmConfig(block_m=64, block_n=256, stages=4, cluster_m=1)
+    with pytest.raises(ValueError, match="split_k"):
+        jax_tma.GemmConfig(split_k=0)
+    with pytest.raises(ValueError, match="split_k"):
+        jax_tma.GemmConfig(split_k=gemm.MAX_SPLIT_K + 1)
     with pytest.raises(TypeError, match="GemmConfig"):
         jax_tma.matmul(jnp.ones((8, 8), BF16), jnp.ones((8, 8), BF16), config={"block_n": 128})
     for cfg in jax_tma.COMPILED_CONFIGS:
-        assert jax_tma.GemmConfig(cfg.block_m, cfg.block_n, cfg.block_k, cfg.stages) == cfg
+        assert jax_tma.GemmConfig(cfg.block_m, cfg.block_n, cfg.stages, cfg.cluster_m) == cfg
+
+
+def test_config_rejects_unaligned_output_without_direct_store():
+    """TMA stores need 16-byte output rows: an N of 4097 bf16 needs a direct-store tile."""
+    a, b = jnp.ones((64, 128), BF16), jnp.ones((128, 4097), BF16)
+    wide = jax_tma.GemmConfig(128, 256, 4, 2)
+    with pytest.raises(ValueError, match=r"\(64, 4097\) output of bfloat16 has 8194-byte rows"):
+        jax_tma.matmul(a, b, config=wide)
+    # Split-K partial products are fp32: 4097 * 4 bytes is still not a multiple of 16.
+    with pytest.raises(ValueError, match="16388-byte rows"):
+        jax_tma.matmul(a, b, config=dataclasses.replace(wide, split_k=2))
+    jax_tma.matmul(a, b, config=jax_tma.GemmConfig(64, 128, 8, 1))  # has the direct store
+
+
+def test_splits_are_never_empty():
+    cfg = jax_tma.GemmConfig(128, 128, 6, 2, split_k=16)
+    assert cfg.splits_for(64) == 1
+    assert cfg.splits_for(64 * 5) == 5
+    assert cfg.splits_for(64 * 17) == 9  # 2 K blocks per range, 9 ranges
+    assert cfg.splits_for(65536) == 16
+
+
+HEURISTIC_SHAPES = [
+    (8192, 8192, 8192), (16384, 28672, 4096), (1, 4096, 4096), (16, 6144, 4096),
+    (64, 28672, 4096), (128, 4096, 14336), (512, 512, 65536), (4095, 4097, 4096),
+    (1000, 1000, 1000), (3000, 5000, 2048), (7, 7, 8),
+]
+
+
+@pytest.mark.parametrize("m,n,k", HEURISTIC_SHAPES)
+def test_default_config_is_legal(m, n, k):
+    for out_dtype in (BF16, np.float32):
+        cfg = gemm.default_config(m, n, k, out_dtype=out_dtype)
+        gemm.check_config(cfg, m, n, k, out_dtype)
 
 
 def test_default_config_heuristic():
-    assert gemm.default_config(8192, 8192, 8192).block_n == 256
-    assert gemm.default_config(1, 4096, 4096).block_n == 128
-    assert gemm.default_config(4097, 7, 64).block_n == 128
+    big = gemm.default_config(8192, 8192, 8192)
+    assert (big.block_m, big.block_n, big.cluster_m, big.split_k) == (128, 256, 2, 1)
+    # Skinny M: 64-row tiles; few tiles over a long K: split-K fills the GPU.
+    assert gemm.default_config(16, 6144, 4096).block_m == 64
+    assert gemm.default_config(512, 512, 65536).split_k > 1
+    assert gemm.default_config(1, 4096, 4096).split_k > 1
+    # Unaligned output rows: a tile with the direct-store epilogue.
+    assert gemm.default_config(4095, 4097, 4096).has_direct_store
 
 
 def test_warns_once_when_kernels_unavailable():
@@ -160,7 +207,7 @@ needs_extension = pytest.mark.skipif(
 @needs_extension
 @pytest.mark.parametrize(
     "m,n,k,dtype,out_dtype",
-    [(128, 256, 64, BF16, None), (7, 129, 8, F16, None), (1, 1, 8, BF16, np.float32), (4097, 7, 72, F16, BF16)],
+    [(128, 256, 64, BF16, None), (7, 129, 8, F16, None), (1, 1, 8, BF16, np.float32), (4097, 7, 72, F16, None)],
 )
 def test_cuda_lowering_emits_kernel(m, n, k, dtype, out_dtype):
     hlo = cuda_hlo(lambda a, b: jax_tma.matmul(a, b, out_dtype=out_dtype), spec((m, k), dtype), spec((k, n), dtype))
@@ -188,6 +235,22 @@ def test_cuda_lowering_falls_back(a_shape, b_shape, a_dtype, b_dtype):
 
 
 @needs_extension
+def test_cuda_lowering_falls_back_for_other_output_types():
+    """The kernel writes its input type or fp32; bf16 -> fp16 goes to XLA."""
+    hlo = cuda_hlo(lambda a, b: jax_tma.matmul(a, b, out_dtype=F16), spec((64, 32), BF16), spec((32, 64), BF16))
+    assert "jax_tma_" not in hlo and "stablehlo.dot_general" in hlo
+
+
+@needs_extension
+def test_cuda_lowering_split_k_sums_partial_products():
+    cfg = jax_tma.GemmConfig(128, 128, 6, 2, split_k=4)
+    hlo = cuda_hlo(lambda a, b: jax_tma.matmul(a, b, config=cfg), spec((512, 1024), BF16), spec((1024, 512), BF16))
+    assert hlo.count(f"custom_call @{gemm.KERNEL_TARGET}(") == 1
+    assert "splits = 4" in hlo and "tensor<4x512x512xf32>" in hlo
+    assert "stablehlo.reduce" in hlo and "stablehlo.dot_general" not in hlo
+
+
+@needs_extension
 def test_cuda_lowering_respects_disable(monkeypatch):
     monkeypatch.setenv("JAX_TMA_DISABLE", "1")
     hlo = cuda_hlo(jax_tma.matmul, spec((64, 32), BF16), spec((32, 64), BF16))
@@ -196,9 +259,13 @@ def test_cuda_lowering_respects_disable(monkeypatch):
 
 @needs_extension
 def test_cuda_lowering_forced_config():
-    cfg = jax_tma.GemmConfig(block_n=128, stages=6)
+    cfg = jax_tma.GemmConfig(block_m=128, block_n=128, stages=6, cluster_m=1)
     hlo = cuda_hlo(lambda a, b: jax_tma.matmul(a, b, config=cfg), spec((8192, 64), BF16), spec((64, 8192), BF16))
-    assert "block_n = 128" in hlo and "stages = 6" in hlo
+    for attr in ("block_m = 128", "block_n = 128", "stages = 6", "cluster_m = 1", "epilogue = 0", "splits = 1"):
+        assert attr in hlo, attr
+    # Unaligned output rows take the direct-store epilogue.
+    hlo = cuda_hlo(lambda a, b: jax_tma.matmul(a, b, config=cfg), spec((64, 64), BF16), spec((64, 7), BF16))
+    assert "epilogue = 1" in hlo
 
 
 def test_extension_built_when_required():
@@ -216,7 +283,17 @@ GPU_CASES = [
     for i, m in enumerate(MN)
     for j, n in enumerate(MN)
 ]
-CONFIG_IDS = ["default"] + [f"n{c.block_n}s{c.stages}" for c in gemm.COMPILED_CONFIGS]
+# Every compiled tile, plus split-K on a clustered and a 64-row tile: each one the heuristic
+# can pick.
+GPU_CONFIGS = [
+    None,
+    *gemm.COMPILED_CONFIGS,
+    jax_tma.GemmConfig(128, 128, 6, 2, split_k=4),
+    jax_tma.GemmConfig(64, 128, 8, 1, split_k=3),
+]
+CONFIG_IDS = ["default"] + [
+    f"m{c.block_m}n{c.block_n}s{c.stages}c{c.cluster_m}k{c.split_k}" for c in GPU_CONFIGS[1:]
+]
 
 _REF_CACHE: dict = {}
 
@@ -232,25 +309,49 @@ def _operands(m, n, k, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, *gemm.COMPILED_CONFIGS], ids=CONFIG_IDS)
+@pytest.mark.parametrize("config", GPU_CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("m,n,k,dtype", GPU_CASES, ids=[f"{m}x{n}x{k}-{d.name}" for m, n, k, d in GPU_CASES])
 def test_kernel_matches_float64(m, n, k, dtype, config):
     a, b, ref = _operands(m, n, k, dtype)
-    poison = jnp.full((m, n), jnp.nan, dtype)
-    out = np.asarray(_testing.gemm_into(a, b, poison, config=config))
+    if config is not None and not _can_store(config, m, n, k, dtype):
+        with pytest.raises(ValueError, match="16 bytes"):
+            _testing.gemm_poisoned(a, b, dtype, config=config)
+        return
+    out = np.asarray(_testing.gemm_poisoned(a, b, dtype, config=config))
     assert not np.isnan(out).any(), "kernel left poisoned (unwritten) outputs"
     assert rel_error(out, ref) <= TOL[dtype]
     xla = np.asarray(jnp.matmul(a, b))
     assert rel_error(out, xla) <= TOL[dtype]
 
 
+def _can_store(config, m, n, k, out_dtype) -> bool:
+    try:
+        gemm.check_config(config, m, n, k, out_dtype)
+    except ValueError:
+        return False
+    return True
+
+
+# fp32 outputs: every configuration that can store the shape (4097 fp32 columns are not
+# 16-byte rows: only the direct-store tiles take them).
+FP32_CASES = [
+    (m, n, k, dtype, config, cid)
+    for (m, n, k) in [(129, 1000, 72), (4097, 64, 8192), (7, 4097, 200), (300, 516, 640)]
+    for dtype in (BF16, F16)
+    for config, cid in zip(GPU_CONFIGS, CONFIG_IDS)
+    if config is None or _can_store(config, m, n, k, np.float32)
+]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k", [(129, 1000, 72), (4097, 64, 8192), (7, 4097, 200)])
-@pytest.mark.parametrize("dtype", [BF16, F16])
-def test_kernel_fp32_output(m, n, k, dtype):
+@pytest.mark.parametrize(
+    "m,n,k,dtype,config", [c[:5] for c in FP32_CASES],
+    ids=[f"{m}x{n}x{k}-{d.name}-{cid}" for m, n, k, d, _, cid in FP32_CASES],
+)
+def test_kernel_fp32_output(m, n, k, dtype, config):
     a, b, ref = _operands(m, n, k, dtype)
-    poison = jnp.full((m, n), jnp.nan, jnp.float32)
-    out = np.asarray(_testing.gemm_into(a, b, poison))
+    out = np.asarray(_testing.gemm_poisoned(a, b, np.float32, config=config))
+    assert not np.isnan(out).any(), "kernel left poisoned (unwritten) outputs"
     assert rel_error(out, ref) <= TOL[np.dtype(np.float32)]
 
 
@@ -277,9 +378,10 @@ def test_public_matmul_runs_kernel_inside_jit(rng):
 
 
 @pytest.mark.gpu
-def test_kernel_is_deterministic(rng):
-    a, b = random_array(rng, (1000, 64 * 9), BF16), random_array(rng, (64 * 9, 4097), BF16)
-    f = jax.jit(jax_tma.matmul)
+@pytest.mark.parametrize("config", [None, jax_tma.GemmConfig(128, 128, 6, 2, split_k=4)], ids=["default", "split4"])
+def test_kernel_is_deterministic(rng, config):
+    a, b = random_array(rng, (1000, 64 * 9), BF16), random_array(rng, (64 * 9, 4096), BF16)
+    f = jax.jit(functools.partial(jax_tma.matmul, config=config))
     first = np.asarray(f(a, b))
     for _ in range(3):
         np.testing.assert_array_equal(np.asarray(f(a, b)), first)

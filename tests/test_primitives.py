@@ -195,3 +195,68 @@ def test_pipeline_phases_over_many_iterations(stages, consumers):
     assert int(timeouts[0]) == 0
     expected = np.arange(iterations, dtype=np.int32) * 7 + 3
     np.testing.assert_array_equal(np.asarray(seen), np.broadcast_to(expected, (consumers, iterations)))
+
+
+# ---------------------------------------------------- tensor maps edited on the device
+
+# A template (rows, cols, row stride) over a flat f32 buffer, a box no larger than it, and
+# groups (element offset, rows, cols, row stride). Every group but the first differs from the
+# template in every field, and has rows or cols below the box, so a replace that did not take
+# effect shows up as data where zeros belong (or the other way round) or as the wrong data.
+TENSORMAP_TEMPLATE = (48, 40, 48)
+TENSORMAP_BOX = (16, 32)
+TENSORMAP_GROUPS = np.array(
+    [
+        (0, 48, 40, 48),  # the template itself
+        (1000, 10, 20, 36),  # zero fill in both dimensions
+        (5004, 100, 100, 104),  # larger than the template everywhere
+        (20000, 16, 7, 12),  # a row narrower than 16 bytes
+        (30000, 3, 64, 64),  # three rows, wider than the box
+    ],
+    np.int32,
+)
+
+
+def expected_group_image(flat: np.ndarray, group, box) -> np.ndarray:
+    offset, rows, cols, stride = (int(v) for v in group)
+    view = np.lib.stride_tricks.as_strided(
+        flat[offset:], shape=(rows, cols), strides=(stride * flat.itemsize, flat.itemsize)
+    )
+    image = np.zeros(box, flat.dtype)  # out-of-bounds elements of the new dims read as zero
+    r, c = min(rows, box[0]), min(cols, box[1])
+    image[:r, :c] = view[:r, :c]
+    return image.reshape(-1).view(np.uint8)
+
+
+def test_tensormap_replace_in_global_memory(rng):
+    flat = random_bits(rng, (40000,), F32)
+    images, maps, timeouts = _testing.tensormap_replace(
+        jnp.asarray(flat), TENSORMAP_GROUPS, TENSORMAP_TEMPLATE, TENSORMAP_BOX
+    )
+    assert int(timeouts[0]) == 0
+    expected = np.stack([expected_group_image(flat, g, TENSORMAP_BOX) for g in TENSORMAP_GROUPS])
+    np.testing.assert_array_equal(np.asarray(images), expected)
+    # Group 0 wrote the template's own fields back; every other slot must differ from it.
+    maps = np.asarray(maps)
+    assert all((maps[g] != maps[0]).any() for g in range(1, len(maps)))
+
+
+# ---------------------------------------------------------- distributed shared memory
+
+
+@pytest.mark.parametrize("cluster_size", [2, 4])
+@pytest.mark.parametrize("words", [1003, 4096])  # with and without single-word stores
+def test_dsmem_store_completes_on_peer_barrier(rng, cluster_size, words):
+    src = rng.integers(0, 2**32, (cluster_size, words), dtype=np.uint32)
+    received, timeouts = _testing.dsmem_ring(jnp.asarray(src))
+    assert int(timeouts[0]) == 0
+    np.testing.assert_array_equal(np.asarray(received), np.roll(src, 1, axis=0))
+
+
+def test_dsmem_wrong_byte_count_times_out(rng):
+    src = rng.integers(0, 2**32, (2, 1003), dtype=np.uint32)
+    received, timeouts = _testing.dsmem_ring(
+        jnp.asarray(src), extra_tx_bytes=16, timeout_cycles=SHORT_TIMEOUT
+    )
+    assert int(timeouts[0]) == 2  # each CTA waited for 16 bytes that never came
+    np.testing.assert_array_equal(np.asarray(received), np.roll(src, 1, axis=0))

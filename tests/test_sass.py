@@ -3,7 +3,8 @@
 Reads the SASS of jax_tma/_jax_tma*.so with cuobjdump (pip: nvidia-cuda-cuobjdump and
 nvidia-cuda-nvdisasm) and checks every sm90 GEMM kernel for TMA loads (UTMALDG), mbarrier
 operations (SYNCS), warpgroup MMA (HGMMA) and register reallocation (USETMAXREG), and for the
-absence of local-memory traffic (spills show up as LDL/STL).
+absence of local-memory traffic (spills show up as LDL/STL), and that the primitive test
+kernels contain the instruction each of them exists to exercise.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def _gemm_kernels(kernels: dict[str, str]) -> dict[str, str]:
 
 
 def test_gemm_kernels_are_sm90a(kernels):
-    # 2 input types x 3 output types x 2 tile configurations.
-    assert len(_gemm_kernels(kernels)) == 12
+    # (bf16, bf16), (bf16, fp32), (fp16, fp16), (fp16, fp32) x 7 tile configurations.
+    assert len(_gemm_kernels(kernels)) == 28
 
 
 @pytest.mark.parametrize(
@@ -76,6 +77,34 @@ def test_gemm_kernels_are_sm90a(kernels):
 def test_gemm_kernels_use_hopper_instructions(kernels, opcode):
     for name, body in _gemm_kernels(kernels).items():
         assert re.search(rf"\b{re.escape(opcode)}", body), f"{opcode} missing in {name}"
+
+
+def _tile(name: str) -> tuple[int, ...]:
+    """(block_m, block_n, stages, cluster_m, epilogue) of a mangled TileConfig instantiation."""
+    found = re.search(r"TileConfigILi(\d+)ELi(\d+)ELi(\d+)ELi(\d+)ELNS0_12EpilogueKindE(\d)", name)
+    assert found, name
+    return tuple(int(x) for x in found.groups())
+
+
+def test_gemm_epilogues_and_clusters(kernels):
+    """TMA-store epilogues stage through stmatrix (16-bit outputs) and store with UTMASTG;
+    clustered tiles multicast B and signal the peer's barriers; no fence per remote arrival."""
+    for name, body in _gemm_kernels(kernels).items():
+        _, _, _, cluster_m, epilogue = _tile(name)
+        if epilogue == 0:
+            assert re.search(r"\bUTMASTG\.3D\b", body), f"no TMA store in {name}"
+            if "S2_NS0_10TileConfig" in name:  # output type == input type: 16-bit
+                assert re.search(r"\bSTSM\b", body), f"no stmatrix in {name}"
+        else:
+            assert not re.search(r"\bUTMASTG", body), name
+        if cluster_m == 2:
+            assert re.search(r"\bUTMALDG\.2D\.MULTICAST\b", body), f"no multicast in {name}"
+            assert re.search(r"SYNCS\.ARRIVE\.TRANS64\.RED\b", body), f"no remote arrive in {name}"
+            # One cluster barrier at start: a cluster-scope fence per arrival would cost
+            # a MEMBAR.ALL.GPU in every pipeline step.
+            assert len(re.findall(r"MEMBAR\.ALL\.GPU", body)) <= 1, f"fences in {name}"
+        else:
+            assert not re.search(r"MULTICAST", body), name
 
 
 def test_gemm_kernels_do_not_spill(kernels):
@@ -87,8 +116,18 @@ def test_gemm_kernels_do_not_spill(kernels):
     "opcode",
     [
         "UTMALDG.1D", "UTMALDG.3D", "UTMALDG.4D", "UTMALDG.5D", "UTMALDG.2D.MULTICAST",
-        "UTMASTG.1D", "UTMASTG.5D", "UTMAREDG.2D.ADD", "UCGABAR_ARV", "UCGABAR_WAIT",
-        "SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64.TRYWAIT",
+        "UTMASTG.1D", "UTMASTG.2D", "UTMASTG.5D", "UTMAREDG.2D.ADD", "UCGABAR_ARV",
+        "UCGABAR_WAIT", "SYNCS.ARRIVE.TRANS64", "SYNCS.PHASECHK.TRANS64.TRYWAIT",
+        # remote (cluster) mbarrier arrive: PipelineTmaAsync::consumer_release_cluster
+        "SYNCS.ARRIVE.TRANS64.RED",
+        # cp.async with zero fill, and its mbarrier arrive (PipelineCpAsync)
+        "LDGSTS.E.BYPASS.128.ZFILL", "ARRIVES.LDGSTSBAR.64.ARVCNT",
+        # st.async into a peer CTA's shared memory, 4 and 16 bytes
+        "STAS", "STAS.128",
+        # fence.proxy.tensormap acquire (tensormap.replace itself becomes plain STG stores)
+        "UTMACCTL.IV",
+        # named barrier arrive (bar.arrive)
+        "BAR.ARV",
     ],
 )
 def test_primitive_test_kernels_use_tma_instructions(kernels, opcode):

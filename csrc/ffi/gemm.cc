@@ -3,8 +3,10 @@
 //
 // Operands: A [M, K] and B [K, Nb] row-major, both bf16 or both fp16, K % 8 == 0 and
 // Nb % 8 == 0 (TMA needs 16-byte row strides). B may carry up to 7 zero columns of padding
-// past N so that any N runs here; D [M, N] is bf16, fp16 or fp32. Attributes block_n and
-// stages pick one of the tile configurations compiled in kernels/sm90_gemm.h.
+// past N so that any N runs here; D [M, N] is the input type or fp32. With splits > 1, D is
+// [splits, M, N] fp32: one partial product per K range, for the caller to sum. The attributes
+// block_m, block_n, stages, cluster_m and epilogue name one of the tile configurations
+// compiled in kernels/sm90_gemm.h.
 #include "ffi/gemm.h"
 
 #include <cuda.h>
@@ -43,19 +45,21 @@ bool to_dtype(ffi::DataType t, DType* out) {
   }
 }
 
+// Attributes naming one compiled configuration (kernels/sm90_gemm.h).
+struct TileChoice {
+  int64_t block_m, block_n, stages, cluster_m, epilogue;
+};
+
 template <class Tile>
-bool tile_matches(int64_t block_n, int64_t stages) {
-  return block_n == Tile::kBlockN && stages == Tile::kStages;
+bool tile_matches(const TileChoice& c) {
+  return c.block_m == Tile::kBlockM && c.block_n == Tile::kBlockN && c.stages == Tile::kStages &&
+         c.cluster_m == Tile::kClusterM && c.epilogue == static_cast<int64_t>(Tile::kEpilogue);
 }
 
 template <class In, class Tile>
 cudaError_t launch_out(DType out, const LaunchArgs& args) {
-  switch (out) {
-    case DType::kBF16: return sm90_gemm::launch<In, __nv_bfloat16, Tile>(args);
-    case DType::kF16: return sm90_gemm::launch<In, __half, Tile>(args);
-    case DType::kF32: return sm90_gemm::launch<In, float, Tile>(args);
-  }
-  return cudaErrorInvalidValue;
+  if (out == DType::kF32) return sm90_gemm::launch<In, float, Tile>(args);
+  return sm90_gemm::launch<In, In, Tile>(args);
 }
 
 template <class Tile>
@@ -64,67 +68,118 @@ cudaError_t launch_in(DType in, DType out, const LaunchArgs& args) {
                             : launch_out<__half, Tile>(out, args);
 }
 
-template <class Tile>
-ffi::Error encode_operands(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
-                           CUtensorMapDataType tma_type, CUtensorMap* map_a,
-                           CUtensorMap* map_b) {
-  const auto da = a.dimensions();
-  const auto db = b.dimensions();
-  // A [M, K]: boxes of kBlockM rows x kBlockK columns. B [K, Nb]: boxes of kBlockK rows x 64.
-  auto spec_a = ffi_util::make_2d_spec(tma_type, da[0], da[1], da[1], Tile::kBoxA[1],
-                                       Tile::kBoxA[0], ffi_util::Swizzle::k128B);
-  auto spec_b = ffi_util::make_2d_spec(tma_type, db[0], db[1], db[1], Tile::kBoxB[1],
-                                       Tile::kBoxB[0], ffi_util::Swizzle::k128B);
-  std::string err = ffi_util::encode_tensor_map(map_a, a.untyped_data(), spec_a);
-  if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma gemm, operand a: " + err);
-  err = ffi_util::encode_tensor_map(map_b, b.untyped_data(), spec_b);
-  if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma gemm, operand b: " + err);
-  return ffi::Error::Success();
+CUtensorMapDataType tma_type(DType t) {
+  switch (t) {
+    case DType::kBF16: return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+    case DType::kF16: return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    case DType::kF32: return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+  }
+  return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+}
+
+// D [splits, M, N] (row pitch ldd), stored in boxes of one epilogue chunk: 64 rows x 128 bytes.
+ffi_util::TensorMapSpec output_spec(DType out, const sm90_gemm::GemmShape& shape) {
+  const uint64_t bytes = sm90_gemm::dtype_bytes(out);
+  ffi_util::TensorMapSpec spec;
+  spec.dtype = tma_type(out);
+  spec.rank = 3;
+  spec.dims = {static_cast<uint64_t>(shape.n), static_cast<uint64_t>(shape.m),
+               static_cast<uint64_t>(shape.splits), 0, 0};
+  spec.byte_strides = {shape.ldd * bytes, shape.ldd * bytes * shape.m, 0, 0, 0};
+  spec.box = {static_cast<uint32_t>(128 / bytes), 64, 1, 0, 0};
+  spec.swizzle = ffi_util::Swizzle::k128B;
+  return spec;
 }
 
 template <class Tile>
 ffi::Error run_tile(DType in, DType out, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
-                    LaunchArgs args) {
-  CUtensorMap map_a;
-  CUtensorMap map_b;
-  const auto tma_type =
-      in == DType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-  if (auto err = encode_operands<Tile>(a, b, tma_type, &map_a, &map_b); err.failure()) {
-    return err;
+                    void* d, LaunchArgs args) {
+  const auto da = a.dimensions();
+  const auto db = b.dimensions();
+  // A [M, K]: boxes of kBlockM rows x kBlockK columns. B [K, Nb]: boxes of kBlockK rows x 64.
+  const auto spec_a = ffi_util::make_2d_spec(tma_type(in), da[0], da[1], da[1], Tile::kBoxA[1],
+                                             Tile::kBoxA[0], ffi_util::Swizzle::k128B);
+  const auto spec_b = ffi_util::make_2d_spec(tma_type(in), db[0], db[1], db[1], Tile::kBoxB[1],
+                                             Tile::kBoxB[0], ffi_util::Swizzle::k128B);
+  CUtensorMap map_a, map_b, map_d = {};
+  std::string err = ffi_util::encode_tensor_map(&map_a, a.untyped_data(), spec_a);
+  if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma gemm, operand a: " + err);
+  err = ffi_util::encode_tensor_map(&map_b, b.untyped_data(), spec_b);
+  if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma gemm, operand b: " + err);
+  if (Tile::kEpilogue == sm90_gemm::EpilogueKind::kTmaStore) {
+    err = ffi_util::encode_tensor_map(&map_d, d, output_spec(out, args.shape));
+    if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma gemm, output: " + err);
   }
   args.tmap_a = &map_a;
   args.tmap_b = &map_b;
+  args.tmap_d = &map_d;
+  args.d = d;
   return ffi_util::cuda_error(launch_in<Tile>(in, out, args), "jax_tma gemm launch");
 }
 
+// run_tile for the configuration `choice` names, searched in the compiled list.
+template <class Tile, class... Rest>
+ffi::Error dispatch(const TileChoice& choice, DType in, DType out, const ffi::AnyBuffer& a,
+                    const ffi::AnyBuffer& b, void* d, const LaunchArgs& args) {
+  if (tile_matches<Tile>(choice)) return run_tile<Tile>(in, out, a, b, d, args);
+  if constexpr (sizeof...(Rest) > 0) {
+    return dispatch<Rest...>(choice, in, out, a, b, d, args);
+  } else {
+    return ffi::Error::InvalidArgument(
+        "jax_tma gemm: no compiled configuration with block_m=" + std::to_string(choice.block_m) +
+        ", block_n=" + std::to_string(choice.block_n) + ", stages=" +
+        std::to_string(choice.stages) + ", cluster_m=" + std::to_string(choice.cluster_m) +
+        ", epilogue=" + std::to_string(choice.epilogue));
+  }
+}
+
 ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                     ffi::AnyBuffer d, int64_t block_n, int64_t stages) {
+                     ffi::AnyBuffer d, const TileChoice& choice, int64_t splits) {
   const auto da = a.dimensions();
   const auto db = b.dimensions();
   const auto dd = d.dimensions();
-  if (da.size() != 2 || db.size() != 2 || dd.size() != 2) {
-    return ffi::Error::InvalidArgument("jax_tma gemm expects 2-D operands, got a" +
-                                       shape_str(da) + ", b" + shape_str(db) + ", d" +
-                                       shape_str(dd));
+  const std::string shapes = "a" + shape_str(da) + ", b" + shape_str(db) + ", d" + shape_str(dd);
+  if (da.size() != 2 || db.size() != 2 || dd.size() != (splits > 1 ? 3u : 2u)) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma gemm expects 2-D a and b and a d of [M, N] (or [splits, M, N] for split-K), "
+        "got " + shapes);
   }
-  const int64_t m = da[0], k = da[1], nb = db[1], n = dd[1];
-  if (db[0] != k || dd[0] != m || n > nb || nb - n >= 8 || m < 1 || n < 1 || k < 1) {
-    return ffi::Error::InvalidArgument("jax_tma gemm: inconsistent shapes a" + shape_str(da) +
-                                       ", b" + shape_str(db) + ", d" + shape_str(dd));
+  const int64_t m = da[0], k = da[1], nb = db[1];
+  const int64_t n = dd[dd.size() - 1];
+  if (db[0] != k || dd[dd.size() - 2] != m || (splits > 1 && dd[0] != splits) || n > nb ||
+      nb - n >= 8 || m < 1 || n < 1 || k < 1) {
+    return ffi::Error::InvalidArgument("jax_tma gemm: inconsistent shapes " + shapes);
   }
   if (k % 8 != 0 || nb % 8 != 0) {
     return ffi::Error::InvalidArgument(
         "jax_tma gemm: K and the padded N of b must be multiples of 8 (16-byte TMA strides), "
-        "got a" + shape_str(da) + ", b" + shape_str(db));
+        "got " + shapes);
   }
   if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX) {
     return ffi::Error::InvalidArgument("jax_tma gemm: dimensions must fit in int32");
   }
   DType in, in_b, out;
   if (!to_dtype(a.element_type(), &in) || !to_dtype(b.element_type(), &in_b) || in != in_b ||
-      in == DType::kF32 || !to_dtype(d.element_type(), &out)) {
+      in == DType::kF32 || !to_dtype(d.element_type(), &out) || (out != in && out != DType::kF32)) {
     return ffi::Error::InvalidArgument(
-        "jax_tma gemm: a and b must both be bf16 or both fp16 and d bf16, fp16 or fp32");
+        "jax_tma gemm: a and b must both be bf16 or both fp16, and d their type or fp32");
+  }
+  const int64_t k_blocks = (k + 63) / 64;
+  if (splits < 1 || splits > k_blocks || (splits > 1 && out != DType::kF32)) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma gemm: splits must be in [1, K/64] and split-K writes fp32 partial products, "
+        "got splits=" + std::to_string(splits) + " for " + shapes);
+  }
+  const int64_t per_split = (k_blocks + splits - 1) / splits;
+  if ((k_blocks + per_split - 1) / per_split != splits) {
+    return ffi::Error::InvalidArgument("jax_tma gemm: splits=" + std::to_string(splits) +
+                                       " leaves an empty K range for K=" + std::to_string(k));
+  }
+  if (choice.epilogue == static_cast<int64_t>(sm90_gemm::EpilogueKind::kTmaStore) &&
+      (n * sm90_gemm::dtype_bytes(out)) % 16 != 0) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma gemm: the TMA-store epilogue needs 16-byte output rows (N a multiple of " +
+        std::to_string(16 / sm90_gemm::dtype_bytes(out)) + "), got " + shapes);
   }
 
   const auto& info = ffi_util::device_info(device);
@@ -140,31 +195,29 @@ ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi:
   }
 
   LaunchArgs args{};
-  args.d = d.untyped_data();
-  args.shape = {static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), n};
+  args.shape = {static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
+                static_cast<int>(splits), static_cast<int>(per_split), n};
   args.num_sms = info.num_sms;
   args.stream = stream;
-  if (tile_matches<sm90_gemm::Tile128x128>(block_n, stages)) {
-    return run_tile<sm90_gemm::Tile128x128>(in, out, a, b, args);
-  }
-  if (tile_matches<sm90_gemm::Tile128x256>(block_n, stages)) {
-    return run_tile<sm90_gemm::Tile128x256>(in, out, a, b, args);
-  }
-  return ffi::Error::InvalidArgument("jax_tma gemm: no compiled configuration with block_n=" +
-                                     std::to_string(block_n) +
-                                     " and stages=" + std::to_string(stages));
+  return dispatch<sm90_gemm::Tile128x256C2, sm90_gemm::Tile128x256, sm90_gemm::Tile128x128C2,
+                  sm90_gemm::Tile128x128, sm90_gemm::Tile64x128, sm90_gemm::Tile128x128Direct,
+                  sm90_gemm::Tile64x128Direct>(choice, in, out, a, b, d.untyped_data(), args);
 }
 
 ffi::Error gemm_sm90_out(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
-                         ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d, int64_t block_n,
-                         int64_t stages) {
-  return gemm_sm90(stream, device, a, b, *d, block_n, stages);
+                         ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d, int64_t block_m,
+                         int64_t block_n, int64_t stages, int64_t cluster_m, int64_t epilogue,
+                         int64_t splits) {
+  return gemm_sm90(stream, device, a, b, *d, {block_m, block_n, stages, cluster_m, epilogue},
+                   splits);
 }
 
 ffi::Error gemm_sm90_into(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
                           ffi::AnyBuffer b, ffi::AnyBuffer /*d_in, aliased to d*/,
-                          ffi::Result<ffi::AnyBuffer> d, int64_t block_n, int64_t stages) {
-  return gemm_sm90(stream, device, a, b, *d, block_n, stages);
+                          ffi::Result<ffi::AnyBuffer> d, int64_t block_m, int64_t block_n,
+                          int64_t stages, int64_t cluster_m, int64_t epilogue, int64_t splits) {
+  return gemm_sm90(stream, device, a, b, *d, {block_m, block_n, stages, cluster_m, epilogue},
+                   splits);
 }
 
 }  // namespace
@@ -175,9 +228,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmSm90, gemm_sm90_out,
                                   .Ctx<ffi::DeviceOrdinal>()                  // device of the call
                                   .Arg<ffi::AnyBuffer>()                      // a [M, K]
                                   .Arg<ffi::AnyBuffer>()                      // b [K, Nb]
-                                  .Ret<ffi::AnyBuffer>()                      // d [M, N]
+                                  .Ret<ffi::AnyBuffer>()                      // d [(splits,) M, N]
+                                  .Attr<int64_t>("block_m")                   // tile M
                                   .Attr<int64_t>("block_n")                   // tile N
-                                  .Attr<int64_t>("stages"),                   // pipeline depth
+                                  .Attr<int64_t>("stages")                    // pipeline depth
+                                  .Attr<int64_t>("cluster_m")                 // CTAs per cluster
+                                  .Attr<int64_t>("epilogue")                  // EpilogueKind
+                                  .Attr<int64_t>("splits"),                   // split-K ranges
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmSm90Into, gemm_sm90_into,
@@ -188,8 +245,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmSm90Into, gemm_sm90_into,
                                   .Arg<ffi::AnyBuffer>()                      // b [K, Nb]
                                   .Arg<ffi::AnyBuffer>()                      // d_in [M, N]
                                   .Ret<ffi::AnyBuffer>()                      // d, aliases d_in
+                                  .Attr<int64_t>("block_m")                   // tile M
                                   .Attr<int64_t>("block_n")                   // tile N
-                                  .Attr<int64_t>("stages"),                   // pipeline depth
+                                  .Attr<int64_t>("stages")                    // pipeline depth
+                                  .Attr<int64_t>("cluster_m")                 // CTAs per cluster
+                                  .Attr<int64_t>("epilogue")                  // EpilogueKind
+                                  .Attr<int64_t>("splits"),                   // split-K ranges
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_tma::ffi_handlers

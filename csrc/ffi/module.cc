@@ -4,6 +4,7 @@
 
 #include "ffi/gemm.h"
 #include "ffi/testing.h"
+#include "ffi/tma_copy.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -33,6 +34,21 @@ NB_MODULE(_jax_tma, m) {
     targets["jax_tma_test_tma_multicast"] = handler_capsule(jax_tma::ffi_handlers::TestTmaMulticast);
     targets["jax_tma_test_pipeline_phases"] =
         handler_capsule(jax_tma::ffi_handlers::TestPipelinePhases);
+    targets["jax_tma_test_tensormap_replace"] =
+        handler_capsule(jax_tma::ffi_handlers::TestTensormapReplace);
+    targets["jax_tma_test_cp_async_pipeline"] =
+        handler_capsule(jax_tma::ffi_handlers::TestCpAsyncPipeline);
+    targets["jax_tma_test_dsmem_ring"] = handler_capsule(jax_tma::ffi_handlers::TestDsmemRing);
+    targets["jax_tma_test_tma_multicast_pipeline"] =
+        handler_capsule(jax_tma::ffi_handlers::TestTmaMulticastPipeline);
+    targets["jax_tma_test_tma_store_pipeline"] =
+        handler_capsule(jax_tma::ffi_handlers::TestTmaStorePipeline);
+    targets["jax_tma_test_named_barrier_ping_pong"] =
+        handler_capsule(jax_tma::ffi_handlers::TestNamedBarrierPingPong);
+    targets["jax_tma_test_ordered_barrier"] =
+        handler_capsule(jax_tma::ffi_handlers::TestOrderedBarrier);
+    targets["jax_tma_test_tma_copy"] = handler_capsule(jax_tma::ffi_handlers::TestTmaCopy);
+    targets["jax_tma_test_d2d_copy"] = handler_capsule(jax_tma::ffi_handlers::TestD2dCopy);
     return targets;
   });
   // The XLA FFI API version these handlers were compiled against: a jaxlib whose API is older

@@ -1,8 +1,9 @@
-// sm90 GEMM kernel: D = A @ B with TMA loads, an mbarrier pipeline and wgmma.
+// sm90 GEMM kernel: D = A @ B with TMA loads (multicast across a cluster of 2), an mbarrier
+// pipeline, wgmma, and a TMA-store epilogue.
 //
 // Warp-specialised and persistent: warpgroup 0 produces (one elected thread issues every TMA
-// copy), warpgroups 1 and 2 consume (wgmma into fp32 registers, then the epilogue). The grid
-// walks output tiles through the grouped scheduler. Out-of-bounds rows, columns and K are
+// copy), the other warpgroups consume (wgmma into fp32 registers, then the epilogue). The grid
+// walks (split, tile) units through the tile scheduler. Out-of-bounds rows, columns and K are
 // zero-filled by TMA on the way in and clipped by the epilogue on the way out.
 #pragma once
 
@@ -10,12 +11,17 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "epilogue/direct_store.cuh"
+#include "epilogue/tma_store.cuh"
 #include "kernels/sm90_gemm.h"
 #include "mainloop/sm90_tma_wgmma.cuh"
+#include "pipeline/named_barrier.cuh"
+#include "ptx/cluster.cuh"
 #include "ptx/common.cuh"
 #include "ptx/mbarrier.cuh"
 #include "ptx/warpgroup.cuh"
@@ -33,24 +39,33 @@ template <class In, class Out, class Tile>
 struct Kernel {
   using Mainloop = MainloopSm90TmaWgmma<In, Tile>;
   using Pipeline = typename Mainloop::Pipeline;
-  using Scheduler = GroupedTileScheduler<Tile::kBlockM, Tile::kBlockN>;
-  using Epilogue = DirectStoreEpilogue<Out, Tile::kBlockN>;
+  using Scheduler = TileScheduler<Tile::kBlockM, Tile::kBlockN, Tile::kClusterM>;
+  using Epilogue = TmaStoreEpilogue<Out, Tile::kBlockN, Tile::kEpilogueBuffers>;
+  static constexpr bool kTmaStore = Tile::kEpilogue == EpilogueKind::kTmaStore;
 
+  struct Empty {};
   struct SharedStorage {
     typename Mainloop::SharedStorage operands;
+    // One staging ring per consumer warpgroup (none for the direct-store epilogue).
+    std::conditional_t<kTmaStore, typename Epilogue::SharedStorage, Empty>
+        staging[Tile::kConsumerWarpgroups];
     typename Pipeline::SharedStorage barriers;
   };
   // The base is aligned up by at most 1023 bytes inside the dynamic allocation.
+  // (sizeof would count the tail padding up to the 1024-byte alignment, which is never used.)
   static_assert(offsetof(SharedStorage, barriers) + sizeof(typename Pipeline::SharedStorage) +
                     1023 <=
                 Tile::kSmemBytes);
+  static_assert(!kTmaStore || sizeof(SharedStorage::staging) == Tile::kEpilogueBytes);
+  static_assert(Epilogue::kChunkBytes == Tile::kEpilogueChunkBytes);
   static constexpr int kConsumerWarps = 4 * Tile::kConsumerWarpgroups;
 };
 
 template <class In, class Out, class Tile>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     sm90_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
-                     const __grid_constant__ CUtensorMap tmap_b, Out* __restrict__ d,
+                     const __grid_constant__ CUtensorMap tmap_b,
+                     const __grid_constant__ CUtensorMap tmap_d, Out* __restrict__ d,
                      GemmShape shape) {
   using K = Kernel<In, Out, Tile>;
   extern __shared__ uint8_t smem_raw[];
@@ -61,36 +76,92 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   if (threadIdx.x == 0) {
     ptx::prefetch_tensormap(&tmap_a);
     ptx::prefetch_tensormap(&tmap_b);
-    K::Pipeline::init(smem.barriers, K::kConsumerWarps);
+    if constexpr (K::kTmaStore) ptx::prefetch_tensormap(&tmap_d);
+    K::Pipeline::init(smem.barriers, K::kConsumerWarps * Tile::kClusterM);
     ptx::fence_mbarrier_init();
   }
-  __syncthreads();
+  // Peers multicast into this CTA's ring and arrive on its barriers: all must be initialised.
+  if constexpr (Tile::kClusterM > 1) {
+    ptx::cluster_sync();
+  } else {
+    __syncthreads();
+  }
 
   typename K::Pipeline pipeline{smem.barriers};
-  const typename K::Scheduler scheduler(shape.m, shape.n);
+  const typename K::Scheduler scheduler(shape.m, shape.n, shape.splits);
   const int k_blocks = (shape.k + Tile::kBlockK - 1) / Tile::kBlockK;
+  auto k_range = [&](const WorkTile& w, int* begin) {
+    *begin = w.split * shape.k_blocks_per_split;
+    return min(k_blocks, *begin + shape.k_blocks_per_split) - *begin;
+  };
 
   if (role == WarpGroupRole::Producer) {
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x / 32 == 0 && ptx::elect_one_sync()) {
       auto write = make_producer_start_state<Tile::kStages>();
-      for (auto t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t)) {
+      for (auto w = scheduler.first(); scheduler.valid(w); w = scheduler.next(w)) {
+        int kb_begin;
+        const int count = k_range(w, &kb_begin);
+        const LoadMode mode = !w.self_valid       ? LoadMode::kIdle
+                              : Tile::kClusterM > 1 && w.cluster_full ? LoadMode::kMulticast
+                                                                       : LoadMode::kSolo;
         K::Mainloop::load(pipeline, write, smem.operands, &tmap_a, &tmap_b,
-                          t.m_block * Tile::kBlockM, t.n_block * Tile::kBlockN, k_blocks);
+                          w.m_block * Tile::kBlockM, w.n_block * Tile::kBlockN, kb_begin,
+                          kb_begin + count, mode, scheduler.rank);
       }
       pipeline.producer_tail(write);
     }
   } else {
     ptx::setmaxnreg_inc<kConsumerRegs>();
     const int warpgroup = static_cast<int>(role) - static_cast<int>(WarpGroupRole::Consumer0);
+    const NamedBarrier epilogue_barrier{
+        static_cast<uint32_t>(NamedBarrierId::kEpilogue0) + warpgroup, 128};
+    typename K::Epilogue::State store_state{};
     auto read = make_consumer_start_state<Tile::kStages>();
     float acc[K::Mainloop::kAccRegs];
-    for (auto t = scheduler.first(); scheduler.valid(t); t = scheduler.next(t)) {
-      K::Mainloop::mma(pipeline, read, smem.operands, warpgroup, k_blocks, acc);
-      K::Epilogue::store(acc, d, shape.m, shape.n, shape.ldd,
-                         t.m_block * Tile::kBlockM + 64 * warpgroup, t.n_block * Tile::kBlockN);
+    for (auto w = scheduler.first(); scheduler.valid(w); w = scheduler.next(w)) {
+      int kb_begin;
+      const int count = k_range(w, &kb_begin);
+      if (!w.self_valid) {
+        K::Mainloop::skip(pipeline, read, count);
+        continue;
+      }
+      K::Mainloop::mma(pipeline, read, smem.operands, warpgroup, count, acc);
+      const int row0 = w.m_block * Tile::kBlockM + 64 * warpgroup;
+      const int col0 = w.n_block * Tile::kBlockN;
+      if constexpr (K::kTmaStore) {
+        K::Epilogue::store(acc, smem.staging[warpgroup], &tmap_d, row0, col0, w.split,
+                           epilogue_barrier, store_state);
+      } else {
+        DirectStoreEpilogue<Out, Tile::kBlockN>::store(
+            acc, d + static_cast<int64_t>(w.split) * shape.m * shape.ldd, shape.m, shape.n,
+            shape.ldd, row0, col0);
+      }
     }
+    if constexpr (K::kTmaStore) K::Epilogue::finish();
   }
+}
+
+// How many clusters of `config`'s shape can be resident at once, queried once per device.
+template <class KernelFn>
+cudaError_t max_resident_clusters(KernelFn kernel, cudaLaunchConfig_t config, int* clusters) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices];  // 0: not yet queried
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  if (device < kMaxDevices && cached[device].load(std::memory_order_relaxed) > 0) {
+    *clusters = cached[device].load(std::memory_order_relaxed);
+    return cudaSuccess;
+  }
+  config.gridDim = dim3(config.attrs[0].val.clusterDim.x);
+  int found = 0;
+  err = cudaOccupancyMaxActiveClusters(&found, kernel, &config);
+  if (err != cudaSuccess) return err;
+  if (found < 1) return cudaErrorInvalidConfiguration;
+  if (device < kMaxDevices) cached[device].store(found, std::memory_order_relaxed);
+  *clusters = found;
+  return cudaSuccess;
 }
 
 template <class In, class Out, class Tile>
@@ -103,13 +174,28 @@ cudaError_t launch(const LaunchArgs& args) {
   if (err != cudaSuccess) return err;
   const int m_blocks = (args.shape.m + Tile::kBlockM - 1) / Tile::kBlockM;
   const int n_blocks = (args.shape.n + Tile::kBlockN - 1) / Tile::kBlockN;
-  const int tiles = m_blocks * n_blocks;
+  const int cluster_rows = (m_blocks + Tile::kClusterM - 1) / Tile::kClusterM;
+  const int units = cluster_rows * n_blocks * args.shape.splits;
+
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = Tile::kClusterM;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(std::max(1, std::min(tiles, args.num_sms)));
   config.blockDim = dim3(Tile::kThreads);
   config.dynamicSmemBytes = Tile::kSmemBytes;
   config.stream = args.stream;
-  return cudaLaunchKernelEx(&config, kernel, *args.tmap_a, *args.tmap_b,
+  config.attrs = &cluster;
+  config.numAttrs = Tile::kClusterM > 1 ? 1 : 0;
+  // Persistent: no more clusters than can be resident at once (GPCs may leave SMs unpaired).
+  int resident = args.num_sms / Tile::kClusterM;
+  if constexpr (Tile::kClusterM > 1) {
+    err = max_resident_clusters(kernel, config, &resident);
+    if (err != cudaSuccess) return err;
+  }
+  config.gridDim = dim3(std::max(1, std::min(units, resident)) * Tile::kClusterM);
+  return cudaLaunchKernelEx(&config, kernel, *args.tmap_a, *args.tmap_b, *args.tmap_d,
                             static_cast<Out*>(args.d), args.shape);
 }
 

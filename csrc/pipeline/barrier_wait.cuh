@@ -23,4 +23,15 @@ __device__ __forceinline__ bool wait_parity_bounded(uint64_t* bar, uint32_t phas
   return true;
 }
 
+// As wait_parity_bounded, with cluster-scope acquire: for barriers that peer CTAs complete
+// (st.async into this CTA's shared memory, remote arrivals), so their data is visible here.
+__device__ __forceinline__ bool wait_parity_cluster_bounded(uint64_t* bar, uint32_t phase,
+                                                            uint64_t max_cycles) {
+  const long long start = clock64();
+  while (!ptx::mbarrier_try_wait_parity_cluster(bar, phase)) {
+    if (static_cast<uint64_t>(clock64() - start) > max_cycles) return false;
+  }
+  return true;
+}
+
 }  // namespace jax_tma

@@ -53,6 +53,21 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* bar, uint32_t 
       : "memory");
 }
 
+// mbarrier.arrive on the barrier at the same offset in CTA `cta_rank`, ordering this thread's
+// earlier accesses at CTA scope only (no cluster-wide memory fence, which would cost a
+// MEMBAR.ALL.GPU per arrival). Enough to hand back a buffer the thread has finished reading, as
+// the pipelines' consumer releases do; use mbarrier_arrive_cluster to publish written data.
+__device__ __forceinline__ void mbarrier_arrive_remote(uint64_t* bar, uint32_t cta_rank) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(cta_rank)
+      : "memory");
+}
+
 // mbarrier.try_wait.parity: true once the phase with parity `parity` has completed.
 // The hardware suspends the thread for a system-dependent time before returning false.
 __device__ __forceinline__ bool mbarrier_try_wait_parity(uint64_t* bar, uint32_t parity) {

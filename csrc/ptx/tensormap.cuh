@@ -11,6 +11,15 @@
 
 namespace jax_tma::ptx {
 
+// Copy a 128-byte map (e.g. a __grid_constant__ kernel parameter) to global memory, where
+// tensormap.replace can edit it. Generic-proxy stores: publish with fence_tensormap_release.
+__device__ __forceinline__ void tensormap_copy(CUtensorMap* gmem_dst, const CUtensorMap* src) {
+  const uint4* from = reinterpret_cast<const uint4*>(src);
+  uint4* to = reinterpret_cast<uint4*>(gmem_dst);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) to[i] = from[i];
+}
+
 // tensormap.replace .global_address on a map in global memory.
 __device__ __forceinline__ void tensormap_replace_global_address(CUtensorMap* gmem_map,
                                                                  const void* address) {
@@ -41,8 +50,7 @@ __device__ __forceinline__ void tensormap_replace_global_stride(CUtensorMap* gme
 }
 
 // Release the writer's generic-proxy edits of the map to the tensormap proxy (GPU scope).
-__device__ __forceinline__ void fence_tensormap_release(const CUtensorMap* gmem_map) {
-  (void)gmem_map;
+__device__ __forceinline__ void fence_tensormap_release() {
   asm volatile("fence.proxy.tensormap::generic.release.gpu;" ::: "memory");
 }
 

@@ -1,30 +1,18 @@
 // Test kernels for the TMA, mbarrier, cluster and pipeline primitives (see
 // primitives_test.h). Each kernel exercises one primitive the way the GEMM uses it and reports
 // timeouts through bounded waits instead of hanging.
-#include <algorithm>
-
 #include "pipeline/async_pipeline.cuh"
 #include "pipeline/barrier_wait.cuh"
 #include "ptx/cluster.cuh"
 #include "ptx/mbarrier.cuh"
 #include "ptx/tma.cuh"
+#include "testing/kernel_util.cuh"
 #include "testing/primitives_test.h"
 
 namespace jax_tma::testing {
 namespace {
 
 constexpr int kThreads = 128;
-
-__device__ uint8_t* align_1024(uint8_t* p) {
-  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(p) + 1023) & ~uintptr_t{1023});
-}
-
-// Copies `bytes` (a multiple of 16) from shared to global with 16-byte accesses.
-__device__ void dump_smem(uint8_t* dst, const uint8_t* src, uint32_t bytes) {
-  for (uint32_t i = threadIdx.x * 16; i < bytes; i += blockDim.x * 16) {
-    *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
-  }
-}
 
 struct BoxParams {
   int box_counts[5];
@@ -47,6 +35,26 @@ __device__ ptx::TmaCoord<kRank> box_corner(const BoxParams& p) {
   return coord;
 }
 
+// Every thread: thread 0 sets up `bar` and TMA-loads the box at `corner` into `buf`, then all
+// threads wait for it. False (the timeout counted once) if it did not land in time.
+template <int kRank>
+__device__ bool load_one_box(uint8_t* buf, uint64_t* bar, const CUtensorMap* map,
+                             const ptx::TmaCoord<kRank>& corner, const BoxParams& p) {
+  if (threadIdx.x == 0) {
+    ptx::prefetch_tensormap(map);
+    ptx::mbarrier_init(bar, 1);
+    ptx::fence_mbarrier_init();
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_arrive_expect_tx(bar, p.box_bytes);
+    ptx::tma_load(buf, map, bar, corner);
+  }
+  if (wait_parity_bounded(bar, 0, p.timeout_cycles)) return true;
+  if (threadIdx.x == 0) report_timeout(p.timeouts);
+  return false;
+}
+
 // One box per CTA: TMA load -> dump the shared-memory image -> TMA store.
 template <int kRank>
 __global__ void tma_round_trip_kernel(const __grid_constant__ CUtensorMap map_in,
@@ -55,20 +63,7 @@ __global__ void tma_round_trip_kernel(const __grid_constant__ CUtensorMap map_in
   uint8_t* buf = align_1024(raw);
   __shared__ uint64_t bar;
   const auto corner = box_corner<kRank>(p);
-  if (threadIdx.x == 0) {
-    ptx::prefetch_tensormap(&map_in);
-    ptx::mbarrier_init(&bar, 1);
-    ptx::fence_mbarrier_init();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    ptx::mbarrier_arrive_expect_tx(&bar, p.box_bytes);
-    ptx::tma_load(buf, &map_in, &bar, corner);
-  }
-  if (!wait_parity_bounded(&bar, 0, p.timeout_cycles)) {
-    if (threadIdx.x == 0) atomicAdd(p.timeouts, 1);
-    return;
-  }
+  if (!load_one_box(buf, &bar, &map_in, corner, p)) return;
   dump_smem(p.images + static_cast<size_t>(blockIdx.x) * p.box_bytes, buf, p.box_bytes);
   if (threadIdx.x == 0) {
     ptx::tma_store(&map_out, buf, corner);
@@ -84,18 +79,8 @@ __global__ void tma_reduce_add_kernel(const __grid_constant__ CUtensorMap map_x,
   uint8_t* buf = align_1024(raw);
   __shared__ uint64_t bar;
   const auto corner = box_corner<2>(p);
+  if (!load_one_box(buf, &bar, &map_x, corner, p)) return;
   if (threadIdx.x == 0) {
-    ptx::mbarrier_init(&bar, 1);
-    ptx::fence_mbarrier_init();
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    ptx::mbarrier_arrive_expect_tx(&bar, p.box_bytes);
-    ptx::tma_load(buf, &map_x, &bar, corner);
-    if (!wait_parity_bounded(&bar, 0, p.timeout_cycles)) {
-      atomicAdd(p.timeouts, 1);
-      return;
-    }
     ptx::tma_reduce_add_2d(&map_y, buf, corner.c[0], corner.c[1]);
     ptx::tma_store_commit_group();
     ptx::tma_store_wait_all<0>();
@@ -160,7 +145,7 @@ __global__ void tma_multicast_kernel(const __grid_constant__ CUtensorMap map_x,
   __syncthreads();
   dump_smem(p.images + static_cast<size_t>(rank) * size * p.box_bytes, slots, size * p.box_bytes);
   // No CTA may exit while a peer can still multicast into it.
-  ptx::cluster_sync();
+  cluster_sync_all();
 }
 
 struct PhaseParams {
@@ -191,7 +176,7 @@ __global__ void pipeline_phases_kernel(PhaseParams p) {
     auto write = make_producer_start_state<kStages>();
     for (int it = 0; it < p.iterations; ++it, ++write) {
       if (!pipeline.producer_acquire_bounded(write, p.timeout_cycles)) {
-        atomicAdd(p.timeouts, 1);
+        report_timeout(p.timeouts);
         return;
       }
       slots[write.index] = phase_test_value(it);
@@ -202,7 +187,7 @@ __global__ void pipeline_phases_kernel(PhaseParams p) {
     auto read = make_consumer_start_state<kStages>();
     for (int it = 0; it < p.iterations; ++it, ++read) {
       if (!pipeline.consumer_wait_bounded(read, p.timeout_cycles)) {
-        atomicAdd(p.timeouts, 1);
+        report_timeout(p.timeouts);
         return;
       }
       p.seen[consumer * p.iterations + it] = slots[read.index];
@@ -229,15 +214,6 @@ int total_boxes(const int* counts, int rank) {
   int n = 1;
   for (int i = 0; i < rank; ++i) n *= counts[i];
   return n;
-}
-
-template <class Kernel, class... Args>
-cudaError_t launch_plain(Kernel kernel, int blocks, int threads, uint32_t smem, cudaStream_t stream,
-                         Args... args) {
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return err;
-  kernel<<<blocks, threads, smem, stream>>>(args...);
-  return cudaGetLastError();
 }
 
 }  // namespace
@@ -270,22 +246,8 @@ cudaError_t launch_tma_multicast(const MulticastArgs& a, cudaStream_t stream) {
                           a.mode,           a.extra_tx_bytes,        a.box_bytes,
                           a.box_rows,       a.images,    a.timeouts,  a.timeout_cycles};
   const uint32_t smem = size * a.box_bytes + 1024;
-  cudaError_t err = cudaFuncSetAttribute(tma_multicast_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (err != cudaSuccess) return err;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = a.cluster_m;
-  cluster.val.clusterDim.y = a.cluster_n;
-  cluster.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(a.cluster_m, a.cluster_n, 1);
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
-  config.stream = stream;
-  config.attrs = &cluster;
-  config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, tma_multicast_kernel, *a.map_x, p);
+  return launch_one_cluster(tma_multicast_kernel, a.cluster_m, a.cluster_n, kThreads, smem, stream,
+                            *a.map_x, p);
 }
 
 cudaError_t launch_pipeline_phases(const PhaseArgs& a, cudaStream_t stream) {

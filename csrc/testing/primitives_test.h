@@ -68,4 +68,121 @@ struct PhaseArgs {
 };
 cudaError_t launch_pipeline_phases(const PhaseArgs& args, cudaStream_t stream);
 
+// Tensor maps edited on the device (grouped / ragged GEMM). CTA g copies `map_template` (a 2-D
+// map over `base`) to workspace[g], replaces its global address, dims and row stride with
+// group g's (groups[g] = element offset, rows, cols, row stride in elements), publishes it with
+// the tensormap proxy fences, TMA-loads the box at (0, 0) through it and dumps the
+// shared-memory image to images[g] (box_bytes each).
+struct TensormapReplaceArgs {
+  const CUtensorMap* map_template;
+  const uint8_t* base;
+  uint32_t element_bytes;
+  const int32_t* groups;  // [num_groups, 4]
+  int num_groups;
+  CUtensorMap* workspace;  // [num_groups], 64-byte aligned
+  uint32_t box_bytes;
+  uint8_t* images;
+  int32_t* timeouts;
+  uint64_t timeout_cycles;
+};
+cudaError_t launch_tensormap_replace(const TensormapReplaceArgs& args, cudaStream_t stream);
+
+// One producer warp copies `bytes` of `src` chunk by chunk through a PipelineCpAsync ring
+// (cp.async, the tail of the last chunk zero-filled) to `consumers` warps, which write each
+// chunk to dst (chunks * kCpAsyncChunkBytes bytes). `full_arrivals` is the full barriers'
+// count: 32 (the producer threads) is right; anything else must time out.
+constexpr uint32_t kCpAsyncChunkBytes = 2 * 32 * 16;  // two 16-byte copies per producer lane
+struct CpAsyncPipelineArgs {
+  int stages;  // 2 or 4
+  int consumers;
+  const uint8_t* src;
+  uint64_t bytes;
+  uint8_t* dst;
+  uint32_t full_arrivals;
+  int32_t* timeouts;
+  uint64_t timeout_cycles;
+};
+cudaError_t launch_cp_async_pipeline(const CpAsyncPipelineArgs& args, cudaStream_t stream);
+
+// Distributed shared memory: one cluster of `cluster_size` CTAs; CTA r st.async-stores
+// src[r] (words 32-bit words) into the inbox of CTA (r + 1) % size, completing on that CTA's
+// mbarrier, which expects words * 4 + extra_tx_bytes. Every CTA dumps its inbox to dst[r].
+struct DsmemRingArgs {
+  int cluster_size;  // 2 or 4
+  const uint32_t* src;  // [cluster_size, words]
+  int words;
+  uint32_t extra_tx_bytes;
+  uint32_t* dst;  // [cluster_size, words]
+  int32_t* timeouts;
+  uint64_t timeout_cycles;
+};
+cudaError_t launch_dsmem_ring(const DsmemRingArgs& args, cudaStream_t stream);
+
+// PipelineTmaAsync across a cluster of `cluster_size` CTAs. At iteration k CTA r TMA-loads
+// slice r of x tile k and multicasts it to every CTA, and loads its own y tile (r, k); its full
+// barrier expects the whole x tile plus the y tile. `consumers` warps per CTA copy the stage to
+// out[r, k] and release it in every CTA (empty barriers count consumers * cluster_size +
+// extra_empty_arrivals). CTA slow_cta's consumers sleep before reading. After its producer tail
+// each producer stores releases[r] (the releases targeted at CTA r so far) to tail_releases[r].
+struct TmaMulticastPipelineArgs {
+  const CUtensorMap* map_x;  // [iterations * cluster_size * slice_rows, cols], box slice rows
+  const CUtensorMap* map_y;  // [cluster_size * iterations * y_rows, cols], box y rows
+  int stages;                // 2, 3 or 4
+  int cluster_size;          // 2 or 4
+  int consumers;             // 1 or 2
+  int iterations;
+  int slice_rows;
+  int y_rows;
+  uint32_t slice_bytes;
+  uint32_t y_bytes;
+  int slow_cta;
+  uint32_t extra_empty_arrivals;
+  uint8_t* out;              // [cluster_size, iterations, stage bytes]
+  int32_t* releases;         // [cluster_size], zeroed before launch
+  int32_t* tail_releases;    // [cluster_size]
+  int32_t* timeouts;
+  uint64_t timeout_cycles;
+};
+cudaError_t launch_tma_multicast_pipeline(const TmaMulticastPipelineArgs& args,
+                                          cudaStream_t stream);
+
+// PipelineTmaStore: four warps fill a ring of `stages` tiles of kStoreTileRows x kStoreTileCols
+// int32 with store_pipeline_value(k, i); one thread TMA-stores buffer k to tile k of `map_out`.
+constexpr int kStoreTileRows = 32;
+constexpr int kStoreTileCols = 32;
+__host__ __device__ constexpr int32_t store_pipeline_value(int tile, int element) {
+  return tile * 65536 + element;
+}
+struct TmaStorePipelineArgs {
+  const CUtensorMap* map_out;  // int32 [iterations * kStoreTileRows, kStoreTileCols]
+  int stages;                  // 2 or 4
+  int iterations;
+};
+cudaError_t launch_tma_store_pipeline(const TmaStorePipelineArgs& args, cudaStream_t stream);
+
+// Two warpgroups hand a double buffer back and forth through named barriers; at iteration k
+// warpgroup k % 2 writes ping_pong_value(k, t) into slot t, the other one records slot
+// (t + 37 + k) % 128 in seen[k, t].
+__host__ __device__ constexpr int32_t ping_pong_value(int iteration, int slot) {
+  return iteration * 1000 + slot;
+}
+struct NamedBarrierArgs {
+  int iterations;
+  int32_t* seen;  // [iterations, 128]
+};
+cudaError_t launch_named_barrier_ping_pong(const NamedBarrierArgs& args, cudaStream_t stream);
+
+// OrderedBarrier<groups, 2>: each group (one warp) passes `passes` times through sections 0 and
+// 1; inside section d it reads counters[d], waits, appends its group id to log[d] at that
+// position and writes counters[d] + 1 back (deliberately not atomic).
+struct OrderedBarrierArgs {
+  int groups;  // 2 or 3
+  int passes;
+  int32_t* counters;  // [2]
+  int32_t* log;       // [2, groups * passes]
+  int32_t* timeouts;
+  uint64_t timeout_cycles;
+};
+cudaError_t launch_ordered_barrier(const OrderedBarrierArgs& args, cudaStream_t stream);
+
 }  // namespace jax_tma::testing

@@ -1,0 +1,121 @@
+// Epilogue through shared memory and TMA stores: one consumer warpgroup writes its 64 x kBlockN
+// accumulator block in chunks of 64 rows x 128 bytes (64 16-bit or 32 fp32 columns). Each chunk
+// is converted to the output type, written 128-byte swizzled into one of two staging buffers
+// (stmatrix for 16-bit outputs), and handed to a TMA store that clips it to D's bounds. The
+// stores run asynchronously: the warpgroup goes on to the next tile's mainloop while they
+// drain, and a buffer is rewritten only after the store two chunks earlier has read it.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "pipeline/named_barrier.cuh"
+#include "pipeline/pipeline_state.cuh"
+#include "pipeline/tma_store_pipeline.cuh"
+#include "ptx/stmatrix.cuh"
+#include "ptx/tma.cuh"
+
+namespace jax_tma {
+
+template <class Out>
+__device__ __forceinline__ uint32_t pack_pair(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t pack_pair<__half>(float lo, float hi) {
+  const __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+template <class Out, int kBlockN, int kBuffers>
+struct TmaStoreEpilogue {
+  static constexpr int kRows = 64;
+  static constexpr int kChunkCols = 128 / static_cast<int>(sizeof(Out));
+  static constexpr int kChunks = kBlockN / kChunkCols;
+  static constexpr uint32_t kChunkBytes = kRows * 128;
+  using StorePipeline = PipelineTmaStore<kBuffers>;
+  using State = typename StorePipeline::State;
+
+  struct SharedStorage {
+    alignas(1024) uint8_t buffer[kBuffers][kChunkBytes];
+  };
+
+  // Byte offset of 16-byte unit `unit` of row `row` in a 128-byte-swizzled chunk.
+  __device__ static uint32_t swizzled(int row, int unit) {
+    return static_cast<uint32_t>(row * 128 + ((unit ^ (row & 7)) << 4));
+  }
+
+  // Chunk `c` of the accumulators (layout: ptx/wgmma.cuh) into the staging buffer at `base`.
+  template <int c>
+  __device__ static void write_chunk(const float (&acc)[kBlockN / 2], uint32_t base) {
+    const int lane = threadIdx.x % 32;
+    const int warp = (threadIdx.x / 32) % 4;
+    if constexpr (sizeof(Out) == 2) {
+      // One stmatrix.x4 per 16 x 16 block: matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
+      // come from registers 8q + {0,1}, {2,3}, {4,5}, {6,7}; lane l addresses row l % 8 of
+      // matrix l / 8.
+      const int matrix = lane / 8;
+      const int row = 16 * warp + (matrix & 1) * 8 + (lane & 7);
+#pragma unroll
+      for (int qq = 0; qq < kChunkCols / 16; ++qq) {
+        const int q = c * (kChunkCols / 16) + qq;
+        ptx::stmatrix_x4(base + swizzled(row, 2 * qq + (matrix >> 1)),
+                         pack_pair<Out>(acc[8 * q + 0], acc[8 * q + 1]),
+                         pack_pair<Out>(acc[8 * q + 2], acc[8 * q + 3]),
+                         pack_pair<Out>(acc[8 * q + 4], acc[8 * q + 5]),
+                         pack_pair<Out>(acc[8 * q + 6], acc[8 * q + 7]));
+      }
+    } else {
+      // fp32: each thread owns two adjacent columns of rows r and r + 8 per 8-column block.
+      const int row = 16 * warp + lane / 4;
+      const int pair = lane % 4;
+#pragma unroll
+      for (int jj = 0; jj < kChunkCols / 8; ++jj) {
+        const int j = c * (kChunkCols / 8) + jj;
+        const int unit = 2 * jj + pair / 2;
+        const uint32_t inner = (pair & 1) * 8;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          ptx::st_shared_v2_f32(base + swizzled(row + 8 * h, unit) + inner, acc[4 * j + 2 * h],
+                                acc[4 * j + 2 * h + 1]);
+        }
+      }
+    }
+  }
+
+  // Stores the warpgroup's block with top-left corner (row0, col0) of D[z]. `barrier` spans
+  // the warpgroup; thread 0 of the warpgroup issues (and owns) every store.
+  template <int c = 0>
+  __device__ static void store(const float (&acc)[kBlockN / 2], SharedStorage& smem,
+                               const CUtensorMap* map_d, int row0, int col0, int z,
+                               const NamedBarrier& barrier, State& state) {
+    const bool issuer = threadIdx.x % 128 == 0;
+    if (issuer) StorePipeline::producer_acquire();
+    barrier.sync();  // the buffer's previous store has read it
+    uint8_t* buffer = smem.buffer[state.index];
+    write_chunk<c>(acc, ptx::smem_u32(buffer));
+    ptx::fence_proxy_async_shared();
+    barrier.sync();  // the whole chunk is visible to the TMA unit
+    if (issuer) {
+      ptx::tma_store(map_d, buffer, ptx::TmaCoord<3>{{col0 + c * kChunkCols, row0, z}});
+      StorePipeline::producer_commit();
+    }
+    ++state;
+    if constexpr (c + 1 < kChunks) {
+      store<c + 1>(acc, smem, map_d, row0, col0, z, barrier, state);
+    }
+  }
+
+  // Before the CTA exits: every store issued by this warpgroup has completed.
+  __device__ static void finish() {
+    if (threadIdx.x % 128 == 0) StorePipeline::producer_tail();
+  }
+};
+
+}  // namespace jax_tma

@@ -1,0 +1,19 @@
+// Instantiations of the sm90 GEMM for bf16 inputs and bf16 output, every compiled tile
+// configuration (one file per type pair, so they compile in parallel).
+#include "kernels/sm90_gemm.cuh"
+
+namespace jax_tma::sm90_gemm {
+
+#define JAX_TMA_INSTANTIATE(TILE) template cudaError_t launch<__nv_bfloat16, __nv_bfloat16, TILE>(const LaunchArgs&);
+
+JAX_TMA_INSTANTIATE(Tile128x256C2)
+JAX_TMA_INSTANTIATE(Tile128x256)
+JAX_TMA_INSTANTIATE(Tile128x128C2)
+JAX_TMA_INSTANTIATE(Tile128x128)
+JAX_TMA_INSTANTIATE(Tile64x128)
+JAX_TMA_INSTANTIATE(Tile128x128Direct)
+JAX_TMA_INSTANTIATE(Tile64x128Direct)
+
+#undef JAX_TMA_INSTANTIATE
+
+}  // namespace jax_tma::sm90_gemm

@@ -1,0 +1,52 @@
+"""ptxas resource report of the GEMM kernels: no spills, no local memory, and no serialized
+wgmma ("Potential Performance Loss"), which ptxas reports as information, not as a warning,
+so the build's -Werror cannot catch it. Compiles each instantiation file with nvcc -Xptxas=-v.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+KERNEL_FILES = sorted((ROOT / "csrc" / "kernels").glob("sm90_gemm_*.cu"))
+
+
+def _nvcc() -> str:
+    found = shutil.which("nvcc") or (
+        "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
+    )
+    if found is None:
+        if os.environ.get("JAX_TMA_REQUIRE_EXTENSION") == "1":
+            pytest.fail("nvcc not found")
+        pytest.skip("nvcc not found")
+    return found
+
+
+def test_instantiation_files_found():
+    assert len(KERNEL_FILES) == 4, KERNEL_FILES
+
+
+@pytest.mark.parametrize("source", KERNEL_FILES, ids=lambda p: p.name)
+def test_gemm_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_path):
+    result = subprocess.run(
+        [
+            _nvcc(), "-c", str(source), "-o", str(tmp_path / "k.o"), f"-I{ROOT / 'csrc'}",
+            "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
+            "-Xptxas=-v",
+        ],
+        capture_output=True, text=True, check=False,
+    )
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, report[-4000:]
+    entries = re.findall(r"Compiling entry function '(\w+)'", report)
+    assert len(entries) == 7, report[-4000:]
+    assert "Potential Performance Loss" not in report, report[-4000:]
+    spills = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert len(spills) == len(entries)
+    assert all(s == ("0", "0", "0") for s in spills), spills
