@@ -72,3 +72,65 @@ def relative_error(x, ref) -> float:
     ref = np.asarray(ref, dtype=np.float64)
     denom = np.linalg.norm(ref)
     return float(np.linalg.norm(x - ref) / (denom if denom > 0 else 1.0))
+
+
+# ------------------------------------------------------------------ kernel-time comparison
+
+def _cupti_measure():
+    """jax's CUPTI-based kernel timer (sums the durations of every kernel a call launches), or
+    None where it is unavailable (no GPU, or a jax without the Mosaic GPU extension)."""
+    try:
+        from jax.experimental.mosaic.gpu import profiler
+    except Exception:  # noqa: BLE001 - any import failure means "not available"
+        return None
+    if getattr(profiler, "mosaic_gpu_lib", None) is None:
+        return None
+    return profiler.measure
+
+
+def timing_method() -> str:
+    """'cupti' (device kernel durations) on a CUDA device where jax supports it, else 'wall'."""
+    on_gpu = jax.default_backend() == "gpu"
+    return "cupti" if on_gpu and _cupti_measure() is not None else "wall"
+
+
+def compare(
+    contenders: dict[str, Callable[..., jax.Array]],
+    operand_sets: Sequence[tuple[jax.Array, ...]],
+    *,
+    rounds: int = 5,
+    iterations: int = 3,
+) -> dict[str, Timing]:
+    """Time of one product for every contender, measured the same way in one run.
+
+    Each contender evaluates every operand set (rotated over distinct buffers, so repeated
+    calls do not run out of L2) inside one jit. Rounds alternate between contenders, the order
+    rotating each round, so clock and temperature drift hit all of them alike. On a GPU the
+    time is the sum of the durations of the kernels each call launches (CUPTI); elsewhere it is
+    wall time. Returns the median per product and half the min-max spread over all samples.
+    """
+    sets = list(operand_sets)
+    jitted = {
+        name: jax.jit(lambda s, fn=fn: [fn(*ops) for ops in s]) for name, fn in contenders.items()
+    }
+    for fn in jitted.values():  # compile and warm up
+        jax.block_until_ready(fn(sets))
+    measure = _cupti_measure() if timing_method() == "cupti" else None
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    names = list(contenders)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            fn = jitted[name]
+            if measure is not None:
+                _, per_iter_ms = measure(fn, iterations=iterations)(sets)
+                per_iter_ms = per_iter_ms if isinstance(per_iter_ms, list) else [per_iter_ms]
+                samples[name] += [ms * 1e-3 / len(sets) for ms in per_iter_ms]
+            else:
+                for _ in range(iterations):
+                    start = time.perf_counter()
+                    jax.block_until_ready(fn(sets))
+                    samples[name].append((time.perf_counter() - start) / len(sets))
+    return {
+        name: Timing(statistics.median(s), (max(s) - min(s)) / 2, len(s))
+        for name, s in samples.items()
+    }

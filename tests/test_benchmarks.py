@@ -27,3 +27,22 @@ def test_benchmark_dry_run(script, tmp_path):
     assert report["dry_run"] and report["results"]
     if not _ext.kernel_status().available:
         assert "kernel path unavailable" in result.stdout
+
+
+def test_bench_gemm_dry_run():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_gemm.py"), "--dry-run"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )
+    assert result.returncode == 0, result.stderr
+    for shape in ("64×64×64", "7×129×72"):
+        assert f"| {shape} |" in result.stdout, result.stdout
+    assert "geometric mean of the ratio" in result.stdout
+
+
+def test_bench_gemm_rejects_bad_shapes():
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "bench_gemm.py"), "--dry-run", "--shapes", "4,4"],
+        capture_output=True, text=True, timeout=600, cwd=REPO,
+    )
+    assert result.returncode == 2 and "M,N,K triples" in result.stderr
