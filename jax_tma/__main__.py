@@ -65,8 +65,10 @@ def main() -> None:
     err64 = _timing.relative_error(np.asarray(out[: small[0], : small[1]]), a64 @ b64)
     print(f"check first {small[0]}x{small[1]} block vs float64 reference: rel. error {err64:.2e}")
 
-    t_ours = _timing.time_products(ours, sets)
-    t_xla = _timing.time_products(xla, sets)
+    timings = _timing.compare({"jax_tma": ours, "xla": xla}, sets)
+    t_ours, t_xla = timings["jax_tma"], timings["xla"]
+    print(f"timing: {_timing.timing_method()} (median per product, {t_ours.samples} samples, "
+          f"rounds alternating between the two)")
     f_ours, f_xla = _timing.tflops(m, n, k, t_ours.median_s), _timing.tflops(m, n, k, t_xla.median_s)
     print(f"jax_tma.matmul: {t_ours.median_s * 1e6:10.1f} us  {f_ours:7.1f} TFLOP/s")
     print(f"XLA dot:        {t_xla.median_s * 1e6:10.1f} us  {f_xla:7.1f} TFLOP/s")

@@ -134,28 +134,33 @@ def check_config(config: GemmConfig, m: int, n: int, k: int, out_dtype) -> None:
         )
 
 
-# Relative wgmma throughput of one CTA per tile shape: two consumer warpgroups on a wide tile
-# keep the tensor cores busiest; one warpgroup (block_m=64) leaves them idle about half the time.
-_TILE_EFFICIENCY = {(128, 256): 1.0, (128, 128): 0.9, (64, 128): 0.55}
+# Constants of the cost model, fitted to a sweep of every configuration on an H200
+# (benchmarks/bench_gemm.py --sweep). Relative wgmma throughput of one CTA per tile shape: two
+# consumer warpgroups on a wide tile keep the tensor cores busiest, one (block_m=64) far less.
+_TILE_EFFICIENCY = {(128, 256): 1.0, (128, 128): 0.9, (64, 128): 0.4}
 _PEAK_FLOPS_PER_SM = 989e12 / 132
-_MEMORY_BYTES_PER_S = 3.0e12
-_SPLIT_FIXED_S = 3e-6  # the extra reduction kernel
+# Streaming operands: about 40 GB/s per busy CTA, at most about 4 TB/s in all.
+_MEMORY_BYTES_PER_S = 4.0e12
+_MEMORY_BYTES_PER_S_PER_CTA = 40e9
+_SPLIT_FIXED_S = 1e-6  # the extra reduction kernel
 _SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
 def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
                      out_bytes: int = 2) -> float:
     """Cost model behind default_config: waves of tiles times the time of one tile (its K
-    range at the tile shape's wgmma efficiency), or the operands' memory traffic if that takes
-    longer, plus the split-K partial products' round trip through memory."""
+    range at the tile shape's wgmma efficiency), or the operands' memory traffic at the
+    bandwidth the busy CTAs can pull if that takes longer, plus the split-K partial products'
+    round trip through memory."""
     splits = config.splits_for(k)
-    tiles = math.ceil(m / config.block_m) * math.ceil(n / config.block_n)
-    waves = math.ceil(tiles * splits / num_sms)
+    units = math.ceil(m / config.block_m) * math.ceil(n / config.block_n) * splits
+    waves = math.ceil(units / num_sms)
     k_per_split = math.ceil(math.ceil(k / BLOCK_K) / splits) * BLOCK_K
     tile_s = (2 * config.block_m * config.block_n * k_per_split) / (
         _PEAK_FLOPS_PER_SM * _TILE_EFFICIENCY[(config.block_m, config.block_n)]
     )
-    memory_s = (2 * (m * k + k * n) + out_bytes * m * n) / _MEMORY_BYTES_PER_S
+    bandwidth = min(_MEMORY_BYTES_PER_S, min(units, num_sms) * _MEMORY_BYTES_PER_S_PER_CTA)
+    memory_s = (2 * (m * k + k * n) + out_bytes * m * n) / bandwidth
     split_s = 0.0 if splits == 1 else _SPLIT_FIXED_S + 8 * splits * m * n / _MEMORY_BYTES_PER_S
     return max(waves * tile_s, memory_s) + split_s
 
@@ -167,14 +172,15 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
     Every compiled tile with every split-K choice is scored by ``estimate_seconds`` (waves,
     last-wave utilization and tile efficiency, or memory traffic for skinny problems); among
     equal scores the deeper pipeline wins, then the cluster of 2 (B multicast), which halves
-    the L2 traffic of B whenever both CTAs of a cluster have a tile.
+    the L2 traffic of B whenever both CTAs of a cluster have a tile. Split-K runs without
+    clusters: measured, the cluster's lockstep only slows its short K ranges down.
     """
     out_bytes = jnp.dtype(out_dtype).itemsize
     best, best_key = None, None
     for tile in COMPILED_CONFIGS:
         for split_k in _SPLIT_CHOICES:
             cfg = dataclasses.replace(tile, split_k=split_k)
-            if split_k > 1 and cfg.splits_for(k) != split_k:
+            if split_k > 1 and (cfg.splits_for(k) != split_k or cfg.cluster_m > 1):
                 continue
             try:
                 check_config(cfg, m, n, k, out_dtype)
