@@ -117,20 +117,20 @@ ffi::Error run_tile(DType in, DType out, const ffi::AnyBuffer& a, const ffi::Any
   return ffi_util::cuda_error(launch_in<Tile>(in, out, args), "jax_tma gemm launch");
 }
 
-// run_tile for the configuration `choice` names, searched in the compiled list.
-template <class Tile, class... Rest>
+// run_tile for the compiled configuration that `choice` names.
 ffi::Error dispatch(const TileChoice& choice, DType in, DType out, const ffi::AnyBuffer& a,
                     const ffi::AnyBuffer& b, void* d, const LaunchArgs& args) {
-  if (tile_matches<Tile>(choice)) return run_tile<Tile>(in, out, a, b, d, args);
-  if constexpr (sizeof...(Rest) > 0) {
-    return dispatch<Rest...>(choice, in, out, a, b, d, args);
-  } else {
-    return ffi::Error::InvalidArgument(
-        "jax_tma gemm: no compiled configuration with block_m=" + std::to_string(choice.block_m) +
-        ", block_n=" + std::to_string(choice.block_n) + ", stages=" +
-        std::to_string(choice.stages) + ", cluster_m=" + std::to_string(choice.cluster_m) +
-        ", epilogue=" + std::to_string(choice.epilogue));
+#define JAX_TMA_TRY_TILE(TILE)                             \
+  if (tile_matches<sm90_gemm::TILE>(choice)) {             \
+    return run_tile<sm90_gemm::TILE>(in, out, a, b, d, args); \
   }
+  JAX_TMA_SM90_GEMM_TILES(JAX_TMA_TRY_TILE)
+#undef JAX_TMA_TRY_TILE
+  return ffi::Error::InvalidArgument(
+      "jax_tma gemm: no compiled configuration with block_m=" + std::to_string(choice.block_m) +
+      ", block_n=" + std::to_string(choice.block_n) + ", stages=" +
+      std::to_string(choice.stages) + ", cluster_m=" + std::to_string(choice.cluster_m) +
+      ", epilogue=" + std::to_string(choice.epilogue));
 }
 
 ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
@@ -199,9 +199,7 @@ ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi:
                 static_cast<int>(splits), static_cast<int>(per_split), n};
   args.num_sms = info.num_sms;
   args.stream = stream;
-  return dispatch<sm90_gemm::Tile128x256C2, sm90_gemm::Tile128x256, sm90_gemm::Tile128x128C2,
-                  sm90_gemm::Tile128x128, sm90_gemm::Tile64x128, sm90_gemm::Tile128x128Direct,
-                  sm90_gemm::Tile64x128Direct>(choice, in, out, a, b, d.untyped_data(), args);
+  return dispatch(choice, in, out, a, b, d.untyped_data(), args);
 }
 
 ffi::Error gemm_sm90_out(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,

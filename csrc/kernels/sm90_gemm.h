@@ -81,6 +81,17 @@ using Tile64x128 = TileConfig<64, 128, 8, 1, EpilogueKind::kTmaStore>;
 using Tile128x128Direct = TileConfig<128, 128, 6, 1, EpilogueKind::kDirect>;
 using Tile64x128Direct = TileConfig<64, 128, 8, 1, EpilogueKind::kDirect>;
 
+// The list above as an X-macro: the instantiation files and the dispatcher in ffi/gemm.cc
+// expand it, so a configuration is added in one place.
+#define JAX_TMA_SM90_GEMM_TILES(X) \
+  X(Tile128x256C2)                 \
+  X(Tile128x256)                   \
+  X(Tile128x128C2)                 \
+  X(Tile128x128)                   \
+  X(Tile64x128)                    \
+  X(Tile128x128Direct)             \
+  X(Tile64x128Direct)
+
 struct GemmShape {
   int m, n, k;
   int splits;               // K ranges, one partial product each (D's outer dimension)

@@ -10,51 +10,25 @@
 
 #include <cstdint>
 
-#include "pipeline/barrier_wait.cuh"
-#include "pipeline/pipeline_state.cuh"
+#include "pipeline/barrier_ring.cuh"
 #include "ptx/mbarrier.cuh"
 
 namespace jax_tma {
 
 template <int kStages>
-struct PipelineAsync {
-  using State = PipelineState<kStages>;
-
-  struct SharedStorage {
-    uint64_t full[kStages];
-    uint64_t empty[kStages];
-  };
-
-  SharedStorage& storage;
+struct PipelineAsync : BarrierRing<kStages> {
+  using Ring = BarrierRing<kStages>;
+  using typename Ring::SharedStorage;
+  using typename Ring::State;
+  using Ring::Ring;
 
   __device__ static void init(SharedStorage& s, uint32_t producer_arrivals,
                               uint32_t consumer_arrivals) {
-#pragma unroll
-    for (int i = 0; i < kStages; ++i) {
-      ptx::mbarrier_init(&s.full[i], producer_arrivals);
-      ptx::mbarrier_init(&s.empty[i], consumer_arrivals);
-    }
+    Ring::init(s, producer_arrivals, consumer_arrivals);
   }
 
-  __device__ void producer_acquire(const State& s) { wait_parity(&storage.empty[s.index], s.phase); }
-  __device__ bool producer_acquire_bounded(const State& s, uint64_t max_cycles) {
-    return wait_parity_bounded(&storage.empty[s.index], s.phase, max_cycles);
-  }
-  __device__ void producer_commit(const State& s) { ptx::mbarrier_arrive(&storage.full[s.index]); }
-
-  __device__ void consumer_wait(const State& s) { wait_parity(&storage.full[s.index], s.phase); }
-  __device__ bool consumer_wait_bounded(const State& s, uint64_t max_cycles) {
-    return wait_parity_bounded(&storage.full[s.index], s.phase, max_cycles);
-  }
-  __device__ void consumer_release(const State& s) { ptx::mbarrier_arrive(&storage.empty[s.index]); }
-
-  // Producer, before exit: every stage it committed has been released.
-  __device__ void producer_tail(State s) {
-#pragma unroll 1
-    for (int i = 0; i < kStages; ++i) {
-      producer_acquire(s);
-      ++s;
-    }
+  __device__ void producer_commit(const State& s) {
+    ptx::mbarrier_arrive(&this->storage.full[s.index]);
   }
 };
 
