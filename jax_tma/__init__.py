@@ -3,13 +3,16 @@
 Importing the package registers the kernels' XLA FFI targets for the CUDA platform.
 
 Public API:
-  matmul(a, b, *, out_dtype=None, config=None): ``jnp.matmul`` on the TMA/wgmma kernel.
+  dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,
+    out_sharding=None): ``lax.dot_general`` on the TMA/wgmma kernel, with jvp, transpose,
+    vmap and sharding rules (a drop-in ``dot_general=`` for Flax layers).
+  matmul(a, b, *, out_dtype=None, config=None): ``jnp.matmul`` on the same kernel.
   GemmConfig: a compiled tile configuration to pass as ``config=``.
   kernel_status(): whether the kernels run on the default backend, and why not.
 """
 
 from jax_tma._ext import KernelStatus, kernel_status
-from jax_tma.gemm import COMPILED_CONFIGS, GemmConfig, default_config, matmul
+from jax_tma.gemm import COMPILED_CONFIGS, GemmConfig, default_config, dot_general, matmul
 
 __version__ = "0.1.0"
 
@@ -18,6 +21,7 @@ __all__ = [
     "GemmConfig",
     "KernelStatus",
     "default_config",
+    "dot_general",
     "kernel_status",
     "matmul",
 ]

@@ -17,11 +17,19 @@ import numpy as np
 from jax_tma import gemm
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
-def gemm_poisoned(a: jax.Array, b: jax.Array, out_dtype, config: gemm.GemmConfig | None = None):
-    """Kernel result of ``a @ b`` as out_dtype, written over NaN-filled buffers (the output, or
-    the split-K partial products), so that any element the kernel skips shows up as NaN."""
-    return gemm._kernel_call(a, b, out_dtype=jax.numpy.dtype(out_dtype), config=config, poison=True)
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "dimension_numbers"))
+def gemm_poisoned(a: jax.Array, b: jax.Array, out_dtype, config: gemm.GemmConfig | None = None,
+                  dimension_numbers=(((1,), (0,)), ((), ()))):
+    """Kernel result of ``dot_general(a, b, dimension_numbers)`` as out_dtype (by default
+    ``a @ b``), written over NaN-filled buffers (the output, or the split-K partial products),
+    so that any element the kernel skips shows up as NaN. Raises ValueError when the kernel
+    cannot read the operands in place."""
+    out_dtype = jnp.dtype(out_dtype)
+    plan = gemm.kernel_plan(a, b, dimension_numbers, out_dtype)
+    if plan is None:
+        raise ValueError(f"jax_tma: no kernel plan for {a.shape} x {b.shape}, {dimension_numbers}")
+    return gemm._kernel_call(a, b, plan=plan, dimension_numbers=dimension_numbers,
+                             out_dtype=out_dtype, config=config, poison=True)
 
 
 # ---------------------------------------------------------------- primitive test kernels

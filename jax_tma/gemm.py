@@ -1,16 +1,24 @@
-"""GEMM on Hopper: ``jax_tma.matmul`` and the primitive behind it.
+"""GEMM on Hopper: ``jax_tma.dot_general``, ``jax_tma.matmul`` and the primitive behind them.
 
-``matmul(a, b)`` computes ``a @ b`` with the same result dtype, shape and errors as
-``jnp.matmul``. 2-D bf16 or fp16 operands of one dtype, with K a multiple of 8, bind the
-``jax_tma_gemm`` primitive; everything else goes straight to ``jnp.matmul``. The primitive
-lowers to XLA's dot on every platform, and on CUDA to the ``jax_tma_gemm_sm90`` FFI kernel
-(TMA loads into 128B-swizzled shared memory, an mbarrier pipeline, wgmma with fp32
-accumulation) when the kernel can run there.
+``dot_general(lhs, rhs, dimension_numbers, ...)`` has the results, dtypes and errors of
+``lax.dot_general``. Operands of one 16-bit float type (bf16 or fp16) with an output of that
+type or fp32 bind the ``jax_tma_dot_general`` primitive; everything else goes straight to
+``lax.dot_general``. The primitive carries its own rules:
+
+- JVP by bilinearity and transposes that bind the same primitive with other dimension numbers,
+  so the backward pass of ``x @ w`` is two more kernels reading x, w and the cotangent in
+  place (transposed operands are strides of the kernel, never copies);
+- a batching rule that adds vmapped axes to the batch (both operands mapped) or to the free
+  dimensions of the mapped operand, which the kernel folds into M or its batch axis;
+- sharding through ``custom_partitioning`` (jax_tma/gemm_sharding.py), in the path on every
+  platform.
+
+It lowers to XLA's dot everywhere, and on CUDA to the ``jax_tma_gemm_sm90`` FFI kernel when the
+operands can be read in place (jax_tma/gemm_plan.py) and the kernel can run there.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from typing import Any
@@ -20,182 +28,28 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
-from jax.interpreters import mlir
+from jax._src import dispatch
+from jax.interpreters import ad, batching, mlir
 
-from jax_tma import _ext
+from jax_tma import _ext, gemm_plan, gemm_sharding
+from jax_tma.gemm_config import (  # noqa: F401 - re-exported: the gemm module's public names
+    BLOCK_K,
+    COMPILED_CONFIGS,
+    DEFAULT_NUM_SMS,
+    KERNEL_INPUT_DTYPES,
+    MAX_SPLIT_K,
+    STRIDE_ELEMS,
+    GemmConfig,
+    check_config,
+    default_config,
+    estimate_seconds,
+    kernel_output_dtypes,
+    tma_store_aligned,
+)
+from jax_tma.gemm_config import _EPILOGUE_DIRECT, _EPILOGUE_TMA_STORE
+from jax_tma.gemm_plan import DimensionNumbers, GemmPlan
 
 KERNEL_TARGET = "jax_tma_gemm_sm90"
-KERNEL_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# TMA needs 16-byte global strides: K (row length of a) and the row length of b, which the
-# lowering pads to this multiple when N is not one.
-STRIDE_ELEMS = 8
-BLOCK_K = 64
-DEFAULT_NUM_SMS = 132
-# (block_m, block_n, stages, cluster_m, has a direct-store variant) of the TileConfig
-# instantiations in csrc/kernels/sm90_gemm.h.
-_COMPILED_TILES = (
-    (128, 256, 4, 2, False),
-    (128, 256, 4, 1, False),
-    (128, 128, 6, 2, False),
-    (128, 128, 6, 1, True),
-    (64, 128, 8, 1, True),
-)
-_TILE_KEYS = {t[:4]: t[4] for t in _COMPILED_TILES}
-MAX_SPLIT_K = 16
-# EpilogueKind (csrc/kernels/sm90_gemm.h).
-_EPILOGUE_TMA_STORE, _EPILOGUE_DIRECT = 0, 1
-
-
-def kernel_output_dtypes(in_dtype) -> tuple:
-    """Output dtypes the kernel writes for inputs of `in_dtype`: the input type or fp32."""
-    return (jnp.dtype(in_dtype), jnp.dtype(jnp.float32))
-
-
-@dataclasses.dataclass(frozen=True)
-class GemmConfig:
-    """One compiled configuration of the sm90 GEMM kernel.
-
-    Attributes:
-      block_m: rows of the CTA tile: 128 (two consumer warpgroups of 64 rows) or 64 (one).
-      block_n: columns of the CTA tile.
-      stages: depth of the TMA -> wgmma shared-memory ring (K slices of 64).
-      cluster_m: CTAs per cluster along M. With 2, the CTAs of a cluster compute vertically
-        adjacent tiles and multicast the shared B slice to each other.
-      split_k: how many K ranges the product is split into (1: none). Each range writes an fp32
-        partial product; the partial products are summed in a fixed order (deterministic).
-        At most this many ranges are used, so that none is empty.
-    """
-
-    block_m: int = 128
-    block_n: int = 256
-    stages: int = 4
-    cluster_m: int = 2
-    split_k: int = 1
-
-    def __post_init__(self) -> None:
-        if self.tile not in _TILE_KEYS:
-            choices = "; ".join(
-                f"block_m={bm}, block_n={bn}, stages={st}, cluster_m={cm}"
-                for bm, bn, st, cm, _ in _COMPILED_TILES
-            )
-            raise ValueError(
-                f"jax_tma: GemmConfig({self.describe()}) is not a compiled configuration; "
-                f"choose one of: {choices}"
-            )
-        if not (isinstance(self.split_k, int) and 1 <= self.split_k <= MAX_SPLIT_K):
-            raise ValueError(
-                f"jax_tma: GemmConfig split_k must be an int in [1, {MAX_SPLIT_K}], "
-                f"got {self.split_k!r}"
-            )
-
-    @property
-    def tile(self) -> tuple[int, int, int, int]:
-        return (self.block_m, self.block_n, self.stages, self.cluster_m)
-
-    @property
-    def has_direct_store(self) -> bool:
-        """Whether this tile is also compiled with the epilogue for unaligned output rows."""
-        return _TILE_KEYS[self.tile]
-
-    def splits_for(self, k: int) -> int:
-        """K ranges actually used for a depth of k: at most split_k, none of them empty."""
-        k_blocks = -(-k // BLOCK_K)
-        per_split = -(-k_blocks // min(self.split_k, k_blocks))
-        return -(-k_blocks // per_split)
-
-    def describe(self) -> str:
-        return (
-            f"block_m={self.block_m}, block_n={self.block_n}, stages={self.stages}, "
-            f"cluster_m={self.cluster_m}, split_k={self.split_k}"
-        )
-
-
-COMPILED_CONFIGS: tuple[GemmConfig, ...] = tuple(
-    GemmConfig(bm, bn, st, cm) for bm, bn, st, cm, _ in _COMPILED_TILES
-)
-
-
-def tma_store_aligned(n: int, out_dtype) -> bool:
-    """Whether rows of an [M, n] output are 16-byte multiples, as TMA stores need."""
-    return (n * jnp.dtype(out_dtype).itemsize) % 16 == 0
-
-
-def check_config(config: GemmConfig, m: int, n: int, k: int, out_dtype) -> None:
-    """Raises ValueError when `config` cannot compute an M x N x K product into out_dtype."""
-    # Split-K writes fp32 partial products; otherwise the kernel writes out_dtype.
-    stored = jnp.float32 if config.splits_for(k) > 1 else out_dtype
-    if not tma_store_aligned(n, stored) and not config.has_direct_store:
-        itemsize = jnp.dtype(stored).itemsize
-        raise ValueError(
-            f"jax_tma: GemmConfig({config.describe()}) stores through TMA, which needs output "
-            f"rows of a multiple of 16 bytes; a ({m}, {n}) output of {jnp.dtype(stored).name} "
-            f"has {n * itemsize}-byte rows. Use a tile compiled with the direct-store epilogue "
-            "(block_m=64, or block_m=128, block_n=128, cluster_m=1)"
-        )
-
-
-# Constants of the cost model, fitted to a sweep of every configuration on an H200
-# (benchmarks/bench_gemm.py --sweep). Relative wgmma throughput of one CTA per tile shape: two
-# consumer warpgroups on a wide tile keep the tensor cores busiest, one (block_m=64) far less.
-_TILE_EFFICIENCY = {(128, 256): 1.0, (128, 128): 0.9, (64, 128): 0.4}
-_PEAK_FLOPS_PER_SM = 989e12 / 132
-# Streaming operands: about 40 GB/s per busy CTA, at most about 4 TB/s in all.
-_MEMORY_BYTES_PER_S = 4.0e12
-_MEMORY_BYTES_PER_S_PER_CTA = 40e9
-_SPLIT_FIXED_S = 1e-6  # the extra reduction kernel
-_SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
-
-
-def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
-                     out_bytes: int = 2) -> float:
-    """Cost model behind default_config: waves of tiles times the time of one tile (its K
-    range at the tile shape's wgmma efficiency), or the operands' memory traffic at the
-    bandwidth the busy CTAs can pull if that takes longer, plus the split-K partial products'
-    round trip through memory."""
-    splits = config.splits_for(k)
-    units = math.ceil(m / config.block_m) * math.ceil(n / config.block_n) * splits
-    waves = math.ceil(units / num_sms)
-    k_per_split = math.ceil(math.ceil(k / BLOCK_K) / splits) * BLOCK_K
-    tile_s = (2 * config.block_m * config.block_n * k_per_split) / (
-        _PEAK_FLOPS_PER_SM * _TILE_EFFICIENCY[(config.block_m, config.block_n)]
-    )
-    bandwidth = min(_MEMORY_BYTES_PER_S, min(units, num_sms) * _MEMORY_BYTES_PER_S_PER_CTA)
-    memory_s = (2 * (m * k + k * n) + out_bytes * m * n) / bandwidth
-    split_s = 0.0 if splits == 1 else _SPLIT_FIXED_S + 8 * splits * m * n / _MEMORY_BYTES_PER_S
-    return max(waves * tile_s, memory_s) + split_s
-
-
-def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
-                   out_dtype=jnp.bfloat16) -> GemmConfig:
-    """Picks a configuration for an M x N x K problem.
-
-    Every compiled tile with every split-K choice is scored by ``estimate_seconds`` (waves,
-    last-wave utilization and tile efficiency, or memory traffic for skinny problems); among
-    equal scores the deeper pipeline wins, then the cluster of 2 (B multicast), which halves
-    the L2 traffic of B whenever both CTAs of a cluster have a tile. Split-K runs without
-    clusters: measured, the cluster's lockstep only slows its short K ranges down.
-    """
-    out_bytes = jnp.dtype(out_dtype).itemsize
-    best, best_key = None, None
-    for tile in COMPILED_CONFIGS:
-        for split_k in _SPLIT_CHOICES:
-            cfg = dataclasses.replace(tile, split_k=split_k)
-            if split_k > 1 and (cfg.splits_for(k) != split_k or cfg.cluster_m > 1):
-                continue
-            try:
-                check_config(cfg, m, n, k, out_dtype)
-            except ValueError:
-                continue
-            multicast = cfg.cluster_m > 1 and math.ceil(m / cfg.block_m) >= cfg.cluster_m
-            key = (
-                round(estimate_seconds(cfg, m, n, k, num_sms, out_bytes), 9),
-                -cfg.stages,
-                -int(multicast),
-                cfg.split_k,
-            )
-            if best_key is None or key < best_key:
-                best, best_key = cfg, key
-    return best
 
 
 def _num_sms() -> int:
@@ -203,101 +57,317 @@ def _num_sms() -> int:
     return int(getattr(devices[0], "core_count", DEFAULT_NUM_SMS)) if devices else DEFAULT_NUM_SMS
 
 
+def output_shape(lhs_shape, rhs_shape, dimension_numbers: DimensionNumbers) -> tuple[int, ...]:
+    """Shape of ``dot_general``: batch dims, then lhs free dims, then rhs free dims."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lhs_free = [d for i, d in enumerate(lhs_shape) if i not in lc and i not in lb]
+    rhs_free = [d for i, d in enumerate(rhs_shape) if i not in rc and i not in rb]
+    return (*(lhs_shape[i] for i in lb), *lhs_free, *rhs_free)
+
+
+def kernel_plan(lhs_aval, rhs_aval, dimension_numbers: DimensionNumbers, out_dtype) -> GemmPlan | None:
+    """The kernel's view of this product, or None when it runs through XLA (dtypes the kernel
+    does not take, an empty product, or operands that cannot be read in place)."""
+    in_dtype = jnp.dtype(lhs_aval.dtype)
+    if jnp.dtype(rhs_aval.dtype) != in_dtype or in_dtype not in KERNEL_INPUT_DTYPES:
+        return None
+    if jnp.dtype(out_dtype) not in kernel_output_dtypes(in_dtype):
+        return None
+    return gemm_plan.plan(lhs_aval.shape, rhs_aval.shape, dimension_numbers)
+
+
+def out_strides(plan: GemmPlan) -> tuple[int, ...]:
+    """Strides of D (elements) that a TMA store steps by: rows, and batch entries where there
+    is more than one. (Split-K partial products lie batch * M * N apart, a multiple of these.)"""
+    strides = [plan.d_m_stride]
+    if plan.batch > 1:
+        strides.append(plan.d_batch_stride)
+    return tuple(strides)
+
+
+def config_for(plan: GemmPlan, out_dtype, config: GemmConfig | None) -> GemmConfig:
+    """`config`, checked against the product, or the heuristic's choice."""
+    out_dtype = jnp.dtype(out_dtype)
+    if config is None:
+        return default_config(plan.m, plan.n, plan.k, _num_sms(), out_dtype, batch=plan.batch,
+                              out_strides=out_strides(plan))
+    check_config(config, plan.m, plan.n, plan.k, out_dtype, out_strides(plan))
+    return config
+
+
 # --------------------------------------------------------------------------------------
-# The primitive: a[M, K] @ b[K, N] -> [M, N] of out_dtype.
+# The primitive.
 
-gemm_p = Primitive("jax_tma_gemm")
-
-
-def _gemm_abstract_eval(a, b, *, out_dtype, config):
-    del config
-    return jax.core.ShapedArray((a.shape[0], b.shape[1]), out_dtype)
+dot_general_p = Primitive("jax_tma_dot_general")
 
 
-def _reference(a, b, *, out_dtype, config):
-    del config
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=out_dtype)
+def _abstract_eval(lhs, rhs, *, dimension_numbers, out_dtype, config, local):
+    del config, local
+    return jax.core.ShapedArray(output_shape(lhs.shape, rhs.shape, dimension_numbers), out_dtype)
+
+
+def _reference(lhs, rhs, *, dimension_numbers, out_dtype, config, local):
+    del config, local
+    return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=out_dtype)
 
 
 @functools.cache
-def _jitted_bind(out_dtype, config):
-    return jax.jit(functools.partial(gemm_p.bind, out_dtype=out_dtype, config=config))
+def _jitted_bind(**params):
+    return jax.jit(functools.partial(dot_general_p.bind, **params))
 
 
-def _gemm_impl(a, b, *, out_dtype, config):
-    return _jitted_bind(out_dtype, config)(a, b)
+def _impl(lhs, rhs, **params):
+    return _jitted_bind(**params)(lhs, rhs)
 
 
-def _kernel_call(a, b, *, out_dtype, config, poison=False):
-    """The FFI call: pads b's rows to a 16-byte multiple, runs the kernel, and sums split-K
-    partial products. With `poison`, the kernel writes over NaN-filled buffers (tests)."""
-    m, k = a.shape
-    n = b.shape[1]
-    pad = (-n) % STRIDE_ELEMS
-    if pad:
-        b = jnp.pad(b, ((0, 0), (0, pad)))
-    cfg = config or default_config(m, n, k, _num_sms(), out_dtype)
-    check_config(cfg, m, n, k, out_dtype)
-    splits = cfg.splits_for(k)
-    d_dtype = jnp.dtype(jnp.float32) if splits > 1 else jnp.dtype(out_dtype)
-    d_shape = (splits, m, n) if splits > 1 else (m, n)
-    aligned = tma_store_aligned(n, d_dtype)
+def _pad(x: jax.Array, view: gemm_plan.OperandView) -> jax.Array:
+    if not view.pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[view.pad_axis] = (0, view.pad)
+    return jnp.pad(x, widths)
+
+
+def _kernel_call(lhs, rhs, *, plan: GemmPlan, dimension_numbers, out_dtype, config, poison=False):
+    """The FFI call for `plan`: pads rows that are not 16-byte multiples, runs the kernel and
+    sums split-K partial products. With `poison`, the kernel writes over NaN-filled buffers
+    (tests)."""
+    out_dtype = jnp.dtype(out_dtype)
+    out_shape = output_shape(lhs.shape, rhs.shape, dimension_numbers)
+    lhs, rhs = _pad(lhs, plan.lhs), _pad(rhs, plan.rhs)
+    cfg = config_for(plan, out_dtype, config)
+    splits = cfg.splits_for(plan.k)
+    d_dtype = jnp.dtype(jnp.float32) if splits > 1 else out_dtype
+    out_size = math.prod(out_shape)
+    d_shape = (splits, *out_shape) if splits > 1 else out_shape
+    aligned = tma_store_aligned(out_strides(plan), d_dtype)
+    i64 = np.int64
     attrs = dict(
-        block_m=np.int64(cfg.block_m),
-        block_n=np.int64(cfg.block_n),
-        stages=np.int64(cfg.stages),
-        cluster_m=np.int64(cfg.cluster_m),
-        epilogue=np.int64(_EPILOGUE_TMA_STORE if aligned else _EPILOGUE_DIRECT),
-        splits=np.int64(splits),
+        block_m=i64(cfg.block_m), block_n=i64(cfg.block_n), stages=i64(cfg.stages),
+        cluster_m=i64(cfg.cluster_m),
+        epilogue=i64(_EPILOGUE_TMA_STORE if aligned else _EPILOGUE_DIRECT),
+        splits=i64(splits),
+        m=i64(plan.m), n=i64(plan.n), k=i64(plan.k), batch=i64(plan.batch),
+        a_batch_stride=i64(plan.lhs.batch_stride), a_m_stride=i64(plan.lhs.outer_stride),
+        a_k_stride=i64(plan.lhs.k_stride),
+        b_batch_stride=i64(plan.rhs.batch_stride), b_k_stride=i64(plan.rhs.k_stride),
+        b_n_stride=i64(plan.rhs.outer_stride),
+        d_split_stride=i64(out_size), d_batch_stride=i64(plan.d_batch_stride),
+        d_m_stride=i64(plan.d_m_stride),
     )
     out_type = jax.ShapeDtypeStruct(d_shape, d_dtype)
     if poison:
         d = jax.ffi.ffi_call(KERNEL_TARGET + "_into", out_type, input_output_aliases={2: 0})(
-            a, b, jnp.full(d_shape, jnp.nan, d_dtype), **attrs
+            lhs, rhs, jnp.full(d_shape, jnp.nan, d_dtype), **attrs
         )
     else:
-        d = jax.ffi.ffi_call(KERNEL_TARGET, out_type)(a, b, **attrs)
+        d = jax.ffi.ffi_call(KERNEL_TARGET, out_type)(lhs, rhs, **attrs)
     if splits > 1:
         d = jnp.sum(d, axis=0).astype(out_dtype)
     return d
 
 
-def _gemm_lowering_cuda(ctx, a, b, *, out_dtype, config):
-    if _ext.cuda_lowering_blocker() is not None:
-        return mlir.lower_fun(
-            functools.partial(_reference, out_dtype=out_dtype, config=config),
-            multiple_results=False,
-        )(ctx, a, b)
-    return mlir.lower_fun(
-        functools.partial(_kernel_call, out_dtype=out_dtype, config=config),
-        multiple_results=False,
-    )(ctx, a, b)
+def _local_lowering(ctx, lhs, rhs, *, platform: str, **params):
+    """Lowering of one device's product: the kernel where it applies, else XLA's dot."""
+    plan = None
+    if platform == "cuda" and _ext.cuda_lowering_blocker() is None:
+        plan = kernel_plan(*ctx.avals_in, params["dimension_numbers"], params["out_dtype"])
+    if plan is None:
+        fn = functools.partial(_reference, **params)
+    else:
+        fn = functools.partial(
+            _kernel_call, plan=plan, dimension_numbers=params["dimension_numbers"],
+            out_dtype=params["out_dtype"], config=params["config"],
+        )
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, lhs, rhs)
 
 
-gemm_p.def_impl(_gemm_impl)
-gemm_p.def_abstract_eval(_gemm_abstract_eval)
-mlir.register_lowering(gemm_p, mlir.lower_fun(_reference, multiple_results=False))
-mlir.register_lowering(gemm_p, _gemm_lowering_cuda, platform="cuda")
+def _lowering(ctx, lhs, rhs, *, platform: str, **params):
+    if params["local"]:
+        return _local_lowering(ctx, lhs, rhs, platform=platform, **params)
+    # The partitioner splits the product across devices; each device's share binds the
+    # primitive again with local=True.
+    partitioned = functools.partial(
+        gemm_sharding.partitioned_dot, local_dot=_bind_local,
+        dimension_numbers=params["dimension_numbers"], out_dtype=params["out_dtype"],
+        config=params["config"],
+    )
+    return mlir.lower_fun(partitioned, multiple_results=False)(ctx, lhs, rhs)
+
+
+def _bind_local(lhs, rhs, dimension_numbers, out_dtype, config):
+    return dot_general_p.bind(lhs, rhs, dimension_numbers=dimension_numbers, out_dtype=out_dtype,
+                              config=config, local=True)
+
+
+def _bind(lhs, rhs, dimension_numbers, out_dtype, local=False):
+    # Products derived by the rules (gradients, vmapped products) have their own shapes:
+    # the heuristic picks their configuration.
+    return dot_general_p.bind(lhs, rhs, dimension_numbers=dimension_numbers,
+                              out_dtype=jnp.dtype(out_dtype), config=None, local=local)
+
+
+# ---------------------------------------------------------------- autodiff
+
+
+def _ranks(x) -> int:
+    return len(x.aval.shape) if hasattr(x, "aval") else np.ndim(x)
+
+
+def _transpose_to(result: jax.Array, axes: list[int]) -> jax.Array:
+    """Result whose dimension i holds axis axes[i] of the target, put in target order."""
+    perm = tuple(int(i) for i in np.argsort(axes))
+    return result if perm == tuple(range(len(perm))) else lax.transpose(result, perm)
+
+
+def _transpose_lhs(g, x, y, *, dimension_numbers, out_dtype, config, local):
+    """Cotangent of lhs: g contracted with rhs over rhs's free dims, batch dims kept."""
+    del out_dtype, config
+    (xc, yc), (xb, yb) = dimension_numbers
+    x_ndim, y_ndim = len(x.aval.shape), _ranks(y)
+    x_free = [a for a in range(x_ndim) if a not in xc and a not in xb]
+    y_free = [a for a in range(y_ndim) if a not in yc and a not in yb]
+    nb = len(xb)
+    g_y_free = tuple(range(nb + len(x_free), nb + len(x_free) + len(y_free)))
+    dims = ((g_y_free, tuple(y_free)), (tuple(range(nb)), tuple(yb)))
+    result = _bind(g, y, dims, x.aval.dtype, local)
+    # result: [batch, x's free dims, y's contracting dims in y's axis order]
+    axes = [*xb, *x_free, *(xc[yc.index(a)] for a in sorted(yc))]
+    return _transpose_to(result, axes)
+
+
+def _transpose_rhs(g, x, y, *, dimension_numbers, out_dtype, config, local):
+    """Cotangent of rhs: lhs contracted with g over lhs's free dims, batch dims kept."""
+    del out_dtype, config
+    (xc, yc), (xb, yb) = dimension_numbers
+    x_ndim, y_ndim = _ranks(x), len(y.aval.shape)
+    x_free = [a for a in range(x_ndim) if a not in xc and a not in xb]
+    y_free = [a for a in range(y_ndim) if a not in yc and a not in yb]
+    nb = len(xb)
+    g_x_free = tuple(range(nb, nb + len(x_free)))
+    dims = ((tuple(x_free), g_x_free), (tuple(xb), tuple(range(nb))))
+    result = _bind(x, g, dims, y.aval.dtype, local)
+    # result: [batch, x's contracting dims in x's axis order, y's free dims]
+    axes = [*yb, *(yc[xc.index(a)] for a in sorted(xc)), *y_free]
+    return _transpose_to(result, axes)
+
+
+# ---------------------------------------------------------------- batching
+
+
+def _batch_rule(args, dims, *, dimension_numbers, out_dtype, config, local):
+    """vmap: a mapped axis of both operands joins the batch dims; a mapped axis of one
+    operand becomes one of its free dims (the kernel folds it into M or a batch axis)."""
+    del config
+    lhs, rhs = args
+    ld, rd = dims
+    (lc, rc), (lb, rb) = dimension_numbers
+
+    def shift(axes, inserted):
+        return tuple(a + (a >= inserted) for a in axes)
+
+    if ld is not None and rd is not None:
+        new = ((shift(lc, ld), shift(rc, rd)), ((ld, *shift(lb, ld)), (rd, *shift(rb, rd))))
+        return _bind(lhs, rhs, new, out_dtype, local), 0
+    if ld is not None:
+        lc, lb = shift(lc, ld), shift(lb, ld)
+        free = [a for a in range(lhs.ndim) if a not in lc and a not in lb]
+        out_dim = len(lb) + free.index(ld)
+        return _bind(lhs, rhs, ((lc, rc), (lb, rb)), out_dtype, local), out_dim
+    rc, rb = shift(rc, rd), shift(rb, rd)
+    free = [a for a in range(rhs.ndim) if a not in rc and a not in rb]
+    lhs_free = lhs.ndim - len(lc) - len(lb)
+    out_dim = len(lb) + lhs_free + free.index(rd)
+    return _bind(lhs, rhs, ((lc, rc), (lb, rb)), out_dtype, local), out_dim
+
+
+dot_general_p.def_impl(_impl)
+# NOTE: the lowering emits custom_partitioning, which needs the device assignment while
+# lowering; jit provides it only for primitives in this set (jax has no public hook for it).
+dispatch.prim_requires_devices_during_lowering.add(dot_general_p)
+dot_general_p.def_abstract_eval(_abstract_eval)
+ad.defbilinear(dot_general_p, _transpose_lhs, _transpose_rhs)
+batching.primitive_batchers[dot_general_p] = _batch_rule
+mlir.register_lowering(dot_general_p, functools.partial(_lowering, platform="default"))
+mlir.register_lowering(dot_general_p, functools.partial(_lowering, platform="cuda"),
+                       platform="cuda")
 
 
 # --------------------------------------------------------------------------------------
-# Public op.
+# Public ops.
+
+
+def _normalize(dimension_numbers, lhs_ndim: int, rhs_ndim: int) -> DimensionNumbers:
+    (lc, rc), (lb, rb) = dimension_numbers
+
+    def axes(seq, ndim):
+        return tuple(int(a) % ndim for a in seq)
+
+    return ((axes(lc, lhs_ndim), axes(rc, rhs_ndim)), (axes(lb, lhs_ndim), axes(rb, rhs_ndim)))
+
+
+def _kernel_dtypes(lhs_dtype, rhs_dtype, out_dtype) -> bool:
+    lhs_dtype, rhs_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
+    return (lhs_dtype == rhs_dtype and lhs_dtype in KERNEL_INPUT_DTYPES
+            and jnp.dtype(out_dtype) in kernel_output_dtypes(lhs_dtype))
+
+
+def dot_general(lhs: Any, rhs: Any, dimension_numbers, precision=None,
+                preferred_element_type=None, *, out_sharding=None,
+                config: GemmConfig | None = None) -> jax.Array:
+    """``jax.lax.dot_general`` on the Hopper TMA kernel where it applies.
+
+    Same signature, results, dtypes and errors as ``lax.dot_general``, so it can be passed as
+    ``dot_general=`` to ``flax.linen.Dense``, ``DenseGeneral``, ``flax.nnx.Linear`` and
+    ``LinearGeneral``. bf16 or fp16 operands of one dtype with an output of that dtype or fp32
+    run the kernel (fp32 accumulation; `precision` changes nothing for 16-bit inputs) when
+    each operand's batch, free and contracting dimensions are runs of adjacent axes and its
+    rows are 16-byte multiples (else padded once); transposed operands are read in place.
+    Other inputs, and calls with `out_sharding`, run ``lax.dot_general``.
+
+    Args:
+      lhs, rhs: arrays.
+      dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))``.
+      precision, preferred_element_type, out_sharding: as for ``lax.dot_general``.
+      config: a ``GemmConfig`` for this product (not for the products of its gradient or of
+        ``vmap``, which the heuristic configures); a ValueError names the shapes if it cannot
+        compute it.
+    """
+    if config is not None and not isinstance(config, GemmConfig):
+        raise TypeError(f"jax_tma.dot_general: config must be a GemmConfig or None, got {config!r}")
+    reference = functools.partial(
+        lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
+        preferred_element_type=preferred_element_type, out_sharding=out_sharding,
+    )
+    expected = jax.eval_shape(reference, lhs, rhs)  # lax's errors, lax's result type
+    _ext.warn_if_unavailable()
+    lhs_dtype, rhs_dtype = jnp.result_type(lhs), jnp.result_type(rhs)
+    if (out_sharding is not None or math.prod(expected.shape) == 0
+            or not _kernel_dtypes(lhs_dtype, rhs_dtype, expected.dtype)):
+        return reference(lhs, rhs)
+    lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    dims = _normalize(dimension_numbers, lhs.ndim, rhs.ndim)
+    if config is not None:
+        plan = kernel_plan(lhs, rhs, dims, expected.dtype)
+        if plan is not None:
+            config_for(plan, expected.dtype, config)
+    return dot_general_p.bind(lhs, rhs, dimension_numbers=dims, out_dtype=jnp.dtype(expected.dtype),
+                              config=config, local=False)
 
 
 def kernel_eligible(a: Any, b: Any, out_dtype: Any) -> bool:
-    """True when (a, b, out_dtype) has the shapes and dtypes the sm90 kernel computes.
+    """True when ``a @ b`` (2-D) into out_dtype is a product the sm90 kernel computes.
 
     Where it runs is decided when the primitive is lowered (platform, GPU, JAX_TMA_DISABLE).
     """
     if np.ndim(a) != 2 or np.ndim(b) != 2:
         return False
-    a_dtype, b_dtype = jnp.result_type(a), jnp.result_type(b)
-    if a_dtype != b_dtype or a_dtype not in KERNEL_INPUT_DTYPES:
+    if not _kernel_dtypes(jnp.result_type(a), jnp.result_type(b), out_dtype):
         return False
-    if jnp.dtype(out_dtype) not in kernel_output_dtypes(a_dtype):
+    if np.shape(a)[1] != np.shape(b)[0]:
         return False
-    (m, k), (k_b, n) = np.shape(a), np.shape(b)
-    return k == k_b and min(m, n, k) >= 1 and k % STRIDE_ELEMS == 0
+    avals = [jax.core.ShapedArray(np.shape(x), jnp.result_type(x)) for x in (a, b)]
+    return kernel_plan(*avals, (((1,), (0,)), ((), ())), out_dtype) is not None
 
 
 def matmul(a: Any, b: Any, *, out_dtype: Any = None, config: GemmConfig | None = None) -> jax.Array:
@@ -312,9 +382,10 @@ def matmul(a: Any, b: Any, *, out_dtype: Any = None, config: GemmConfig | None =
         picks one. Ignored where the kernel does not apply.
 
     Returns:
-      ``jnp.matmul(a, b, preferred_element_type=out_dtype)``, computed by the kernel (fp32
-      accumulation) for 2-D bf16/fp16 operands with K % 8 == 0 on a Hopper GPU, otherwise by
-      XLA. Errors are ``jnp.matmul``'s.
+      ``jnp.matmul(a, b, preferred_element_type=out_dtype)``. bf16/fp16 operands of one dtype
+      run the kernel (fp32 accumulation) through ``dot_general``: batch dims of equal shape
+      become the kernel's batch axis, batch dims of `a` alone fold into M; other broadcasts
+      run through XLA. Errors are ``jnp.matmul``'s.
     """
     if config is not None and not isinstance(config, GemmConfig):
         raise TypeError(f"jax_tma.matmul: config must be a GemmConfig or None, got {config!r}")
@@ -322,9 +393,24 @@ def matmul(a: Any, b: Any, *, out_dtype: Any = None, config: GemmConfig | None =
         functools.partial(jnp.matmul, preferred_element_type=out_dtype), a, b
     )
     _ext.warn_if_unavailable()
-    if not kernel_eligible(a, b, expected.dtype):
+    a_dtype, b_dtype = jnp.result_type(a), jnp.result_type(b)
+    if not _kernel_dtypes(a_dtype, b_dtype, expected.dtype):
         return jnp.matmul(a, b, preferred_element_type=out_dtype)
-    if config is not None:
-        (m, k), n = np.shape(a), np.shape(b)[1]
-        check_config(config, m, n, k, expected.dtype)
-    return gemm_p.bind(jnp.asarray(a), jnp.asarray(b), out_dtype=expected.dtype, config=config)
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    kw = dict(preferred_element_type=expected.dtype, config=config)
+    if a.ndim == 1 and b.ndim == 1:
+        return dot_general(a, b, (((0,), (0,)), ((), ())), **kw)
+    if b.ndim == 1:
+        return dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())), **kw)
+    if a.ndim == 1:
+        return dot_general(a, b, (((0,), (b.ndim - 2,)), ((), ())), **kw)
+    if b.ndim == 2:  # a's batch dims fold into M
+        return dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())), **kw)
+    if a.shape[:-2] == b.shape[:-2]:
+        batch = tuple(range(a.ndim - 2))
+        return dot_general(a, b, (((a.ndim - 1,), (b.ndim - 2,)), (batch, batch)), **kw)
+    if a.ndim == 2 and b.ndim == 3:
+        # [M, K] @ [B, K, N]: the kernel broadcasts a over b's batch and writes [M, B, N].
+        out = dot_general(a, b, (((1,), (1,)), ((), ())), **kw)
+        return jnp.moveaxis(out, 1, 0)
+    return jnp.matmul(a, b, preferred_element_type=out_dtype)

@@ -5,6 +5,13 @@ from __future__ import annotations
 import os
 import zlib
 
+# Eight CPU devices for the sharding tests (meshes of 8, 4x2 and 2x4), set before jax starts;
+# the default device (GPU where there is one, else CPU 0) is unaffected.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    ).strip()
+
 import numpy as np
 import pytest
 

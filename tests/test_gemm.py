@@ -46,7 +46,7 @@ PARITY_CASES = [
     ((5, 8), (8, 7), F16, None),
     ((64, 32), (32, 48), BF16, np.float32),
     ((64, 32), (32, 48), F16, BF16),
-    ((64, 30), (30, 48), BF16, None),  # K % 8 != 0: XLA
+    ((64, 30), (30, 48), BF16, None),  # K % 8 != 0: a's rows padded
     ((3, 64, 32), (32, 16), BF16, None),  # batched, broadcast
     ((2, 3, 8, 16), (3, 16, 4), F16, None),
     ((16,), (16, 8), BF16, None),  # 1-D operands
@@ -141,10 +141,10 @@ def test_config_rejects_unaligned_output_without_direct_store():
     """TMA stores need 16-byte output rows: an N of 4097 bf16 needs a direct-store tile."""
     a, b = jnp.ones((64, 128), BF16), jnp.ones((128, 4097), BF16)
     wide = jax_tma.GemmConfig(128, 256, 4, 2)
-    with pytest.raises(ValueError, match=r"\(64, 4097\) output of bfloat16 has 8194-byte rows"):
+    with pytest.raises(ValueError, match=r"\(64, 4097\) output of bfloat16 has rows 8194 bytes apart"):
         jax_tma.matmul(a, b, config=wide)
     # Split-K partial products are fp32: 4097 * 4 bytes is still not a multiple of 16.
-    with pytest.raises(ValueError, match="16388-byte rows"):
+    with pytest.raises(ValueError, match="rows 16388 bytes apart"):
         jax_tma.matmul(a, b, config=dataclasses.replace(wide, split_k=2))
     jax_tma.matmul(a, b, config=jax_tma.GemmConfig(64, 128, 8, 1))  # has the direct store
 
@@ -207,13 +207,28 @@ needs_extension = pytest.mark.skipif(
 @needs_extension
 @pytest.mark.parametrize(
     "m,n,k,dtype,out_dtype",
-    [(128, 256, 64, BF16, None), (7, 129, 8, F16, None), (1, 1, 8, BF16, np.float32), (4097, 7, 72, F16, None)],
+    [(128, 256, 64, BF16, None), (7, 129, 8, F16, None), (1, 1, 8, BF16, np.float32),
+     (4097, 7, 72, F16, None), (64, 64, 30, BF16, None)],
 )
 def test_cuda_lowering_emits_kernel(m, n, k, dtype, out_dtype):
     hlo = cuda_hlo(lambda a, b: jax_tma.matmul(a, b, out_dtype=out_dtype), spec((m, k), dtype), spec((k, n), dtype))
     assert hlo.count(f"custom_call @{gemm.KERNEL_TARGET}(") == 1
     assert "stablehlo.dot_general" not in hlo
-    assert ("stablehlo.pad" in hlo) == (n % 8 != 0)
+    # Rows that are not 16-byte multiples are padded once (b's for N, a's for K).
+    assert ("stablehlo.pad" in hlo) == (n % 8 != 0 and n > 1 or k % 8 != 0)
+
+
+@needs_extension
+@pytest.mark.parametrize(
+    "a_shape,b_shape",
+    [((4, 64, 32), (32, 64)), ((32,), (32, 64)), ((64, 32), (32,)), ((3, 64, 32), (3, 32, 16)),
+     ((64, 32), (3, 32, 16))],
+    ids=["batch-folded-into-m", "vector-matrix", "matrix-vector", "batched", "rhs-batched"],
+)
+def test_cuda_lowering_batched_and_vector_products_run_kernel(a_shape, b_shape):
+    hlo = cuda_hlo(jax_tma.matmul, spec(a_shape, BF16), spec(b_shape, BF16))
+    assert hlo.count(f"custom_call @{gemm.KERNEL_TARGET}(") == 1
+    assert "stablehlo.dot_general" not in hlo
 
 
 @needs_extension
@@ -221,10 +236,8 @@ def test_cuda_lowering_emits_kernel(m, n, k, dtype, out_dtype):
     "a_shape,b_shape,a_dtype,b_dtype",
     [
         ((64, 32), (32, 64), np.float32, np.float32),
-        ((64, 30), (30, 64), BF16, BF16),
         ((64, 32), (32, 64), BF16, F16),
-        ((4, 64, 32), (32, 64), BF16, BF16),
-        ((32,), (32, 64), BF16, BF16),
+        ((2, 1, 64, 32), (1, 3, 32, 64), BF16, BF16),  # broadcast batch shapes
         ((64, 32), (32, 64), np.int8, np.int8),
     ],
 )

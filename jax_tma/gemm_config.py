@@ -1,0 +1,197 @@
+"""Configurations of the sm90 GEMM kernel and the heuristic that picks one.
+
+``GemmConfig`` names one compiled tile configuration (csrc/kernels/sm90_gemm.h) plus a split-K
+factor; ``check_config`` says whether it can compute a given product; ``default_config`` scores
+every legal configuration with a cost model fitted to measurements (``estimate_seconds``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+KERNEL_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# TMA needs 16-byte global strides: every stride of an operand except its unit one is a
+# multiple of this many 16-bit elements (the lowering pads an operand's rows when not).
+STRIDE_ELEMS = 8
+BLOCK_K = 64
+DEFAULT_NUM_SMS = 132
+# (block_m, block_n, stages, cluster_m, has a direct-store variant) of the TileConfig
+# instantiations in csrc/kernels/sm90_gemm.h.
+_COMPILED_TILES = (
+    (128, 256, 4, 2, False),
+    (128, 256, 4, 1, False),
+    (128, 128, 6, 2, False),
+    (128, 128, 6, 1, True),
+    (64, 128, 8, 1, True),
+)
+_TILE_KEYS = {t[:4]: t[4] for t in _COMPILED_TILES}
+MAX_SPLIT_K = 16
+# EpilogueKind (csrc/kernels/sm90_gemm.h).
+_EPILOGUE_TMA_STORE, _EPILOGUE_DIRECT = 0, 1
+
+
+def kernel_output_dtypes(in_dtype) -> tuple:
+    """Output dtypes the kernel writes for inputs of `in_dtype`: the input type or fp32."""
+    return (jnp.dtype(in_dtype), jnp.dtype(jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One compiled configuration of the sm90 GEMM kernel.
+
+    Attributes:
+      block_m: rows of the CTA tile: 128 (two consumer warpgroups of 64 rows) or 64 (one).
+      block_n: columns of the CTA tile.
+      stages: depth of the TMA -> wgmma shared-memory ring (K slices of 64).
+      cluster_m: CTAs per cluster along M. With 2, the CTAs of a cluster compute vertically
+        adjacent tiles and multicast the shared B slice to each other.
+      split_k: how many K ranges the product is split into (1: none). Each range writes an fp32
+        partial product; the partial products are summed in a fixed order (deterministic).
+        At most this many ranges are used, so that none is empty.
+    """
+
+    block_m: int = 128
+    block_n: int = 256
+    stages: int = 4
+    cluster_m: int = 2
+    split_k: int = 1
+
+    def __post_init__(self) -> None:
+        if self.tile not in _TILE_KEYS:
+            choices = "; ".join(
+                f"block_m={bm}, block_n={bn}, stages={st}, cluster_m={cm}"
+                for bm, bn, st, cm, _ in _COMPILED_TILES
+            )
+            raise ValueError(
+                f"jax_tma: GemmConfig({self.describe()}) is not a compiled configuration; "
+                f"choose one of: {choices}"
+            )
+        if not (isinstance(self.split_k, int) and 1 <= self.split_k <= MAX_SPLIT_K):
+            raise ValueError(
+                f"jax_tma: GemmConfig split_k must be an int in [1, {MAX_SPLIT_K}], "
+                f"got {self.split_k!r}"
+            )
+
+    @property
+    def tile(self) -> tuple[int, int, int, int]:
+        return (self.block_m, self.block_n, self.stages, self.cluster_m)
+
+    @property
+    def has_direct_store(self) -> bool:
+        """Whether this tile is also compiled with the epilogue for unaligned output rows."""
+        return _TILE_KEYS[self.tile]
+
+    def splits_for(self, k: int) -> int:
+        """K ranges actually used for a depth of k: at most split_k, none of them empty."""
+        k_blocks = -(-k // BLOCK_K)
+        per_split = -(-k_blocks // min(self.split_k, k_blocks))
+        return -(-k_blocks // per_split)
+
+    def describe(self) -> str:
+        return (
+            f"block_m={self.block_m}, block_n={self.block_n}, stages={self.stages}, "
+            f"cluster_m={self.cluster_m}, split_k={self.split_k}"
+        )
+
+
+COMPILED_CONFIGS: tuple[GemmConfig, ...] = tuple(
+    GemmConfig(bm, bn, st, cm) for bm, bn, st, cm, _ in _COMPILED_TILES
+)
+
+
+def tma_store_aligned(strides: int | tuple[int, ...], out_dtype) -> bool:
+    """Whether output rows `strides` elements apart (an int: the row length of an [M, n]
+    output; a tuple: every stride the output's indices step by) are 16-byte multiples, as TMA
+    stores need."""
+    strides = (strides,) if isinstance(strides, int) else strides
+    return all((s * jnp.dtype(out_dtype).itemsize) % 16 == 0 for s in strides)
+
+
+def check_config(config: GemmConfig, m: int, n: int, k: int, out_dtype,
+                 out_strides: tuple[int, ...] | None = None) -> None:
+    """Raises ValueError when `config` cannot compute an M x N x K product into out_dtype.
+
+    `out_strides`: the element strides between the output's rows (and batch entries), by
+    default (n,) for a dense [M, N] output."""
+    # Split-K writes fp32 partial products; otherwise the kernel writes out_dtype.
+    stored = jnp.float32 if config.splits_for(k) > 1 else out_dtype
+    strides = (n,) if out_strides is None else tuple(out_strides)
+    if not tma_store_aligned(strides, stored) and not config.has_direct_store:
+        itemsize = jnp.dtype(stored).itemsize
+        raise ValueError(
+            f"jax_tma: GemmConfig({config.describe()}) stores through TMA, which needs output "
+            f"rows of a multiple of 16 bytes; a ({m}, {n}) output of {jnp.dtype(stored).name} "
+            f"has rows {', '.join(str(s * itemsize) for s in strides)} bytes apart. Use a tile "
+            "compiled with the direct-store epilogue (block_m=64, or block_m=128, block_n=128, "
+            "cluster_m=1)"
+        )
+
+
+# Constants of the cost model, fitted to a sweep of every configuration on an H200
+# (benchmarks/bench_gemm.py --sweep). Relative wgmma throughput of one CTA per tile shape: two
+# consumer warpgroups on a wide tile keep the tensor cores busiest, one (block_m=64) far less.
+_TILE_EFFICIENCY = {(128, 256): 1.0, (128, 128): 0.9, (64, 128): 0.4}
+_PEAK_FLOPS_PER_SM = 989e12 / 132
+# Streaming operands: about 40 GB/s per busy CTA, at most about 4 TB/s in all.
+_MEMORY_BYTES_PER_S = 4.0e12
+_MEMORY_BYTES_PER_S_PER_CTA = 40e9
+_SPLIT_FIXED_S = 1e-6  # the extra reduction kernel
+_SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
+                     out_bytes: int = 2, batch: int = 1) -> float:
+    """Cost model behind default_config: waves of tiles times the time of one tile (its K
+    range at the tile shape's wgmma efficiency), or the operands' memory traffic at the
+    bandwidth the busy CTAs can pull if that takes longer, plus the split-K partial products'
+    round trip through memory. `batch` independent products of M x N x K share the grid."""
+    splits = config.splits_for(k)
+    units = batch * math.ceil(m / config.block_m) * math.ceil(n / config.block_n) * splits
+    waves = math.ceil(units / num_sms)
+    k_per_split = math.ceil(math.ceil(k / BLOCK_K) / splits) * BLOCK_K
+    tile_s = (2 * config.block_m * config.block_n * k_per_split) / (
+        _PEAK_FLOPS_PER_SM * _TILE_EFFICIENCY[(config.block_m, config.block_n)]
+    )
+    bandwidth = min(_MEMORY_BYTES_PER_S, min(units, num_sms) * _MEMORY_BYTES_PER_S_PER_CTA)
+    memory_s = batch * (2 * (m * k + k * n) + out_bytes * m * n) / bandwidth
+    split_s = 0.0 if splits == 1 else _SPLIT_FIXED_S + 8 * splits * batch * m * n / _MEMORY_BYTES_PER_S
+    return max(waves * tile_s, memory_s) + split_s
+
+
+def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
+                   out_dtype=jnp.bfloat16, batch: int = 1,
+                   out_strides: tuple[int, ...] | None = None) -> GemmConfig:
+    """Picks a configuration for `batch` products of M x N x K.
+
+    Every compiled tile with every split-K choice is scored by ``estimate_seconds`` (waves,
+    last-wave utilization and tile efficiency, or memory traffic for skinny problems); among
+    equal scores the deeper pipeline wins, then the cluster of 2 (B multicast), which halves
+    the L2 traffic of B whenever both CTAs of a cluster have a tile. Split-K runs without
+    clusters: measured, the cluster's lockstep only slows its short K ranges down.
+    """
+    out_bytes = jnp.dtype(out_dtype).itemsize
+    best, best_key = None, None
+    for tile in COMPILED_CONFIGS:
+        for split_k in _SPLIT_CHOICES:
+            cfg = dataclasses.replace(tile, split_k=split_k)
+            if split_k > 1 and (cfg.splits_for(k) != split_k or cfg.cluster_m > 1):
+                continue
+            try:
+                check_config(cfg, m, n, k, out_dtype, out_strides)
+            except ValueError:
+                continue
+            multicast = cfg.cluster_m > 1 and math.ceil(m / cfg.block_m) >= cfg.cluster_m
+            key = (
+                round(estimate_seconds(cfg, m, n, k, num_sms, out_bytes, batch), 9),
+                -cfg.stages,
+                -int(multicast),
+                cfg.split_k,
+            )
+            if best_key is None or key < best_key:
+                best, best_key = cfg, key
+    return best
+
+
