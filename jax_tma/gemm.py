@@ -50,6 +50,7 @@ from jax_tma.gemm_config import _EPILOGUE_DIRECT, _EPILOGUE_TMA_STORE
 from jax_tma.gemm_plan import DimensionNumbers, GemmPlan
 
 KERNEL_TARGET = "jax_tma_gemm_sm90"
+MATMUL_DIMS: DimensionNumbers = (((1,), (0,)), ((), ()))  # a[M, K] @ b[K, N]
 
 
 def _num_sms() -> int:
