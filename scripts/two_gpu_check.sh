@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# On a host with two (or more) Hopper GPUs: builds jax_tma in place, runs the multi-GPU tests
+# (an M- and a K-sharded product on the kernel, matching one GPU), the Flax example with
+# data-parallel batches, and the sharded-matmul speedup benchmark. Logs go to $OUT (or
+# ./gpu_check_logs).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG_DIR="${OUT:-gpu_check_logs}"
+mkdir -p "$LOG_DIR"
+PY="${PYTHON:-python3}"
+export PYTHONUNBUFFERED=1
+status=0
+
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>&1 | tee "$LOG_DIR/env2.log"
+if ! "$PY" -m pip install --no-build-isolation --no-deps -e . >"$LOG_DIR/build2.log" 2>&1; then
+  tail -n 40 "$LOG_DIR/build2.log"; echo "SUMMARY: build FAILED"; exit 1
+fi
+
+echo "== two-GPU tests"
+JAX_TMA_REQUIRE_GPU=1 "$PY" -m pytest -q -rfE tests/test_gemm_sharding.py -k two_gpus 2>&1 \
+  | tee "$LOG_DIR/pytest2.log" || status=1
+grep -q " passed" "$LOG_DIR/pytest2.log" && ! grep -q "skipped" "$LOG_DIR/pytest2.log" || status=1
+
+echo "== Flax example, data parallel over every GPU"
+"$PY" examples/flax_mlp.py --devices "$("$PY" -c 'import jax; print(jax.device_count())')" \
+  2>&1 | tee "$LOG_DIR/flax_dp.log" || status=1
+
+echo "== sharded matmul speedup"
+"$PY" benchmarks/bench_sharded_gemm.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG_DIR/bench_sharded.log" || status=1
+cp -r benchmarks/results "$LOG_DIR/" 2>/dev/null || true
+
+[ "$status" -eq 0 ] && echo "SUMMARY: OK" || echo "SUMMARY: FAILED"
+exit "$status"
