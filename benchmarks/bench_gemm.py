@@ -1,5 +1,5 @@
 """jax_tma.matmul against XLA's dot (and the Pallas Mosaic-GPU Hopper matmul where it runs):
-one harness, a shape suite, a Markdown table, JSON and plots.
+one harness, shape suites (2-D and batched), a Markdown table, JSON and plots.
 
 Every contender runs through jax_tma._timing.compare in the same run: each timed call evaluates
 several products on distinct operand buffers (together larger than L2) inside one jit; rounds
@@ -9,20 +9,27 @@ min-max spread. Outputs are checked against XLA before timing.
 
     python benchmarks/bench_gemm.py                  # the suite of the fast-matmul issue
     python benchmarks/bench_gemm.py --quick          # a handful of shapes, under a minute
-    python benchmarks/bench_gemm.py --shapes 4096,4096,4096 1,4096,4096 --dtype fp16
+    python benchmarks/bench_gemm.py --batched        # attention-like [B,M,K] @ [B,K,N]
+    python benchmarks/bench_gemm.py --shapes 4096,4096,4096 32,2048,2048,128 --dtype fp16
     python benchmarks/bench_gemm.py --sweep --shapes 8192,8192,8192   # every legal config
     python benchmarks/bench_gemm.py --dry-run        # tiny shapes; runs without a GPU (CI)
+    python benchmarks/bench_gemm.py --commit abc1234 # the commit that ran, if .git is stale
 
-Results go to benchmarks/results/<device>/ (bench_gemm.json, bench_gemm.md, bench_gemm.png).
+A shape is M,N,K (a[M,K] @ b[K,N]) or B,M,N,K (a[B,M,K] @ b[B,K,N]); every suite runs in bf16
+or fp16. Results go to benchmarks/results/<device>/: bench_gemm[_batched][_sweep][_fp16] .json,
+.md and .png (a dry run writes files only when --out is given).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
+import importlib.metadata
 import json
 import math
 import pathlib
+import re
 import subprocess
 import sys
 import time
@@ -50,6 +57,17 @@ SUITE = [
 QUICK = [(4096, 4096, 4096), (8192, 8192, 8192), (16, 6144, 4096), (512, 512, 65536),
          (4095, 4097, 4096)]
 DRY_RUN = [(64, 64, 64), (7, 129, 72)]
+# (B, M, N, K): attention-like products over heads (scores [S,D] @ [D,S], then weights [S,S] @
+# values [S,D]) and a few experts of a mixture-of-experts layer.
+BATCHED_SUITE = [
+    (32, 2048, 2048, 128), (32, 2048, 128, 2048),
+    (8, 4096, 4096, 128), (8, 4096, 128, 4096),
+    (64, 1024, 1024, 64), (64, 1024, 64, 1024),
+    (16, 8192, 8192, 128), (16, 8192, 128, 8192),
+    (8, 2048, 4096, 4096), (8, 512, 14336, 4096),
+]
+BATCHED_QUICK = [(32, 2048, 2048, 128), (32, 2048, 128, 2048), (8, 2048, 4096, 4096)]
+BATCHED_DRY_RUN = [(2, 64, 64, 64), (3, 7, 129, 72)]
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 L2_BYTES = 50 * 2**20
 BUFFER_BUDGET = 4 * 2**30  # operand bytes allotted per shape
@@ -57,33 +75,58 @@ BUFFER_BUDGET = 4 * 2**30  # operand bytes allotted per shape
 
 @dataclasses.dataclass
 class Row:
-    shape: tuple[int, int, int]
+    shape: tuple[int, ...]  # (M, N, K) or (B, M, N, K)
     contender: str
     seconds: float | None
     spread_s: float | None
     note: str = ""
 
     def tflops(self) -> float | None:
-        return None if self.seconds is None else _timing.tflops(*self.shape, self.seconds)
+        return None if self.seconds is None else 2.0 * math.prod(self.shape) / self.seconds / 1e12
+
+
+def _split(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, int, int]:
+    """(batch dims, M, N, K) of a shape."""
+    return shape[:-3], *shape[-3:]
+
+
+def _label(shape: tuple[int, ...]) -> str:
+    return "×".join(map(str, shape))
 
 
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a handful of shapes")
-    p.add_argument("--shapes", nargs="+", metavar="M,N,K", help="ad-hoc shapes")
+    p.add_argument("--batched", action="store_true",
+                   help="the batched suite: [B,M,K] @ [B,K,N] (attention-like shapes)")
+    p.add_argument("--shapes", nargs="+", metavar="[B,]M,N,K",
+                   help="ad-hoc shapes: M,N,K for 2-D products, B,M,N,K for batched ones")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--sweep", action="store_true", help="time every legal kernel configuration")
     p.add_argument("--no-pallas", action="store_true", help="skip the Pallas Mosaic-GPU matmul")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iterations", type=int, default=3, help="timed calls per round")
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    p.add_argument("--out", type=pathlib.Path, default=None,
+                   help="results directory (default benchmarks/results; files go to "
+                        "<out>/<device>/)")
+    p.add_argument("--commit", help="commit to record in the JSON instead of `git rev-parse "
+                                    "HEAD` (for a checkout whose .git is stale)")
     p.add_argument("--dry-run", action="store_true",
-                   help="tiny shapes, 1 round, no files; exercises the harness without a GPU")
+                   help="tiny shapes, 1 round; files only with --out; exercises the harness "
+                        "without a GPU")
     args = p.parse_args(argv)
     if args.shapes:
-        args.shape_list = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
-        if any(len(s) != 3 or min(s) < 1 for s in args.shape_list):
-            p.error(f"--shapes takes M,N,K triples of positive ints, got {args.shapes}")
+        try:
+            args.shape_list = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
+        except ValueError:
+            args.shape_list = []
+        if not args.shape_list or any(len(s) not in (3, 4) or min(s) < 1
+                                      for s in args.shape_list):
+            p.error("--shapes takes M,N,K triples or B,M,N,K quadruples of positive ints, "
+                    f"got {args.shapes}")
+    elif args.batched:
+        args.shape_list = (BATCHED_DRY_RUN if args.dry_run else BATCHED_QUICK if args.quick
+                           else BATCHED_SUITE)
     else:
         args.shape_list = DRY_RUN if args.dry_run else QUICK if args.quick else SUITE
     if args.dry_run:
@@ -110,11 +153,12 @@ def _pallas_contender(dtype):
     return run, fits
 
 
-def _operand_sets(m, n, k, dtype, key):
-    per_set = (m * k + k * n) * jnp.dtype(dtype).itemsize
+def _operand_sets(shape, dtype, key):
+    batch, m, n, k = _split(shape)
+    per_set = math.prod(batch) * (m * k + k * n) * jnp.dtype(dtype).itemsize
     count = max(2, math.ceil(2 * L2_BYTES / per_set))
     count = int(min(count, 16, max(2, BUFFER_BUDGET // per_set)))
-    return _timing.random_operands(key, [(m, k), (k, n)], dtype, count)
+    return _timing.random_operands(key, [(*batch, m, k), (*batch, k, n)], dtype, count)
 
 
 def _check(name, fn, ops, ref) -> str:
@@ -124,15 +168,15 @@ def _check(name, fn, ops, ref) -> str:
 
 
 def bench_shape(shape, dtype, args, pallas) -> list[Row]:
-    m, n, k = shape
-    sets = _operand_sets(m, n, k, dtype, jax.random.key(m * 31 + n * 7 + k))
+    batch, m, n, k = _split(shape)
+    sets = _operand_sets(shape, dtype, jax.random.key(math.prod(batch) * 131 + m * 31 + n * 7 + k))
     ref = jax.jit(jnp.matmul)(*sets[0])
     contenders = {"jax_tma": jax_tma.matmul, "xla": jnp.matmul}
     if args.sweep:
         for cfg in _sweep_configs(m, n, k, dtype):
             contenders[f"jax_tma[{cfg.describe()}]"] = (
                 lambda a, b, cfg=cfg: jax_tma.matmul(a, b, config=cfg))
-    if pallas is not None and pallas[1](m, n, k):
+    if pallas is not None and not batch and pallas[1](m, n, k):
         contenders["pallas_mgpu"] = pallas[0]
     notes = {}
     for name in list(contenders):
@@ -165,41 +209,86 @@ def _sweep_configs(m, n, k, dtype):
             yield cfg
 
 
-def _environment() -> dict:
+def _run(cmd: list[str]) -> str | None:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, check=True,
+                              timeout=60).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _cuda_versions() -> dict:
+    """CUDA runtime and driver API versions as jax's CUDA plugin reports them ("13.0"), or
+    None where there is no plugin."""
+    found = {"cuda_runtime": None, "cuda_driver": None}
+    for module in ("jax_cuda13_plugin._versions", "jax_cuda12_plugin._versions",
+                   "jaxlib.cuda._versions"):
+        try:
+            versions = importlib.import_module(module)
+        except ImportError:
+            continue
+        for key in found:
+            try:
+                v = int(getattr(versions, f"{key}_get_version")())
+                found[key] = f"{v // 1000}.{v % 1000 // 10}"
+            except Exception:  # noqa: BLE001 - an older plugin without this query
+                pass
+        break
+    if found["cuda_driver"] is None:  # the "CUDA Version" of nvidia-smi's banner
+        banner = _run(["nvidia-smi"]) or ""
+        match = re.search(r"CUDA Version:\s*([\d.]+)", banner)
+        found["cuda_driver"] = match.group(1) if match else None
+    return found
+
+
+def environment(commit: str | None = None) -> dict:
+    """Device, driver, CUDA, jax and commit of this run (shared by the benchmarks here).
+
+    ``commit`` overrides ``git rev-parse HEAD``: the checkout on a GPU machine may carry a stale
+    .git while its working tree is another commit.
+    """
     dev = jax.devices()[0]
-    env = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
-           "timing": _timing.timing_method(), "date": time.strftime("%Y-%m-%d")}
-    try:
-        env["driver"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, check=True).stdout.strip().splitlines()[0]
-    except (OSError, subprocess.CalledProcessError, IndexError):
-        env["driver"] = None
-    try:
-        import jaxlib.cuda._versions as cuda_versions  # type: ignore[import-not-found]
-        env["cuda_runtime"] = cuda_versions.cuda_runtime_get_version()
-    except Exception:  # noqa: BLE001
-        env["cuda_runtime"] = None
-    try:
-        env["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True,
-                                       text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        env["commit"] = None
-    env["jax_tma_kernel"] = jax_tma.kernel_status().available
+    env = {"device": dev.device_kind, "platform": dev.platform,
+           "device_count": jax.device_count(), "jax": jax.__version__,
+           "jaxlib": jaxlib_version(), "timing": _timing.timing_method(),
+           "date": time.strftime("%Y-%m-%d")}
+    driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    env["driver"] = driver.splitlines()[0] if driver else None
+    env.update(_cuda_versions())
+    if commit:
+        env["commit"], env["commit_source"] = commit, "--commit"
+    else:
+        env["commit"] = _run(["git", "rev-parse", "HEAD"])
+        status = _run(["git", "status", "--porcelain", "--untracked-files=no"])
+        env["commit_source"] = "git rev-parse HEAD" + (
+            " (working tree has uncommitted changes)" if status else "")
+    status = jax_tma.kernel_status()
+    env["jax_tma_kernel"] = status.available
+    if not status.available:
+        env["jax_tma_kernel_reason"] = status.reason
     return env
 
 
-def _table(rows: list[Row], env: dict) -> str:
+def jaxlib_version() -> str | None:
+    try:
+        return importlib.metadata.version("jaxlib")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _table(rows: list[Row], env: dict, dtype: str) -> str:
     peak = max((r.tflops() for r in rows if r.seconds), default=0.0)
     by_shape: dict = {}
     for r in rows:
         by_shape.setdefault(r.shape, {})[r.contender] = r
+    ranks = {len(s) for s in by_shape}
+    header = "M×N×K" if ranks == {3} else "B×M×N×K" if ranks == {4} else "[B×]M×N×K"
     lines = [
-        f"{env['device']}, driver {env['driver']}, jax {env['jax']}, {env['date']}, "
-        f"timing: {env['timing']}; % of peak = of the highest TFLOP/s measured in this run "
-        f"({peak:.1f})",
+        f"{env['device']}, driver {env['driver']}, CUDA {env.get('cuda_runtime')}, "
+        f"jax {env['jax']}, {env['date']}, {dtype} in and out, timing: {env['timing']}; "
+        f"% of peak = of the highest TFLOP/s measured in this run ({peak:.1f})",
         "",
-        "| M×N×K | jax_tma µs | jax_tma TFLOP/s | % peak | XLA µs | XLA TFLOP/s | ratio (XLA time / jax_tma time) |",
+        f"| {header} | jax_tma µs | jax_tma TFLOP/s | % peak | XLA µs | XLA TFLOP/s | ratio (XLA time / jax_tma time) |",
         "|---|---|---|---|---|---|---|",
     ]
     ratios = []
@@ -210,7 +299,7 @@ def _table(rows: list[Row], env: dict) -> str:
         ratio = xla.seconds / ours.seconds
         ratios.append(ratio)
         lines.append(
-            f"| {'×'.join(map(str, shape))} | {ours.seconds * 1e6:.1f} ± {ours.spread_s * 1e6:.1f} "
+            f"| {_label(shape)} | {ours.seconds * 1e6:.1f} ± {ours.spread_s * 1e6:.1f} "
             f"| {ours.tflops():.1f} | {100 * ours.tflops() / peak:.0f} | {xla.seconds * 1e6:.1f} "
             f"| {xla.tflops():.1f} | {ratio:.3f} |")
     if ratios:
@@ -222,11 +311,11 @@ def _table(rows: list[Row], env: dict) -> str:
         for r in rows:
             if r.contender == name:
                 what = f"{r.seconds * 1e6:.1f} µs, {r.tflops():.1f} TFLOP/s" if r.seconds else r.note
-                lines.append(f"- {'×'.join(map(str, r.shape))}: {what}")
+                lines.append(f"- {_label(r.shape)}: {what}")
     return "\n".join(lines)
 
 
-def _plot(rows: list[Row], path: pathlib.Path) -> bool:
+def _plot(rows: list[Row], path: pathlib.Path, title: str) -> bool:
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -241,7 +330,8 @@ def _plot(rows: list[Row], path: pathlib.Path) -> bool:
     width = 0.8 / len(names)
     for i, name in enumerate(names):
         ax1.bar(x + i * width, [value.get((s, name), 0.0) for s in shapes], width, label=name)
-    labels = ["×".join(map(str, s)) for s in shapes]
+    labels = [_label(s) for s in shapes]
+    ax1.set_title(title)
     ax1.set_ylabel("TFLOP/s")
     ax1.set_xticks(x + width * (len(names) - 1) / 2, labels, rotation=60, ha="right", fontsize=7)
     ax1.legend()
@@ -253,15 +343,22 @@ def _plot(rows: list[Row], path: pathlib.Path) -> bool:
     ax2.set_xticks(x, labels, rotation=60, ha="right", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
     return True
+
+
+def _stem(args) -> str:
+    return "bench_gemm" + ("_batched" if args.batched else "") + ("_sweep" if args.sweep else "") + (
+        "" if args.dtype == "bf16" else f"_{args.dtype}")
 
 
 def main(argv=None) -> int:
     args = _parse(argv)
     dtype = DTYPES[args.dtype]
-    env = _environment()
-    print(f"{env['device']} | driver {env['driver']} | jax {env['jax']} | timing {env['timing']}"
-          f" | jax_tma kernel {'on' if env['jax_tma_kernel'] else 'off (XLA path)'}", flush=True)
+    env = environment(args.commit)
+    print(f"{env['device']} | driver {env['driver']} | CUDA {env['cuda_runtime']} | "
+          f"jax {env['jax']} | {args.dtype} | timing {env['timing']} | jax_tma kernel "
+          f"{'on' if env['jax_tma_kernel'] else 'off (XLA path)'}", flush=True)
     pallas = None if args.no_pallas or args.dry_run else _pallas_contender(dtype)
     rows: list[Row] = []
     for i, shape in enumerate(args.shape_list):
@@ -276,18 +373,18 @@ def main(argv=None) -> int:
         if args.sweep:
             for r in sorted((r for r in new if r.seconds), key=lambda r: r.seconds):
                 print(f"    {r.seconds * 1e6:10.1f} us {r.tflops():7.1f} TFLOP/s  {r.contender}")
-    table = _table(rows, env)
+    table = _table(rows, env, args.dtype)
     print(table)
-    if args.dry_run:
+    if args.dry_run and args.out is None:
         return 0
-    out = args.out / env["device"].lower().replace(" ", "-")
+    out = (args.out or pathlib.Path("benchmarks/results")) / env["device"].lower().replace(" ", "-")
     out.mkdir(parents=True, exist_ok=True)
-    stem = "bench_gemm_sweep" if args.sweep else "bench_gemm"
+    stem = _stem(args)
     (out / f"{stem}.json").write_text(json.dumps(
-        {"environment": env, "dtype": args.dtype,
+        {"environment": env, "dtype": args.dtype, "dry_run": args.dry_run,
          "rows": [dict(dataclasses.asdict(r), tflops=r.tflops()) for r in rows]}, indent=1))
     (out / f"{stem}.md").write_text(table + "\n")
-    plotted = _plot(rows, out / f"{stem}.png")
+    plotted = _plot(rows, out / f"{stem}.png", f"{env['device']}, {args.dtype}")
     print(f"wrote {out}/{stem}.json, .md" + (", .png" if plotted else ""))
     return 0
 

@@ -29,20 +29,91 @@ def test_benchmark_dry_run(script, tmp_path):
         assert "kernel path unavailable" in result.stdout
 
 
-def test_bench_gemm_dry_run():
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "bench_gemm.py"), "--dry-run"],
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--dry-run", *args],
         capture_output=True, text=True, timeout=600, cwd=REPO,
     )
+
+
+def _written(out: pathlib.Path, stem: str) -> dict:
+    """The JSON of a run that wrote <out>/<device>/<stem>.{json,md[,png]}; checks the others."""
+    (device_dir,) = out.iterdir()
+    assert (device_dir / f"{stem}.md").read_text().startswith(
+        json.loads((device_dir / f"{stem}.json").read_text())["environment"]["device"])
+    assert (device_dir / f"{stem}.png").exists() == _has_matplotlib()
+    return json.loads((device_dir / f"{stem}.json").read_text())
+
+
+def _has_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def test_bench_gemm_dry_run(tmp_path):
+    result = _run("bench_gemm.py", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     for shape in ("64×64×64", "7×129×72"):
         assert f"| {shape} |" in result.stdout, result.stdout
-    assert "geometric mean of the ratio" in result.stdout
+    assert "| M×N×K |" in result.stdout and "geometric mean of the ratio" in result.stdout
+    assert "[2/2] 7x129x72" in result.stderr  # progress on stderr
+    report = _written(tmp_path, "bench_gemm")
+    env = report["environment"]
+    for key in ("device", "driver", "cuda_runtime", "cuda_driver", "jax", "commit", "date"):
+        assert key in env, key
+    assert env["commit_source"].startswith("git rev-parse HEAD")
+    assert report["dtype"] == "bf16" and report["dry_run"]
+    assert {tuple(r["shape"]) for r in report["rows"]} == {(64, 64, 64), (7, 129, 72)}
 
 
-def test_bench_gemm_rejects_bad_shapes():
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "bench_gemm.py"), "--dry-run", "--shapes", "4,4"],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )
-    assert result.returncode == 2 and "M,N,K triples" in result.stderr
+def test_bench_gemm_batched_fp16_dry_run(tmp_path):
+    result = _run("bench_gemm.py", "--batched", "--dtype", "fp16", "--commit", "0123abc",
+                  "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "| B×M×N×K |" in result.stdout
+    for shape in ("2×64×64×64", "3×7×129×72"):
+        assert f"| {shape} |" in result.stdout, result.stdout
+    report = _written(tmp_path, "bench_gemm_batched_fp16")
+    assert report["dtype"] == "fp16"
+    assert report["environment"]["commit"] == "0123abc"
+    assert report["environment"]["commit_source"] == "--commit"
+    assert all(r["tflops"] > 0 for r in report["rows"] if r["seconds"])
+
+
+def test_bench_gemm_mixed_shapes_without_files():
+    result = _run("bench_gemm.py", "--shapes", "2,16,24,32", "16,24,32")
+    assert result.returncode == 0, result.stderr
+    assert "| 2×16×24×32 |" in result.stdout and "| 16×24×32 |" in result.stdout
+    assert "wrote" not in result.stdout  # a dry run without --out writes nothing
+
+
+@pytest.mark.parametrize("shapes", [["4,4"], ["1,2,3,4,5"], ["0,8,8"], ["a,b,c"]])
+def test_bench_gemm_rejects_bad_shapes(shapes):
+    result = _run("bench_gemm.py", "--shapes", *shapes)
+    assert result.returncode == 2 and "M,N,K triples or B,M,N,K" in result.stderr
+
+
+def test_bench_mlp_block_dry_run(tmp_path):
+    result = _run("bench_mlp_block.py", "--out", str(tmp_path), "--commit", "0123abc")
+    assert result.returncode == 0, result.stderr
+    assert "| block | tokens | d | f | jax_tma ms/step |" in result.stdout
+    for row in ("| gelu | 64 | 64 | 256 |", "| swiglu | 64 | 64 | 192 |"):
+        assert row in result.stdout, result.stdout
+    report = _written(tmp_path, "bench_mlp_block")
+    assert report["environment"]["commit"] == "0123abc"
+    rows = {r["block"]: r for r in report["rows"]}
+    assert set(rows) == {"gelu", "swiglu"}
+    assert rows["gelu"]["dense_params"] == 2 * 64 * 256
+    assert rows["swiglu"]["dense_params"] == 3 * 64 * 192
+    for r in rows.values():
+        assert r["check_ok"], r  # both steps give the same loss and gradients
+        for name in ("jax_tma", "xla"):
+            assert r[name]["ms_per_step"] > 0 and r[name]["matmul_tflops"] > 0
+
+
+def test_bench_mlp_block_rejects_bad_sizes():
+    result = _run("bench_mlp_block.py", "--block", "gelu", "--tokens", "100", "--seq", "64")
+    assert result.returncode == 2 and "multiple of --seq" in result.stderr
