@@ -1,6 +1,7 @@
 """ptxas resource report of the GEMM kernels: no spills, no local memory, and no serialized
-wgmma ("Potential Performance Loss"), which ptxas reports as information, not as a warning,
-so the build's -Werror cannot catch it. Compiles each instantiation file with nvcc -Xptxas=-v.
+wgmma ("Potential Performance Loss", C7510/C7511), which ptxas reports as information, not as
+a warning, so the build's -Werror cannot catch it. Compiles each instantiation file (7 tile
+configurations x 4 operand layouts) with nvcc -Xptxas=-v and the build's ptxas flags.
 """
 
 from __future__ import annotations
@@ -38,15 +39,19 @@ def test_gemm_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_pat
         [
             _nvcc(), "-c", str(source), "-o", str(tmp_path / "k.o"), f"-I{ROOT / 'csrc'}",
             "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
-            "-Xptxas=-v",
+            "-Xptxas=-v,-warn-spills,-warn-lmem-usage,-Werror",
         ],
         capture_output=True, text=True, check=False,
     )
     report = result.stdout + result.stderr
     assert result.returncode == 0, report[-4000:]
     entries = re.findall(r"Compiling entry function '(\w+)'", report)
-    assert len(entries) == 7, report[-4000:]
+    assert len(entries) == 28, report[-4000:]
+    # Every (A, B) layout: K-major or MN-major each.
+    layouts = {re.search(r"OperandLayoutILNS0_5MajorE(\d)ELS\w*?_(\d)E", e).groups() for e in entries}
+    assert len(layouts) == 4, layouts
     assert "Potential Performance Loss" not in report, report[-4000:]
+    assert not re.search(r"C751[01]", report), report[-4000:]
     spills = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert len(spills) == len(entries)
     assert all(s == ("0", "0", "0") for s in spills), spills

@@ -1,10 +1,11 @@
 """The built extension's machine code: the GEMM kernels use the Hopper instructions they claim.
 
 Reads the SASS of jax_tma/_jax_tma*.so with cuobjdump (pip: nvidia-cuda-cuobjdump and
-nvidia-cuda-nvdisasm) and checks every sm90 GEMM kernel for TMA loads (UTMALDG), mbarrier
-operations (SYNCS), warpgroup MMA (HGMMA) and register reallocation (USETMAXREG), and for the
-absence of local-memory traffic (spills show up as LDL/STL), and that the primitive test
-kernels contain the instruction each of them exists to exercise.
+nvidia-cuda-nvdisasm) and checks every sm90 GEMM kernel for rank-3 TMA loads (UTMALDG.3D),
+mbarrier operations (SYNCS), warpgroup MMA (HGMMA) with the transpose forms of its operand
+layout and register reallocation (USETMAXREG), and for the absence of local-memory traffic
+(spills show up as LDL/STL), and that the primitive test kernels contain the instruction each
+of them exists to exercise.
 """
 
 from __future__ import annotations
@@ -67,12 +68,16 @@ def _gemm_kernels(kernels: dict[str, str]) -> dict[str, str]:
 
 
 def test_gemm_kernels_are_sm90a(kernels):
-    # (bf16, bf16), (bf16, fp32), (fp16, fp16), (fp16, fp32) x 7 tile configurations.
-    assert len(_gemm_kernels(kernels)) == 28
+    # (bf16, bf16), (bf16, fp32), (fp16, fp16), (fp16, fp32) x 7 tile configurations
+    # x 4 operand layouts (NN, NT, TN, TT).
+    found = _gemm_kernels(kernels)
+    assert len(found) == 112
+    assert sorted({_layout(name) for name in found}) == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
 @pytest.mark.parametrize(
-    "opcode", ["UTMALDG", "SYNCS.ARRIVE", "SYNCS.PHASECHK", "HGMMA", "USETMAXREG", "UTMACCTL.PF"]
+    "opcode",
+    ["UTMALDG.3D", "SYNCS.ARRIVE", "SYNCS.PHASECHK", "HGMMA", "USETMAXREG", "UTMACCTL.PF"],
 )
 def test_gemm_kernels_use_hopper_instructions(kernels, opcode):
     for name, body in _gemm_kernels(kernels).items():
@@ -86,19 +91,47 @@ def _tile(name: str) -> tuple[int, ...]:
     return tuple(int(x) for x in found.groups())
 
 
+def _layout(name: str) -> tuple[int, int]:
+    """(A, B) of a mangled OperandLayout instantiation: 0 K-major, 1 M- or N-major."""
+    found = re.search(r"OperandLayoutILNS0_5MajorE(\d)ELS\w*?_(\d)E", name)
+    assert found, name
+    return int(found.group(1)), int(found.group(2))
+
+
+def test_gemm_wgmma_transposes_follow_the_layout(kernels):
+    """wgmma's transpose immediates are the layout's: .tnspA for M-major A, .tnspB for N-major
+    B, on every HGMMA of the kernel."""
+    for name, body in _gemm_kernels(kernels).items():
+        major_a, major_b = _layout(name)
+        hgmma = re.findall(r"\bHGMMA\.[^;]*", body)
+        assert hgmma, name
+        for line in hgmma:
+            assert ("tnspA" in line) == (major_a == 1), f"{line} in {name}"
+            assert ("tnspB" in line) == (major_b == 1), f"{line} in {name}"
+
+
+def test_gemm_loads_are_rank_3(kernels):
+    """A and B maps are {inner, outer, batch}: every operand load is a rank-3 copy."""
+    for name, body in _gemm_kernels(kernels).items():
+        loads = re.findall(r"\bUTMALDG\.(\w+)", body)
+        assert loads and set(loads) == {"3D"}, f"{sorted(set(loads))} in {name}"
+
+
 def test_gemm_epilogues_and_clusters(kernels):
-    """TMA-store epilogues stage through stmatrix (16-bit outputs) and store with UTMASTG;
-    clustered tiles multicast B and signal the peer's barriers; no fence per remote arrival."""
+    """TMA-store epilogues stage through stmatrix (16-bit outputs) and store rank-4 boxes
+    ({N, M, batch, split}) with UTMASTG; clustered tiles multicast B and signal the peer's
+    barriers; no fence per remote arrival."""
     for name, body in _gemm_kernels(kernels).items():
         _, _, _, cluster_m, epilogue = _tile(name)
         if epilogue == 0:
-            assert re.search(r"\bUTMASTG\.3D\b", body), f"no TMA store in {name}"
+            assert re.search(r"\bUTMASTG\.4D\b", body), f"no rank-4 TMA store in {name}"
+            assert not re.search(r"\bUTMASTG\.[1235]D\b", body), name
             if "S2_NS0_10TileConfig" in name:  # output type == input type: 16-bit
                 assert re.search(r"\bSTSM\b", body), f"no stmatrix in {name}"
         else:
             assert not re.search(r"\bUTMASTG", body), name
         if cluster_m == 2:
-            assert re.search(r"\bUTMALDG\.2D\.MULTICAST\b", body), f"no multicast in {name}"
+            assert re.search(r"\bUTMALDG\.3D\.MULTICAST\b", body), f"no multicast in {name}"
             assert re.search(r"SYNCS\.ARRIVE\.TRANS64\.RED\b", body), f"no remote arrive in {name}"
             # One cluster barrier at start: a cluster-scope fence per arrival would cost
             # a MEMBAR.ALL.GPU in every pipeline step.

@@ -1,7 +1,7 @@
 // Epilogue that writes a warpgroup's wgmma accumulators straight from registers to global
 // memory, converted to the output type and clipped to the matrix bounds. Works for any M, N
-// and leading dimension; pairs of columns go out as one 4- or 8-byte store when the row
-// stride keeps them aligned.
+// and row stride; pairs of columns go out as one 4- or 8-byte store when the matrix's base
+// and row stride keep them aligned.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -34,17 +34,22 @@ struct OutputPair<__half> {
 };
 
 // Stores the 64 x kBlockN accumulator block of one warpgroup whose first row is `row0` and
-// first column `col0` (accumulator layout: ptx/wgmma.cuh).
+// first column `col0` into the m x n matrix at `d` with row stride `ldd` (accumulator layout:
+// ptx/wgmma.cuh).
 template <class Out, int kBlockN>
 struct DirectStoreEpilogue {
+  using Pair = typename OutputPair<Out>::Type;
+
   __device__ static void store(const float (&acc)[kBlockN / 2], Out* __restrict__ d, int m,
                                int n, int64_t ldd, int row0, int col0) {
     const int lane = threadIdx.x % 32;
     const int warp = (threadIdx.x / 32) % 4;
     const int row_base = row0 + 16 * warp + lane / 4;
     const int col_base = col0 + 2 * (lane % 4);
-    // A pair at an even column stays aligned when every row starts at an even element.
-    const bool paired = (ldd % 2) == 0;
+    // A pair at an even column stays aligned when the matrix starts pair-aligned (a batch or
+    // split offset may be odd) and every row starts at an even element.
+    const bool paired =
+        (ldd % 2) == 0 && reinterpret_cast<uintptr_t>(d) % alignof(Pair) == 0;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = row_base + 8 * h;
@@ -56,8 +61,7 @@ struct DirectStoreEpilogue {
         const float x = acc[4 * j + 2 * h];
         const float y = acc[4 * j + 2 * h + 1];
         if (paired && col + 1 < n) {
-          *reinterpret_cast<typename OutputPair<Out>::Type*>(d_row + col) =
-              OutputPair<Out>::make(x, y);
+          *reinterpret_cast<Pair*>(d_row + col) = OutputPair<Out>::make(x, y);
         } else {
           if (col < n) d_row[col] = OutputPair<Out>::one(x);
           if (col + 1 < n) d_row[col + 1] = OutputPair<Out>::one(y);

@@ -4,6 +4,7 @@
 // (stmatrix for 16-bit outputs), and handed to a TMA store that clips it to D's bounds. The
 // stores run asynchronously: the warpgroup goes on to the next tile's mainloop while they
 // drain, and a buffer is rewritten only after the store two chunks earlier has read it.
+// D's tensor map is rank 4, {N, M, batch, split}, with a box of one chunk.
 #pragma once
 
 #include <cuda.h>
@@ -89,12 +90,12 @@ struct TmaStoreEpilogue {
     }
   }
 
-  // Stores the warpgroup's block with top-left corner (row0, col0) of D[z]. `barrier` spans
-  // the warpgroup; thread 0 of the warpgroup issues (and owns) every store.
+  // Stores the warpgroup's block with top-left corner (row0, col0) of D[split, batch].
+  // `barrier` spans the warpgroup; thread 0 of the warpgroup issues (and owns) every store.
   template <int c = 0>
   __device__ static void store(const float (&acc)[kBlockN / 2], SharedStorage& smem,
-                               const CUtensorMap* map_d, int row0, int col0, int z,
-                               const NamedBarrier& barrier, State& state) {
+                               const CUtensorMap* map_d, int row0, int col0, int batch,
+                               int split, const NamedBarrier& barrier, State& state) {
     const bool issuer = threadIdx.x % 128 == 0;
     if (issuer) StorePipeline::producer_acquire();
     barrier.sync();  // the buffer's previous store has read it
@@ -103,12 +104,13 @@ struct TmaStoreEpilogue {
     ptx::fence_proxy_async_shared();
     barrier.sync();  // the whole chunk is visible to the TMA unit
     if (issuer) {
-      ptx::tma_store(map_d, buffer, ptx::TmaCoord<3>{{col0 + c * kChunkCols, row0, z}});
+      ptx::tma_store(map_d, buffer,
+                     ptx::TmaCoord<4>{{col0 + c * kChunkCols, row0, batch, split}});
       StorePipeline::producer_commit();
     }
     ++state;
     if constexpr (c + 1 < kChunks) {
-      store<c + 1>(acc, smem, map_d, row0, col0, z, barrier, state);
+      store<c + 1>(acc, smem, map_d, row0, col0, batch, split, barrier, state);
     }
   }
 

@@ -1,12 +1,17 @@
-// XLA FFI handler for D = A @ B on Hopper (sm_90a): argument checks, tensor-map encoding and
-// the launch of the configuration named by the attributes.
+// XLA FFI handler for the batched, strided GEMM on Hopper (sm_90a): argument checks,
+// tensor-map encoding and the launch of the kernel that the attributes name.
 //
-// Operands: A [M, K] and B [K, Nb] row-major, both bf16 or both fp16, K % 8 == 0 and
-// Nb % 8 == 0 (TMA needs 16-byte row strides). B may carry up to 7 zero columns of padding
-// past N so that any N runs here; D [M, N] is the input type or fp32. With splits > 1, D is
-// [splits, M, N] fp32: one partial product per K range, for the caller to sum. The attributes
-// block_m, block_n, stages, cluster_m and epilogue name one of the tile configurations
-// compiled in kernels/sm90_gemm.h.
+// For b in [0, batch): D[b] = A[b] @ B[b]. Each operand is a strided view into its flat buffer
+// (any rank, read as element_count() elements), strides in elements:
+//   A (b, m, k)    at b * a_batch_stride + m * a_m_stride + k * a_k_stride
+//   B (b, k, n)    at b * b_batch_stride + k * b_k_stride + n * b_n_stride
+//   D (s, b, m, n) at s * d_split_stride + b * d_batch_stride + m * d_m_stride + n
+// A is K-major when a_k_stride == 1, else M-major (a_m_stride == 1); B is N-major when
+// b_n_stride == 1, else K-major (b_k_stride == 1). A batch stride of 0 shares that operand
+// across the batch. Every other stride TMA reads or writes is a multiple of 16 bytes. A and B
+// are both bf16 or both fp16, D their type or fp32 (fp32 when splits > 1: one partial product
+// per K range, for the caller to sum). block_m, block_n, stages, cluster_m and epilogue name
+// one tile configuration compiled in kernels/sm90_gemm.h; the strides pick its layout.
 #include "ffi/gemm.h"
 
 #include <cuda.h>
@@ -14,7 +19,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <initializer_list>
 #include <string>
+#include <utility>
 
 #include "ffi/cuda_check.h"
 #include "ffi/device_info.h"
@@ -29,12 +37,9 @@ namespace {
 
 using sm90_gemm::DType;
 using sm90_gemm::LaunchArgs;
+using sm90_gemm::Major;
 
-std::string shape_str(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
+std::string str(int64_t v) { return std::to_string(v); }
 
 bool to_dtype(ffi::DataType t, DType* out) {
   switch (t) {
@@ -43,29 +48,6 @@ bool to_dtype(ffi::DataType t, DType* out) {
     case ffi::DataType::F32: *out = DType::kF32; return true;
     default: return false;
   }
-}
-
-// Attributes naming one compiled configuration (kernels/sm90_gemm.h).
-struct TileChoice {
-  int64_t block_m, block_n, stages, cluster_m, epilogue;
-};
-
-template <class Tile>
-bool tile_matches(const TileChoice& c) {
-  return c.block_m == Tile::kBlockM && c.block_n == Tile::kBlockN && c.stages == Tile::kStages &&
-         c.cluster_m == Tile::kClusterM && c.epilogue == static_cast<int64_t>(Tile::kEpilogue);
-}
-
-template <class In, class Tile>
-cudaError_t launch_out(DType out, const LaunchArgs& args) {
-  if (out == DType::kF32) return sm90_gemm::launch<In, float, Tile>(args);
-  return sm90_gemm::launch<In, In, Tile>(args);
-}
-
-template <class Tile>
-cudaError_t launch_in(DType in, DType out, const LaunchArgs& args) {
-  return in == DType::kBF16 ? launch_out<__nv_bfloat16, Tile>(out, args)
-                            : launch_out<__half, Tile>(out, args);
 }
 
 CUtensorMapDataType tma_type(DType t) {
@@ -77,110 +59,313 @@ CUtensorMapDataType tma_type(DType t) {
   return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
 }
 
-// D [splits, M, N] (row pitch ldd), stored in boxes of one epilogue chunk: 64 rows x 128 bytes.
-ffi_util::TensorMapSpec output_spec(DType out, const sm90_gemm::GemmShape& shape) {
-  const uint64_t bytes = sm90_gemm::dtype_bytes(out);
+// The attributes of one call, as bound below.
+struct GemmAttrs {
+  int64_t block_m, block_n, stages, cluster_m, epilogue, splits;
+  int64_t m, n, k, batch;
+  int64_t a_batch_stride, a_m_stride, a_k_stride;
+  int64_t b_batch_stride, b_k_stride, b_n_stride;
+  int64_t d_split_stride, d_batch_stride, d_m_stride;
+};
+
+// One dimension of a strided view: how many indices, the element stride, the attribute name.
+struct ViewDim {
+  int64_t extent, stride;
+  const char* name;
+};
+
+// Largest element offset a view addresses, or -1 past INT64_MAX.
+int64_t last_offset(std::initializer_list<ViewDim> dims) {
+  unsigned __int128 end = 0;
+  for (const ViewDim& d : dims) {
+    end += static_cast<unsigned __int128>(d.extent - 1) * static_cast<uint64_t>(d.stride);
+  }
+  return end > INT64_MAX ? -1 : static_cast<int64_t>(end);
+}
+
+// "" when every dimension with more than one index has a stride that is a multiple of 16
+// bytes (TMA reads or writes it), else which one is not.
+std::string check_tma_strides(const char* operand, std::initializer_list<ViewDim> dims,
+                              int64_t bytes) {
+  for (const ViewDim& d : dims) {
+    if (d.extent > 1 && (d.stride * bytes) % 16 != 0) {
+      return std::string("jax_tma gemm: ") + operand + " is read or written by TMA, which needs " +
+             "16-byte strides, but " + d.name + "=" + str(d.stride) + " elements is " +
+             str(d.stride * bytes) + " bytes";
+    }
+  }
+  return {};
+}
+
+// NOTE: cuTensorMapEncodeTiled's documentation illustrates the strides with a padded layout
+// whose strides grow outwards, but states as requirements only that each be a multiple of 16
+// below 2^40. CUTLASS's TMA builder passes strides in the order of the box's modes, unsorted,
+// and FlashAttention-3 relies on that for BSHD tensors (map {D, S, H, B}: the H stride is
+// below the S stride). So each map keeps its logical dimension order, {contiguous, other,
+// batch[, split]}, whatever the order of the strides, and the kernel's coordinates never
+// depend on them. Should a driver reject an order, encoding fails and the call returns
+// InvalidArgument naming the map, never a wrong result.
+//
+// A dimension of extent 1 only ever sees coordinate 0 in bounds, so its stride is free: it
+// gets the dense one (previous stride x previous extent, rounded up to 16 bytes), which also
+// satisfies that documented form. A broadcast operand's batch dimension is such a dimension.
+ffi_util::TensorMapSpec strided_spec(DType dtype, std::initializer_list<ViewDim> dims,
+                                     const int* box) {
+  const uint64_t bytes = sm90_gemm::dtype_bytes(dtype);
   ffi_util::TensorMapSpec spec;
-  spec.dtype = tma_type(out);
-  spec.rank = 3;
-  spec.dims = {static_cast<uint64_t>(shape.n), static_cast<uint64_t>(shape.m),
-               static_cast<uint64_t>(shape.splits), 0, 0};
-  spec.byte_strides = {shape.ldd * bytes, shape.ldd * bytes * shape.m, 0, 0, 0};
-  spec.box = {static_cast<uint32_t>(128 / bytes), 64, 1, 0, 0};
+  spec.dtype = tma_type(dtype);
+  spec.rank = static_cast<int>(dims.size());
   spec.swizzle = ffi_util::Swizzle::k128B;
+  uint64_t prev_bytes = bytes;
+  uint64_t prev_extent = 1;
+  int i = 0;
+  for (const ViewDim& d : dims) {
+    spec.dims[i] = static_cast<uint64_t>(d.extent);
+    spec.box[i] = static_cast<uint32_t>(box[i]);
+    if (i > 0) {
+      const uint64_t dense = (prev_bytes * prev_extent + 15) / 16 * 16;
+      spec.byte_strides[i - 1] = d.extent > 1 ? static_cast<uint64_t>(d.stride) * bytes : dense;
+      prev_bytes = spec.byte_strides[i - 1];
+    }
+    prev_extent = static_cast<uint64_t>(d.extent);
+    ++i;
+  }
   return spec;
 }
 
+// A or B: rank 3, {contiguous, other, batch}; `mn` is M for A, N for B.
+template <Major kMajor>
+ffi_util::TensorMapSpec operand_spec(DType dtype, ViewDim mn, ViewDim k, ViewDim batch,
+                                     const int (&box)[3]) {
+  const auto d = sm90_gemm::inner_outer<kMajor>(mn, k);
+  return strided_spec(dtype, {d.inner, d.outer, batch}, box);
+}
+
+// Which operand layout the strides describe (validated before).
+struct LayoutChoice {
+  Major a, b;
+};
+
+template <class Layout>
+bool layout_matches(const LayoutChoice& c) {
+  return Layout::kA == c.a && Layout::kB == c.b;
+}
+
 template <class Tile>
-ffi::Error run_tile(DType in, DType out, const ffi::AnyBuffer& a, const ffi::AnyBuffer& b,
-                    void* d, LaunchArgs args) {
-  const auto da = a.dimensions();
-  const auto db = b.dimensions();
-  // A [M, K]: boxes of kBlockM rows x kBlockK columns. B [K, Nb]: boxes of kBlockK rows x 64.
-  const auto spec_a = ffi_util::make_2d_spec(tma_type(in), da[0], da[1], da[1], Tile::kBoxA[1],
-                                             Tile::kBoxA[0], ffi_util::Swizzle::k128B);
-  const auto spec_b = ffi_util::make_2d_spec(tma_type(in), db[0], db[1], db[1], Tile::kBoxB[1],
-                                             Tile::kBoxB[0], ffi_util::Swizzle::k128B);
+bool tile_matches(const GemmAttrs& p) {
+  return p.block_m == Tile::kBlockM && p.block_n == Tile::kBlockN && p.stages == Tile::kStages &&
+         p.cluster_m == Tile::kClusterM && p.epilogue == static_cast<int64_t>(Tile::kEpilogue);
+}
+
+template <class In, class Tile, class Layout>
+cudaError_t launch_out(DType out, const LaunchArgs& args) {
+  if (out == DType::kF32) return sm90_gemm::launch<In, float, Tile, Layout>(args);
+  return sm90_gemm::launch<In, In, Tile, Layout>(args);
+}
+
+// Everything about one call that the checks established.
+struct Call {
+  DType in, out;
+  LayoutChoice layout;
+  const ffi::AnyBuffer* a;
+  const ffi::AnyBuffer* b;
+  void* d;
+  LaunchArgs args;
+};
+
+template <class Tile, class Layout>
+ffi::Error run(const GemmAttrs& p, Call call) {
+  using Boxes = sm90_gemm::OperandBoxes<Tile, Layout>;
+  // NOTE: the scheduler numbers (split, batch entry, tile) units in int32, and steps past the
+  // last one by the grid's cluster count.
+  const int64_t m_blocks = (p.m + Tile::kBlockM - 1) / Tile::kBlockM;
+  const int64_t units = (m_blocks + Tile::kClusterM - 1) / Tile::kClusterM *
+                        ((p.n + Tile::kBlockN - 1) / Tile::kBlockN) * p.batch * p.splits;
+  if (units > INT32_MAX / 2) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma gemm: " + str(units) + " work units (splits=" + str(p.splits) + " x batch=" +
+        str(p.batch) + " x tiles of m=" + str(p.m) + ", n=" + str(p.n) +
+        ") exceed the scheduler's int32 numbering");
+  }
+  const int64_t batch_a = call.args.shape.a_batched ? p.batch : 1;
+  const int64_t batch_b = call.args.shape.b_batched ? p.batch : 1;
+  const auto spec_a = operand_spec<Layout::kA>(
+      call.in, {p.m, p.a_m_stride, "a_m_stride"}, {p.k, p.a_k_stride, "a_k_stride"},
+      {batch_a, p.a_batch_stride, "a_batch_stride"}, Boxes::kBoxA);
+  const auto spec_b = operand_spec<Layout::kB>(
+      call.in, {p.n, p.b_n_stride, "b_n_stride"}, {p.k, p.b_k_stride, "b_k_stride"},
+      {batch_b, p.b_batch_stride, "b_batch_stride"}, Boxes::kBoxB);
   CUtensorMap map_a, map_b, map_d = {};
-  std::string err = ffi_util::encode_tensor_map(&map_a, a.untyped_data(), spec_a);
+  std::string err = ffi_util::encode_tensor_map(&map_a, call.a->untyped_data(), spec_a);
   if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma gemm, operand a: " + err);
-  err = ffi_util::encode_tensor_map(&map_b, b.untyped_data(), spec_b);
+  err = ffi_util::encode_tensor_map(&map_b, call.b->untyped_data(), spec_b);
   if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma gemm, operand b: " + err);
-  if (Tile::kEpilogue == sm90_gemm::EpilogueKind::kTmaStore) {
-    err = ffi_util::encode_tensor_map(&map_d, d, output_spec(out, args.shape));
+  if constexpr (Tile::kEpilogue == sm90_gemm::EpilogueKind::kTmaStore) {
+    // D [splits, batch, M, N] in boxes of one epilogue chunk: 64 rows x 128 bytes.
+    const int box_d[4] = {Tile::kEpilogueRowBytes / sm90_gemm::dtype_bytes(call.out),
+                          Tile::kEpilogueRows, 1, 1};
+    const auto spec_d = strided_spec(call.out,
+                                     {{p.n, 1, "n"},
+                                      {p.m, p.d_m_stride, "d_m_stride"},
+                                      {p.batch, p.d_batch_stride, "d_batch_stride"},
+                                      {p.splits, p.d_split_stride, "d_split_stride"}},
+                                     box_d);
+    err = ffi_util::encode_tensor_map(&map_d, call.d, spec_d);
     if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma gemm, output: " + err);
   }
-  args.tmap_a = &map_a;
-  args.tmap_b = &map_b;
-  args.tmap_d = &map_d;
-  args.d = d;
-  return ffi_util::cuda_error(launch_in<Tile>(in, out, args), "jax_tma gemm launch");
+  call.args.tmap_a = &map_a;
+  call.args.tmap_b = &map_b;
+  call.args.tmap_d = &map_d;
+  call.args.d = call.d;
+  const cudaError_t launched =
+      call.in == DType::kBF16 ? launch_out<__nv_bfloat16, Tile, Layout>(call.out, call.args)
+                              : launch_out<__half, Tile, Layout>(call.out, call.args);
+  return ffi_util::cuda_error(launched, "jax_tma gemm launch");
 }
 
-// run_tile for the compiled configuration that `choice` names.
-ffi::Error dispatch(const TileChoice& choice, DType in, DType out, const ffi::AnyBuffer& a,
-                    const ffi::AnyBuffer& b, void* d, const LaunchArgs& args) {
-#define JAX_TMA_TRY_TILE(TILE)                             \
-  if (tile_matches<sm90_gemm::TILE>(choice)) {             \
-    return run_tile<sm90_gemm::TILE>(in, out, a, b, d, args); \
+// run<Tile, Layout> for the compiled kernel that the attributes and strides name.
+ffi::Error dispatch(const GemmAttrs& p, const Call& call) {
+#define JAX_TMA_TRY_KERNEL(TILE, LAYOUT)                                   \
+  if (tile_matches<sm90_gemm::TILE>(p) &&                                  \
+      layout_matches<sm90_gemm::LAYOUT>(call.layout)) {                    \
+    return run<sm90_gemm::TILE, sm90_gemm::LAYOUT>(p, call);               \
   }
-  JAX_TMA_SM90_GEMM_TILES(JAX_TMA_TRY_TILE)
-#undef JAX_TMA_TRY_TILE
+  JAX_TMA_SM90_GEMM_KERNELS(JAX_TMA_TRY_KERNEL)
+#undef JAX_TMA_TRY_KERNEL
   return ffi::Error::InvalidArgument(
-      "jax_tma gemm: no compiled configuration with block_m=" + std::to_string(choice.block_m) +
-      ", block_n=" + std::to_string(choice.block_n) + ", stages=" +
-      std::to_string(choice.stages) + ", cluster_m=" + std::to_string(choice.cluster_m) +
-      ", epilogue=" + std::to_string(choice.epilogue));
+      "jax_tma gemm: no compiled configuration with block_m=" + str(p.block_m) +
+      ", block_n=" + str(p.block_n) + ", stages=" + str(p.stages) + ", cluster_m=" +
+      str(p.cluster_m) + ", epilogue=" + str(p.epilogue));
 }
 
-ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                     ffi::AnyBuffer d, const TileChoice& choice, int64_t splits) {
-  const auto da = a.dimensions();
-  const auto db = b.dimensions();
-  const auto dd = d.dimensions();
-  const std::string shapes = "a" + shape_str(da) + ", b" + shape_str(db) + ", d" + shape_str(dd);
-  if (da.size() != 2 || db.size() != 2 || dd.size() != (splits > 1 ? 3u : 2u)) {
-    return ffi::Error::InvalidArgument(
-        "jax_tma gemm expects 2-D a and b and a d of [M, N] (or [splits, M, N] for split-K), "
-        "got " + shapes);
+ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
+                     const ffi::AnyBuffer& b, ffi::AnyBuffer& d, const GemmAttrs& p) {
+  const std::string dims =
+      "m=" + str(p.m) + ", n=" + str(p.n) + ", k=" + str(p.k) + ", batch=" + str(p.batch);
+  for (int64_t v : {p.m, p.n, p.k, p.batch}) {
+    if (v < 1 || v > INT32_MAX) {
+      return ffi::Error::InvalidArgument(
+          "jax_tma gemm: m, n, k and batch must be in [1, 2^31), got " + dims);
+    }
   }
-  const int64_t m = da[0], k = da[1], nb = db[1];
-  const int64_t n = dd[dd.size() - 1];
-  if (db[0] != k || dd[dd.size() - 2] != m || (splits > 1 && dd[0] != splits) || n > nb ||
-      nb - n >= 8 || m < 1 || n < 1 || k < 1) {
-    return ffi::Error::InvalidArgument("jax_tma gemm: inconsistent shapes " + shapes);
+  struct Named {
+    const char* name;
+    int64_t value;
+  };
+  for (const Named& s : {Named{"a_batch_stride", p.a_batch_stride}, {"a_m_stride", p.a_m_stride},
+                         {"a_k_stride", p.a_k_stride}, {"b_batch_stride", p.b_batch_stride},
+                         {"b_k_stride", p.b_k_stride}, {"b_n_stride", p.b_n_stride},
+                         {"d_split_stride", p.d_split_stride},
+                         {"d_batch_stride", p.d_batch_stride}, {"d_m_stride", p.d_m_stride}}) {
+    if (s.value < 0) {
+      return ffi::Error::InvalidArgument(std::string("jax_tma gemm: strides must be >= 0, got ") +
+                                         s.name + "=" + str(s.value));
+    }
   }
-  if (k % 8 != 0 || nb % 8 != 0) {
-    return ffi::Error::InvalidArgument(
-        "jax_tma gemm: K and the padded N of b must be multiples of 8 (16-byte TMA strides), "
-        "got " + shapes);
-  }
-  if (m > INT32_MAX || n > INT32_MAX || k > INT32_MAX) {
-    return ffi::Error::InvalidArgument("jax_tma gemm: dimensions must fit in int32");
-  }
-  DType in, in_b, out;
-  if (!to_dtype(a.element_type(), &in) || !to_dtype(b.element_type(), &in_b) || in != in_b ||
-      in == DType::kF32 || !to_dtype(d.element_type(), &out) || (out != in && out != DType::kF32)) {
+
+  Call call{};
+  DType in_b;
+  if (!to_dtype(a.element_type(), &call.in) || !to_dtype(b.element_type(), &in_b) ||
+      call.in != in_b || call.in == DType::kF32 || !to_dtype(d.element_type(), &call.out) ||
+      (call.out != call.in && call.out != DType::kF32)) {
     return ffi::Error::InvalidArgument(
         "jax_tma gemm: a and b must both be bf16 or both fp16, and d their type or fp32");
   }
-  const int64_t k_blocks = (k + 63) / 64;
-  if (splits < 1 || splits > k_blocks || (splits > 1 && out != DType::kF32)) {
+
+  // Layouts: one unit stride per operand, on K or on the other dimension.
+  if (p.a_k_stride == 1) {
+    call.layout.a = Major::kK;
+  } else if (p.a_m_stride == 1) {
+    call.layout.a = Major::kMN;
+  } else {
     return ffi::Error::InvalidArgument(
-        "jax_tma gemm: splits must be in [1, K/64] and split-K writes fp32 partial products, "
-        "got splits=" + std::to_string(splits) + " for " + shapes);
+        "jax_tma gemm: a must be K-major (a_k_stride=1) or M-major (a_m_stride=1), got "
+        "a_m_stride=" + str(p.a_m_stride) + ", a_k_stride=" + str(p.a_k_stride));
   }
-  const int64_t per_split = (k_blocks + splits - 1) / splits;
-  if ((k_blocks + per_split - 1) / per_split != splits) {
-    return ffi::Error::InvalidArgument("jax_tma gemm: splits=" + std::to_string(splits) +
-                                       " leaves an empty K range for K=" + std::to_string(k));
-  }
-  if (choice.epilogue == static_cast<int64_t>(sm90_gemm::EpilogueKind::kTmaStore) &&
-      (n * sm90_gemm::dtype_bytes(out)) % 16 != 0) {
+  if (p.b_n_stride == 1) {
+    call.layout.b = Major::kMN;
+  } else if (p.b_k_stride == 1) {
+    call.layout.b = Major::kK;
+  } else {
     return ffi::Error::InvalidArgument(
-        "jax_tma gemm: the TMA-store epilogue needs 16-byte output rows (N a multiple of " +
-        std::to_string(16 / sm90_gemm::dtype_bytes(out)) + "), got " + shapes);
+        "jax_tma gemm: b must be N-major (b_n_stride=1) or K-major (b_k_stride=1), got "
+        "b_k_stride=" + str(p.b_k_stride) + ", b_n_stride=" + str(p.b_n_stride));
   }
+
+  const int64_t k_blocks = (p.k + 63) / 64;
+  if (p.splits < 1 || p.splits > k_blocks || (p.splits > 1 && call.out != DType::kF32)) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma gemm: splits must be in [1, ceil(K/64)] and split-K writes fp32 partial "
+        "products, got splits=" + str(p.splits) + " for k=" + str(p.k));
+  }
+  const int64_t per_split = (k_blocks + p.splits - 1) / p.splits;
+  if ((k_blocks + per_split - 1) / per_split != p.splits) {
+    return ffi::Error::InvalidArgument("jax_tma gemm: splits=" + str(p.splits) +
+                                       " leaves an empty K range for k=" + str(p.k));
+  }
+
+  // A batch stride of 0 (or a batch of 1) shares the operand: its map has one batch index.
+  const bool a_batched = p.batch > 1 && p.a_batch_stride != 0;
+  const bool b_batched = p.batch > 1 && p.b_batch_stride != 0;
+  const std::initializer_list<ViewDim> view_a = {{a_batched ? p.batch : 1, p.a_batch_stride,
+                                                  "a_batch_stride"},
+                                                 {p.m, p.a_m_stride, "a_m_stride"},
+                                                 {p.k, p.a_k_stride, "a_k_stride"}};
+  const std::initializer_list<ViewDim> view_b = {{b_batched ? p.batch : 1, p.b_batch_stride,
+                                                  "b_batch_stride"},
+                                                 {p.k, p.b_k_stride, "b_k_stride"},
+                                                 {p.n, p.b_n_stride, "b_n_stride"}};
+  const std::initializer_list<ViewDim> view_d = {{p.splits, p.d_split_stride, "d_split_stride"},
+                                                 {p.batch, p.d_batch_stride, "d_batch_stride"},
+                                                 {p.m, p.d_m_stride, "d_m_stride"},
+                                                 {p.n, 1, "n"}};
+  struct Extent {
+    const char* name;
+    std::initializer_list<ViewDim> view;
+    size_t elements;
+  };
+  for (const Extent& e : {Extent{"a", view_a, a.element_count()},
+                          Extent{"b", view_b, b.element_count()},
+                          Extent{"d", view_d, d.element_count()}}) {
+    const int64_t last = last_offset(e.view);
+    if (last < 0 || static_cast<uint64_t>(last) >= e.elements) {
+      std::string strides;
+      for (const ViewDim& v : e.view) strides += std::string(", ") + v.name + "=" + str(v.stride);
+      return ffi::Error::InvalidArgument(
+          std::string("jax_tma gemm: ") + e.name + " addresses element " +
+          (last < 0 ? std::string("past 2^63") : str(last)) + " but its buffer holds " +
+          std::to_string(e.elements) + " (" + dims + ", splits=" + str(p.splits) + strides + ")");
+    }
+  }
+  // Writing one output element twice would race.
+  for (const ViewDim& v : view_d) {
+    if (v.extent > 1 && v.stride == 0) {
+      return ffi::Error::InvalidArgument(std::string("jax_tma gemm: ") + v.name +
+                                         "=0 makes d's elements alias (" + dims +
+                                         ", splits=" + str(p.splits) + ")");
+    }
+  }
+
+  // TMA strides: every dimension but the contiguous one of A, B and (TMA store) D.
+  const int64_t in_bytes = sm90_gemm::dtype_bytes(call.in);
+  const ViewDim a_outer = call.layout.a == Major::kK ? ViewDim{p.m, p.a_m_stride, "a_m_stride"}
+                                                     : ViewDim{p.k, p.a_k_stride, "a_k_stride"};
+  const ViewDim b_outer = call.layout.b == Major::kK ? ViewDim{p.n, p.b_n_stride, "b_n_stride"}
+                                                     : ViewDim{p.k, p.b_k_stride, "b_k_stride"};
+  std::string err = check_tma_strides(
+      "a", {a_outer, {a_batched ? p.batch : 1, p.a_batch_stride, "a_batch_stride"}}, in_bytes);
+  if (err.empty()) {
+    err = check_tma_strides(
+        "b", {b_outer, {b_batched ? p.batch : 1, p.b_batch_stride, "b_batch_stride"}}, in_bytes);
+  }
+  if (err.empty() && p.epilogue == static_cast<int64_t>(sm90_gemm::EpilogueKind::kTmaStore)) {
+    err = check_tma_strides("d (TMA-store epilogue)",
+                            {{p.m, p.d_m_stride, "d_m_stride"},
+                             {p.batch, p.d_batch_stride, "d_batch_stride"},
+                             {p.splits, p.d_split_stride, "d_split_stride"}},
+                            sm90_gemm::dtype_bytes(call.out));
+  }
+  if (!err.empty()) return ffi::Error::InvalidArgument(err + " (" + dims + ")");
 
   const auto& info = ffi_util::device_info(device);
   if (!info.error.empty()) return ffi::Error::Internal("jax_tma gemm: " + info.error);
@@ -190,65 +375,103 @@ ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi:
         std::to_string(device) + " is " + std::to_string(info.major) + "." +
         std::to_string(info.minor));
   }
-  if (std::string err = ffi_util::use_device(device); !err.empty()) {
-    return ffi::Error::Internal("jax_tma gemm: " + err);
+  if (std::string use = ffi_util::use_device(device); !use.empty()) {
+    return ffi::Error::Internal("jax_tma gemm: " + use);
   }
 
-  LaunchArgs args{};
-  args.shape = {static_cast<int>(m), static_cast<int>(n), static_cast<int>(k),
-                static_cast<int>(splits), static_cast<int>(per_split), n};
-  args.num_sms = info.num_sms;
-  args.stream = stream;
-  return dispatch(choice, in, out, a, b, d.untyped_data(), args);
+  call.a = &a;
+  call.b = &b;
+  call.d = d.untyped_data();
+  auto& shape = call.args.shape;
+  shape.m = static_cast<int>(p.m);
+  shape.n = static_cast<int>(p.n);
+  shape.k = static_cast<int>(p.k);
+  shape.batch = static_cast<int>(p.batch);
+  shape.splits = static_cast<int>(p.splits);
+  shape.k_blocks_per_split = static_cast<int>(per_split);
+  shape.a_batched = a_batched;
+  shape.b_batched = b_batched;
+  shape.d_m_stride = p.d_m_stride;
+  shape.d_batch_stride = p.d_batch_stride;
+  shape.d_split_stride = p.d_split_stride;
+  call.args.num_sms = info.num_sms;
+  call.args.stream = stream;
+  return dispatch(p, call);
 }
 
 ffi::Error gemm_sm90_out(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
                          ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d, int64_t block_m,
                          int64_t block_n, int64_t stages, int64_t cluster_m, int64_t epilogue,
-                         int64_t splits) {
-  return gemm_sm90(stream, device, a, b, *d, {block_m, block_n, stages, cluster_m, epilogue},
-                   splits);
+                         int64_t splits, int64_t m, int64_t n, int64_t k, int64_t batch,
+                         int64_t a_batch_stride, int64_t a_m_stride, int64_t a_k_stride,
+                         int64_t b_batch_stride, int64_t b_k_stride, int64_t b_n_stride,
+                         int64_t d_split_stride, int64_t d_batch_stride, int64_t d_m_stride) {
+  return gemm_sm90(stream, device, a, b, *d,
+                   {block_m, block_n, stages, cluster_m, epilogue, splits, m, n, k, batch,
+                    a_batch_stride, a_m_stride, a_k_stride, b_batch_stride, b_k_stride,
+                    b_n_stride, d_split_stride, d_batch_stride, d_m_stride});
 }
 
 ffi::Error gemm_sm90_into(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
                           ffi::AnyBuffer b, ffi::AnyBuffer /*d_in, aliased to d*/,
                           ffi::Result<ffi::AnyBuffer> d, int64_t block_m, int64_t block_n,
-                          int64_t stages, int64_t cluster_m, int64_t epilogue, int64_t splits) {
-  return gemm_sm90(stream, device, a, b, *d, {block_m, block_n, stages, cluster_m, epilogue},
-                   splits);
+                          int64_t stages, int64_t cluster_m, int64_t epilogue, int64_t splits,
+                          int64_t m, int64_t n, int64_t k, int64_t batch,
+                          int64_t a_batch_stride, int64_t a_m_stride, int64_t a_k_stride,
+                          int64_t b_batch_stride, int64_t b_k_stride, int64_t b_n_stride,
+                          int64_t d_split_stride, int64_t d_batch_stride, int64_t d_m_stride) {
+  return gemm_sm90(stream, device, a, b, *d,
+                   {block_m, block_n, stages, cluster_m, epilogue, splits, m, n, k, batch,
+                    a_batch_stride, a_m_stride, a_k_stride, b_batch_stride, b_k_stride,
+                    b_n_stride, d_split_stride, d_batch_stride, d_m_stride});
+}
+
+// The attributes both handlers take, in GemmAttrs order.
+template <class Binding>
+auto with_gemm_attrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<int64_t>("block_m")         // tile M
+      .template Attr<int64_t>("block_n")         // tile N
+      .template Attr<int64_t>("stages")          // pipeline depth
+      .template Attr<int64_t>("cluster_m")       // CTAs per cluster
+      .template Attr<int64_t>("epilogue")        // EpilogueKind
+      .template Attr<int64_t>("splits")          // split-K ranges
+      .template Attr<int64_t>("m")               // rows of each D[b]
+      .template Attr<int64_t>("n")               // columns of each D[b]
+      .template Attr<int64_t>("k")               // contraction length
+      .template Attr<int64_t>("batch")           // products
+      .template Attr<int64_t>("a_batch_stride")  // 0: A shared by every product
+      .template Attr<int64_t>("a_m_stride")
+      .template Attr<int64_t>("a_k_stride")
+      .template Attr<int64_t>("b_batch_stride")  // 0: B shared by every product
+      .template Attr<int64_t>("b_k_stride")
+      .template Attr<int64_t>("b_n_stride")
+      .template Attr<int64_t>("d_split_stride")
+      .template Attr<int64_t>("d_batch_stride")
+      .template Attr<int64_t>("d_m_stride");
 }
 
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmSm90, gemm_sm90_out,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
-                                  .Ctx<ffi::DeviceOrdinal>()                  // device of the call
-                                  .Arg<ffi::AnyBuffer>()                      // a [M, K]
-                                  .Arg<ffi::AnyBuffer>()                      // b [K, Nb]
-                                  .Ret<ffi::AnyBuffer>()                      // d [(splits,) M, N]
-                                  .Attr<int64_t>("block_m")                   // tile M
-                                  .Attr<int64_t>("block_n")                   // tile N
-                                  .Attr<int64_t>("stages")                    // pipeline depth
-                                  .Attr<int64_t>("cluster_m")                 // CTAs per cluster
-                                  .Attr<int64_t>("epilogue")                  // EpilogueKind
-                                  .Attr<int64_t>("splits"),                   // split-K ranges
+                              with_gemm_attrs(
+                                  ffi::Ffi::Bind()
+                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
+                                      .Ctx<ffi::DeviceOrdinal>()  // device of the call
+                                      .Arg<ffi::AnyBuffer>()      // a (flat, strided view)
+                                      .Arg<ffi::AnyBuffer>()      // b (flat, strided view)
+                                      .Ret<ffi::AnyBuffer>()),    // d (flat, strided view)
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmSm90Into, gemm_sm90_into,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
-                                  .Ctx<ffi::DeviceOrdinal>()                  // device of the call
-                                  .Arg<ffi::AnyBuffer>()                      // a [M, K]
-                                  .Arg<ffi::AnyBuffer>()                      // b [K, Nb]
-                                  .Arg<ffi::AnyBuffer>()                      // d_in [M, N]
-                                  .Ret<ffi::AnyBuffer>()                      // d, aliases d_in
-                                  .Attr<int64_t>("block_m")                   // tile M
-                                  .Attr<int64_t>("block_n")                   // tile N
-                                  .Attr<int64_t>("stages")                    // pipeline depth
-                                  .Attr<int64_t>("cluster_m")                 // CTAs per cluster
-                                  .Attr<int64_t>("epilogue")                  // EpilogueKind
-                                  .Attr<int64_t>("splits"),                   // split-K ranges
+                              with_gemm_attrs(
+                                  ffi::Ffi::Bind()
+                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
+                                      .Ctx<ffi::DeviceOrdinal>()  // device of the call
+                                      .Arg<ffi::AnyBuffer>()      // a
+                                      .Arg<ffi::AnyBuffer>()      // b
+                                      .Arg<ffi::AnyBuffer>()      // d_in
+                                      .Ret<ffi::AnyBuffer>()),    // d, aliases d_in
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_tma::ffi_handlers

@@ -1,10 +1,12 @@
-// sm90 GEMM kernel: D = A @ B with TMA loads (multicast across a cluster of 2), an mbarrier
-// pipeline, wgmma, and a TMA-store epilogue.
+// sm90 GEMM kernel: D[b] = A[b] @ B[b] over a batch, with TMA loads (multicast across a cluster
+// of 2), an mbarrier pipeline, wgmma, and a TMA-store epilogue. One instantiation per
+// (In, Out, Tile, Layout): the operand layouts are compile-time (kernels/sm90_gemm.h).
 //
 // Warp-specialised and persistent: warpgroup 0 produces (one elected thread issues every TMA
 // copy), the other warpgroups consume (wgmma into fp32 registers, then the epilogue). The grid
-// walks (split, tile) units through the tile scheduler. Out-of-bounds rows, columns and K are
-// zero-filled by TMA on the way in and clipped by the epilogue on the way out.
+// walks (split, batch entry, tile) units through the tile scheduler. Out-of-bounds rows,
+// columns and K are zero-filled by TMA on the way in and clipped by the epilogue on the way
+// out; each operand's map spans one batch entry per batch index, so nothing crosses entries.
 #pragma once
 
 #include <cuda.h>
@@ -35,9 +37,9 @@ enum class WarpGroupRole { Producer = 0, Consumer0 = 1, Consumer1 = 2 };
 inline constexpr int kProducerRegs = 40;
 inline constexpr int kConsumerRegs = 232;
 
-template <class In, class Out, class Tile>
+template <class In, class Out, class Tile, class Layout>
 struct Kernel {
-  using Mainloop = MainloopSm90TmaWgmma<In, Tile>;
+  using Mainloop = MainloopSm90TmaWgmma<In, Tile, Layout>;
   using Pipeline = typename Mainloop::Pipeline;
   using Scheduler = TileScheduler<Tile::kBlockM, Tile::kBlockN, Tile::kClusterM>;
   using Epilogue = TmaStoreEpilogue<Out, Tile::kBlockN, Tile::kEpilogueBuffers>;
@@ -58,16 +60,17 @@ struct Kernel {
                 Tile::kSmemBytes);
   static_assert(!kTmaStore || sizeof(SharedStorage::staging) == Tile::kEpilogueBytes);
   static_assert(Epilogue::kChunkBytes == Tile::kEpilogueChunkBytes);
+  static_assert(Epilogue::kChunkCols * sizeof(Out) == Tile::kEpilogueRowBytes);
   static constexpr int kConsumerWarps = 4 * Tile::kConsumerWarpgroups;
 };
 
-template <class In, class Out, class Tile>
+template <class In, class Out, class Tile, class Layout>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     sm90_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                      const __grid_constant__ CUtensorMap tmap_b,
                      const __grid_constant__ CUtensorMap tmap_d, Out* __restrict__ d,
                      GemmShape shape) {
-  using K = Kernel<In, Out, Tile>;
+  using K = Kernel<In, Out, Tile, Layout>;
   extern __shared__ uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<typename K::SharedStorage*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -88,7 +91,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   }
 
   typename K::Pipeline pipeline{smem.barriers};
-  const typename K::Scheduler scheduler(shape.m, shape.n, shape.splits);
+  const typename K::Scheduler scheduler(shape.m, shape.n, shape.batch, shape.splits);
   const int k_blocks = (shape.k + Tile::kBlockK - 1) / Tile::kBlockK;
   auto k_range = [&](const WorkTile& w, int* begin) {
     *begin = w.split * shape.k_blocks_per_split;
@@ -105,8 +108,10 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         const LoadMode mode = !w.self_valid       ? LoadMode::kIdle
                               : Tile::kClusterM > 1 && w.cluster_full ? LoadMode::kMulticast
                                                                        : LoadMode::kSolo;
-        K::Mainloop::load(pipeline, write, smem.operands, &tmap_a, &tmap_b,
-                          w.m_block * Tile::kBlockM, w.n_block * Tile::kBlockN, kb_begin,
+        // A shared operand has a batch extent of 1 in its map: always coordinate 0.
+        const TileOrigin at{w.m_block * Tile::kBlockM, w.n_block * Tile::kBlockN,
+                            shape.a_batched ? w.batch : 0, shape.b_batched ? w.batch : 0};
+        K::Mainloop::load(pipeline, write, smem.operands, &tmap_a, &tmap_b, at, kb_begin,
                           kb_begin + count, mode, scheduler.rank);
       }
       pipeline.producer_tail(write);
@@ -130,12 +135,12 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       const int row0 = w.m_block * Tile::kBlockM + 64 * warpgroup;
       const int col0 = w.n_block * Tile::kBlockN;
       if constexpr (K::kTmaStore) {
-        K::Epilogue::store(acc, smem.staging[warpgroup], &tmap_d, row0, col0, w.split,
-                           epilogue_barrier, store_state);
+        K::Epilogue::store(acc, smem.staging[warpgroup], &tmap_d, row0, col0, w.batch,
+                           w.split, epilogue_barrier, store_state);
       } else {
-        DirectStoreEpilogue<Out, Tile::kBlockN>::store(
-            acc, d + static_cast<int64_t>(w.split) * shape.m * shape.ldd, shape.m, shape.n,
-            shape.ldd, row0, col0);
+        Out* d_matrix = d + w.split * shape.d_split_stride + w.batch * shape.d_batch_stride;
+        DirectStoreEpilogue<Out, Tile::kBlockN>::store(acc, d_matrix, shape.m, shape.n,
+                                                       shape.d_m_stride, row0, col0);
       }
     }
     if constexpr (K::kTmaStore) K::Epilogue::finish();
@@ -164,9 +169,9 @@ cudaError_t max_resident_clusters(KernelFn kernel, cudaLaunchConfig_t config, in
   return cudaSuccess;
 }
 
-template <class In, class Out, class Tile>
+template <class In, class Out, class Tile, class Layout>
 cudaError_t launch(const LaunchArgs& args) {
-  auto* kernel = &sm90_gemm_kernel<In, Out, Tile>;
+  auto* kernel = &sm90_gemm_kernel<In, Out, Tile, Layout>;
   // NOTE: the attribute is per function and device; setting it again is cheap and keeps the
   // launcher free of shared state.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -175,7 +180,7 @@ cudaError_t launch(const LaunchArgs& args) {
   const int m_blocks = (args.shape.m + Tile::kBlockM - 1) / Tile::kBlockM;
   const int n_blocks = (args.shape.n + Tile::kBlockN - 1) / Tile::kBlockN;
   const int cluster_rows = (m_blocks + Tile::kClusterM - 1) / Tile::kClusterM;
-  const int units = cluster_rows * n_blocks * args.shape.splits;
+  const int units = cluster_rows * n_blocks * args.shape.batch * args.shape.splits;
 
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;

@@ -1,10 +1,12 @@
-// Host-visible contract of the sm90 GEMM kernel: tile configurations, their shared-memory
-// budgets and TMA box shapes, and the launch entry points. Included by the FFI handler and by
-// the kernel, so host and device read every size from the same constexpr.
+// Host-visible contract of the sm90 GEMM kernel: tile configurations, operand layouts, their
+// shared-memory budgets and TMA box shapes, and the launch entry points. Included by the FFI
+// handler and by the kernel, so host and device read every size from the same constexpr.
 //
-// Layout: A is M x K row-major (K contiguous), B is K x N row-major (N contiguous). D is
-// [splits, M, N] row-major with leading dimension ldd (splits = 1: the product itself; split-K:
-// one fp32 partial product per K range, summed by the caller). Inputs bf16 or fp16,
+// Batched, strided: for b in [0, batch), D[b] = A[b] @ B[b]. A is K-major (A[b] stored M x K,
+// K contiguous) or M-major (stored K x M); B is N-major (stored K x N) or K-major (stored
+// N x K). An operand with batch stride 0 is the same matrix for every b. D is
+// [splits, batch, M, N] with free strides on all but N (splits = 1: the product itself;
+// split-K: one fp32 partial product per K range, summed by the caller). Inputs bf16 or fp16,
 // accumulation fp32, output the input type or fp32.
 #pragma once
 
@@ -37,11 +39,9 @@ struct TileConfig {
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   static constexpr int kElementBytes = 2;
-
-  // TMA boxes, innermost dimension first. B arrives as kBlockN / 64 boxes of 64 columns, each
-  // one 128-byte swizzle atom wide.
-  static constexpr int kBoxA[2] = {kBlockK, kBlockM};
-  static constexpr int kBoxB[2] = {64, kBlockK};
+  // Elements in one 128-byte swizzle row: the inner extent of every operand box.
+  static constexpr int kSwizzleElems = 128 / kElementBytes;
+  // B arrives in blocks of 64 N indices (the unit the cluster splits), whatever its layout.
   static constexpr int kBColumnBlocks = kBlockN / 64;
 
   static constexpr uint32_t kTileABytes = kBlockM * kBlockK * kElementBytes;
@@ -51,7 +51,8 @@ struct TileConfig {
   // Epilogue staging: per consumer warpgroup, kEpilogueBuffers chunks of 64 rows x 128 bytes
   // (64 16-bit or 32 fp32 columns), each one 128-byte-swizzled TMA store box.
   static constexpr int kEpilogueRows = 64;
-  static constexpr uint32_t kEpilogueChunkBytes = kEpilogueRows * 128;
+  static constexpr int kEpilogueRowBytes = 128;
+  static constexpr uint32_t kEpilogueChunkBytes = kEpilogueRows * kEpilogueRowBytes;
   static constexpr int kEpilogueBuffers = 2;
   static constexpr uint32_t kEpilogueBytes =
       kEpilogue == EpilogueKind::kTmaStore
@@ -64,6 +65,7 @@ struct TileConfig {
   static constexpr uint32_t kSmemBytes =
       kStages * kStageBytes + kEpilogueBytes + kStages * 16 + 64 + 1024;
 
+  static_assert(kBlockK == kSwizzleElems, "one K slice is one 128-byte swizzle row");
   static_assert(kBlockM == 64 || kBlockM == 128, "one or two consumer warpgroups");
   static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "wgmma N is at most 256");
   static_assert(kClusterM == 1 || (kClusterM == 2 && kBColumnBlocks % 2 == 0),
@@ -81,36 +83,97 @@ using Tile64x128 = TileConfig<64, 128, 8, 1, EpilogueKind::kTmaStore>;
 using Tile128x128Direct = TileConfig<128, 128, 6, 1, EpilogueKind::kDirect>;
 using Tile64x128Direct = TileConfig<64, 128, 8, 1, EpilogueKind::kDirect>;
 
-// The list above as an X-macro: the instantiation files and the dispatcher in ffi/gemm.cc
-// expand it, so a configuration is added in one place.
-#define JAX_TMA_SM90_GEMM_TILES(X) \
-  X(Tile128x256C2)                 \
-  X(Tile128x256)                   \
-  X(Tile128x128C2)                 \
-  X(Tile128x128)                   \
-  X(Tile64x128)                    \
-  X(Tile128x128Direct)             \
-  X(Tile64x128Direct)
+// Which of an operand's two matrix dimensions is contiguous in memory: K, or the other one
+// (M for A, N for B). The values are wgmma's transpose immediates (0: K-major, 1: MN-major).
+enum class Major : int { kK = 0, kMN = 1 };
+
+template <Major kA_, Major kB_>
+struct OperandLayout {
+  static constexpr Major kA = kA_;
+  static constexpr Major kB = kB_;
+};
+// Named as in BLAS, op(A) op(B) with T meaning "stored transposed".
+using LayoutNN = OperandLayout<Major::kK, Major::kMN>;   // A [M, K], B [K, N]
+using LayoutNT = OperandLayout<Major::kK, Major::kK>;    // A [M, K], B [N, K]
+using LayoutTN = OperandLayout<Major::kMN, Major::kMN>;  // A [K, M], B [K, N]
+using LayoutTT = OperandLayout<Major::kMN, Major::kK>;   // A [K, M], B [N, K]
+
+// An operand's tensor map is rank 3: {contiguous dimension, the other one, batch}. These put
+// (MN, K) coordinates or extents in that order, for the host's map and the device's copies.
+template <class T>
+struct InnerOuter {
+  T inner, outer;
+};
+template <Major kMajor, class T>
+__host__ __device__ constexpr InnerOuter<T> inner_outer(T mn, T k) {
+  return kMajor == Major::kK ? InnerOuter<T>{k, mn} : InnerOuter<T>{mn, k};
+}
+
+// TMA boxes of one (tile, layout) pair, innermost dimension first. Every box is one 128-byte
+// swizzle row wide. A: K-major, one box of kBlockM rows; M-major, kBlockM / 64 boxes of 64 K
+// rows x 64 M. B: kBlockN / 64 boxes of 64 N indices, as 64 K rows x 64 N (N-major) or 64 N
+// rows x 64 K (K-major).
+template <class Tile, class Layout>
+struct OperandBoxes {
+  static constexpr bool kAKMajor = Layout::kA == Major::kK;
+  static constexpr bool kBKMajor = Layout::kB == Major::kK;
+  static constexpr int kABoxMN = kAKMajor ? Tile::kBlockM : Tile::kSwizzleElems;
+  static constexpr int kBoxA[3] = {Tile::kSwizzleElems, kAKMajor ? Tile::kBlockM : Tile::kBlockK,
+                                   1};
+  static constexpr int kALoads = Tile::kBlockM / kABoxMN;
+  static constexpr int kBBoxMN = 64;
+  static constexpr int kBoxB[3] = {Tile::kSwizzleElems, kBKMajor ? kBBoxMN : Tile::kBlockK, 1};
+  static constexpr int kBLoads = Tile::kBColumnBlocks;
+  static constexpr uint32_t kABoxBytes = kBoxA[0] * kBoxA[1] * Tile::kElementBytes;
+  static constexpr uint32_t kBBoxBytes = kBoxB[0] * kBoxB[1] * Tile::kElementBytes;
+
+  static_assert(kALoads * kABoxBytes == Tile::kTileABytes, "A boxes tile the A stage");
+  static_assert(kBLoads * kBBoxBytes == Tile::kTileBBytes, "B boxes tile the B stage");
+  static_assert(kBoxA[1] <= 256 && kBoxB[1] <= 256, "TMA box dimensions are at most 256");
+};
+
+// Every compiled kernel is one (tile, layout) pair. The instantiation files and the dispatcher
+// in ffi/gemm.cc expand these, so a configuration or layout is added in one place:
+// JAX_TMA_SM90_GEMM_KERNELS(X) calls X(tile, layout) for every pair.
+#define JAX_TMA_SM90_GEMM_TILES(X, ARG) \
+  X(ARG, Tile128x256C2)                 \
+  X(ARG, Tile128x256)                   \
+  X(ARG, Tile128x128C2)                 \
+  X(ARG, Tile128x128)                   \
+  X(ARG, Tile64x128)                    \
+  X(ARG, Tile128x128Direct)             \
+  X(ARG, Tile64x128Direct)
+#define JAX_TMA_SM90_GEMM_LAYOUTS(X, TILE) \
+  X(TILE, LayoutNN)                        \
+  X(TILE, LayoutNT)                        \
+  X(TILE, LayoutTN)                        \
+  X(TILE, LayoutTT)
+#define JAX_TMA_SM90_GEMM_KERNELS(X) JAX_TMA_SM90_GEMM_TILES(JAX_TMA_SM90_GEMM_LAYOUTS, X)
 
 struct GemmShape {
   int m, n, k;
+  int batch;
   int splits;               // K ranges, one partial product each (D's outer dimension)
   int k_blocks_per_split;   // kBlockK slices per K range; the last range may be shorter
-  int64_t ldd;              // elements between consecutive rows of D
+  bool a_batched;           // false: A is one matrix for every batch entry (coordinate 0)
+  bool b_batched;
+  // Element strides of D (its N stride is 1); the direct-store epilogue addresses D with them.
+  int64_t d_m_stride, d_batch_stride, d_split_stride;
 };
 
 struct LaunchArgs {
-  const CUtensorMap* tmap_a;
+  const CUtensorMap* tmap_a;  // {inner, outer, batch}: see inner_outer and OperandBoxes
   const CUtensorMap* tmap_b;
-  const CUtensorMap* tmap_d;  // [splits, M, N], box: one epilogue chunk (kTmaStore only)
+  const CUtensorMap* tmap_d;  // {N, M, batch, splits}, box: one epilogue chunk (kTmaStore only)
   void* d;                    // base of D (kDirect only)
   GemmShape shape;
   int num_sms;
   cudaStream_t stream;
 };
 
-// Defined in sm90_gemm_<in>_<out>.cu for every (In, Out, Tile) that ffi/gemm.cc dispatches to.
-template <class In, class Out, class Tile>
+// Defined in sm90_gemm_<in>_<out>.cu for every (In, Out, Tile, Layout) that ffi/gemm.cc
+// dispatches to.
+template <class In, class Out, class Tile, class Layout>
 cudaError_t launch(const LaunchArgs& args);
 
 }  // namespace jax_tma::sm90_gemm

@@ -1,12 +1,13 @@
-// Instantiations of the sm90 GEMM for f16 inputs and f32 output, every compiled tile
-// configuration (one file per type pair, so they compile in parallel).
+// Instantiations of the sm90 GEMM for fp16 inputs and fp32 output: every compiled tile
+// configuration in every operand layout (one file per type pair, so they compile in parallel).
 #include "kernels/sm90_gemm.cuh"
 
 namespace jax_tma::sm90_gemm {
 
-#define JAX_TMA_INSTANTIATE(TILE) template cudaError_t launch<__half, float, TILE>(const LaunchArgs&);
+#define JAX_TMA_INSTANTIATE(TILE, LAYOUT) \
+  template cudaError_t launch<__half, float, TILE, LAYOUT>(const LaunchArgs&);
 
-JAX_TMA_SM90_GEMM_TILES(JAX_TMA_INSTANTIATE)
+JAX_TMA_SM90_GEMM_KERNELS(JAX_TMA_INSTANTIATE)
 
 #undef JAX_TMA_INSTANTIATE
 

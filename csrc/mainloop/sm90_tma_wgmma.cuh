@@ -1,18 +1,23 @@
-// Mainloop of the sm90 GEMM: TMA fills a ring of (A, B) stages, two consumer warpgroups run
-// wgmma on them.
+// Mainloop of the sm90 GEMM: TMA fills a ring of (A, B) stages, the consumer warpgroups run
+// wgmma on them. The operand layouts (kernels/sm90_gemm.h, OperandLayout) are template
+// parameters: they pick the boxes, the copies' coordinate order and wgmma's transpose
+// immediates at compile time, so no layout test runs per K slice.
 //
-// Shared-memory layouts (both 128-byte swizzled, each stage 1024-byte aligned):
-//   A stage: kBlockM rows x 64 K-elements, K-major (one 128-byte row per M index).
-//   B stage: kBlockN / 64 column blocks, each 64 K-rows x 64 N-elements, N-major.
-// Consumer warpgroup g multiplies A rows [64g, 64g + 64) by the whole B stage.
+// Shared-memory layouts (all 128-byte swizzled, each stage and box 1024-byte aligned):
+//   A stage, K-major: kBlockM rows x 64 K (one 128-byte row per M index).
+//            M-major: kBlockM / 64 blocks, each 64 K-rows x 64 M.
+//   B stage, N-major: kBlockN / 64 blocks, each 64 K-rows x 64 N.
+//            K-major: kBlockN rows x 64 K (one 128-byte row per N index), in blocks of 64 rows.
+// Consumer warpgroup g multiplies A's M indices [64g, 64g + 64), which in both A layouts are
+// the 8 KB at offset g * 8 KB, by the whole B stage.
 //
-// Clusters (Tile::kClusterM = 2): both CTAs of a cluster work on the same N block and K range,
-// so their B slices are equal. When both M blocks exist (LoadMode::kMulticast) each CTA loads
-// half of B's column blocks and multicasts them to both; when the peer's M block lies past the
-// matrix, this CTA loads all of B itself (kSolo) and the peer only keeps its ring in step
-// (kIdle: no copies, an arrival with no bytes). Every consumer warp releases each stage to the
-// empty barriers of all CTAs of the cluster, whatever the mode, so a producer never multicasts
-// into a peer stage that the peer has not yet re-armed; empty barriers count
+// Clusters (Tile::kClusterM = 2): both CTAs of a cluster work on the same N block, batch entry
+// and K range, so their B slices are equal. When both M blocks exist (LoadMode::kMulticast)
+// each CTA loads half of B's 64-wide blocks and multicasts them to both; when the peer's M
+// block lies past the matrix, this CTA loads all of B itself (kSolo) and the peer only keeps
+// its ring in step (kIdle: no copies, an arrival with no bytes). Every consumer warp releases
+// each stage to the empty barriers of all CTAs of the cluster, whatever the mode, so a producer
+// never multicasts into a peer stage that the peer has not yet re-armed; empty barriers count
 // consumer warps x cluster CTAs.
 #pragma once
 
@@ -20,6 +25,7 @@
 
 #include <cstdint>
 
+#include "kernels/sm90_gemm.h"
 #include "pipeline/tma_pipeline.cuh"
 #include "ptx/tma.cuh"
 #include "ptx/wgmma.cuh"
@@ -28,7 +34,14 @@ namespace jax_tma {
 
 enum class LoadMode { kMulticast, kSolo, kIdle };
 
-template <class T, class Tile>
+// Where one output tile's operands start: its first M and N index and, per operand, the batch
+// coordinate in that operand's tensor map (0 for an operand shared by every batch entry).
+struct TileOrigin {
+  int m0, n0;
+  int batch_a, batch_b;
+};
+
+template <class T, class Tile, class Layout>
 struct MainloopSm90TmaWgmma {
   static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kBlockN = Tile::kBlockN;
@@ -38,8 +51,13 @@ struct MainloopSm90TmaWgmma {
   static constexpr uint32_t kClusterMask = (1u << kClusterM) - 1;
   static constexpr int kWgmmaK = 16;
   static constexpr int kAccRegs = kBlockN / 2;
-  // B column block: 64 K-rows of one 128-byte swizzle row each.
-  static constexpr int kBColumnBlockElems = 64 * kBlockK;
+  static constexpr sm90_gemm::Major kMajorA = Layout::kA;
+  static constexpr sm90_gemm::Major kMajorB = Layout::kB;
+  using Boxes = sm90_gemm::OperandBoxes<Tile, Layout>;
+  static constexpr int kABoxElems = Boxes::kABoxBytes / sizeof(T);
+  static constexpr int kBBoxElems = Boxes::kBBoxBytes / sizeof(T);
+  // A's share of one consumer warpgroup: 64 M indices x kBlockK.
+  static constexpr int kAWarpgroupElems = 64 * kBlockK;
 
   using Pipeline = PipelineTmaAsync<kStages>;
   using State = typename Pipeline::State;
@@ -52,13 +70,16 @@ struct MainloopSm90TmaWgmma {
   static_assert(sizeof(T) == Tile::kElementBytes);
   static_assert(sizeof(SharedStorage::a[0]) == Tile::kTileABytes);
   static_assert(sizeof(SharedStorage::b[0]) == Tile::kTileBBytes);
-  static_assert(kBlockK * sizeof(T) == 128, "one K slice is one 128-byte swizzle row");
+  static_assert(Boxes::kAKMajor || kABoxElems == kAWarpgroupElems,
+                "an M-major A box is one warpgroup's share");
+  static_assert(Boxes::kBBoxMN == 64 && kBBoxElems == 64 * kBlockK);
 
   // Producer (one thread): stream K slices [kb_begin, kb_end) of one output tile into the ring.
   // `rank` is this CTA's rank in its cluster.
   __device__ static void load(Pipeline& pipeline, State& write, SharedStorage& smem,
-                              const CUtensorMap* tmap_a, const CUtensorMap* tmap_b, int m0,
-                              int n0, int kb_begin, int kb_end, LoadMode mode, int rank) {
+                              const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
+                              const TileOrigin& at, int kb_begin, int kb_end, LoadMode mode,
+                              int rank) {
 #pragma unroll 1
     for (int kb = kb_begin; kb < kb_end; ++kb) {
       pipeline.producer_acquire(write);
@@ -70,38 +91,62 @@ struct MainloopSm90TmaWgmma {
       // Whoever issues them, every byte of A and B lands in this CTA's stage.
       uint64_t* full = pipeline.producer_expect_tx(write, Tile::kStageBytes);
       const int k0 = kb * kBlockK;
-      ptx::tma_load_2d(smem.a[write.index], tmap_a, full, k0, m0);
 #pragma unroll
-      for (int j = 0; j < Tile::kBColumnBlocks; ++j) {
-        T* dst = smem.b[write.index] + j * kBColumnBlockElems;
+      for (int i = 0; i < Boxes::kALoads; ++i) {
+        const auto c = sm90_gemm::inner_outer<kMajorA>(at.m0 + i * Boxes::kABoxMN, k0);
+        ptx::tma_load(smem.a[write.index] + i * kABoxElems, tmap_a, full,
+                      ptx::TmaCoord<3>{{c.inner, c.outer, at.batch_a}});
+      }
+#pragma unroll
+      for (int j = 0; j < Boxes::kBLoads; ++j) {
+        T* dst = smem.b[write.index] + j * kBBoxElems;
+        const auto c = sm90_gemm::inner_outer<kMajorB>(at.n0 + j * Boxes::kBBoxMN, k0);
+        const ptx::TmaCoord<3> coord{{c.inner, c.outer, at.batch_b}};
         if (mode == LoadMode::kSolo) {
-          ptx::tma_load_2d(dst, tmap_b, full, n0 + 64 * j, k0);
+          ptx::tma_load(dst, tmap_b, full, coord);
         } else if (j % kClusterM == rank) {
-          ptx::tma_load_2d_multicast(dst, tmap_b, full, kClusterMask, n0 + 64 * j, k0);
+          ptx::tma_load_multicast(dst, tmap_b, full, kClusterMask, coord);
         }
       }
       ++write;
     }
   }
 
+  // Descriptor of A's k16 step `kk` for the warpgroup whose share starts at `a`.
+  __device__ static uint64_t desc_a(const T* a, int kk) {
+    if constexpr (kMajorA == sm90_gemm::Major::kK) {
+      // The step moves 32 bytes along the swizzled rows; 8-row groups are 1024 bytes apart.
+      return ptx::make_smem_desc(a + kk * kWgmmaK, 0, 1024, ptx::WgmmaSwizzle::k128B);
+    } else {
+      // The step moves 16 K-rows of 128 bytes; 64-wide M blocks are one box apart (wgmma's
+      // M = 64 spans one), 8-row groups 1024 bytes apart.
+      return ptx::make_smem_desc(a + kk * kWgmmaK * Tile::kSwizzleElems, Boxes::kABoxBytes, 1024,
+                                 ptx::WgmmaSwizzle::k128B);
+    }
+  }
+
+  // Descriptor of B's k16 step `kk`.
+  __device__ static uint64_t desc_b(const T* b, int kk) {
+    if constexpr (kMajorB == sm90_gemm::Major::kK) {
+      // kBlockN rows of 128 bytes: as K-major A.
+      return ptx::make_smem_desc(b + kk * kWgmmaK, 0, 1024, ptx::WgmmaSwizzle::k128B);
+    } else {
+      // The step moves 16 K-rows of 128 bytes; 64-wide N blocks are one box apart.
+      return ptx::make_smem_desc(b + kk * kWgmmaK * Tile::kSwizzleElems, Boxes::kBBoxBytes, 1024,
+                                 ptx::WgmmaSwizzle::k128B);
+    }
+  }
+
   // One K slice: four wgmma k16 steps on stage `stage` into `acc`.
   __device__ static void issue(const SharedStorage& smem, int stage, int warpgroup,
                                float (&acc)[kAccRegs], bool overwrite) {
-    const T* a = smem.a[stage] + warpgroup * 64 * kBlockK;
+    const T* a = smem.a[stage] + warpgroup * kAWarpgroupElems;
     const T* b = smem.b[stage];
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockK / kWgmmaK; ++kk) {
-      // K-major A: the k16 step moves 32 bytes along the swizzled row; 8-row groups are
-      // 1024 bytes apart.
-      const uint64_t desc_a =
-          ptx::make_smem_desc(a + kk * kWgmmaK, 0, 1024, ptx::WgmmaSwizzle::k128B);
-      // N-major B: the k16 step moves 16 rows of 128 bytes; 64-column blocks are one column
-      // block apart, 8-row groups 1024 bytes apart.
-      const uint64_t desc_b =
-          ptx::make_smem_desc(b + kk * kWgmmaK * 64, kBColumnBlockElems * sizeof(T), 1024,
-                              ptx::WgmmaSwizzle::k128B);
-      Mma::template mma<0, 1>(acc, desc_a, desc_b, (overwrite && kk == 0) ? 0 : 1);
+      Mma::template mma<static_cast<int>(kMajorA), static_cast<int>(kMajorB)>(
+          acc, desc_a(a, kk), desc_b(b, kk), (overwrite && kk == 0) ? 0 : 1);
     }
     ptx::wgmma_commit_group();
   }

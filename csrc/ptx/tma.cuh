@@ -90,6 +90,19 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* smem_dst, const CUte
       : "memory");
 }
 
+// 3-D tile load multicast (the batched GEMM mainloop's form): as tma_load_2d_multicast, with
+// coordinates {inner, outer, batch}.
+__device__ __forceinline__ void tma_load_multicast(void* smem_dst, const CUtensorMap* map,
+                                                   uint64_t* bar, uint16_t cta_mask,
+                                                   TmaCoord<3> x) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      ".multicast::cluster [%0], [%1, {%4, %5, %6}], [%2], %3;" ::"r"(smem_u32(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_u32(bar)), "h"(cta_mask), "r"(x.c[0]),
+      "r"(x.c[1]), "r"(x.c[2])
+      : "memory");
+}
+
 // Multicast masks for a cluster of cluster_m x cluster_n CTAs, ranked m + n * cluster_m.
 // The CTAs that share column-of-tiles n (every m): they all read the same B tile.
 __host__ __device__ __forceinline__ uint16_t multicast_mask_same_n(uint32_t cluster_m,
