@@ -348,8 +348,9 @@ def _plot(rows: list[Row], path: pathlib.Path, title: str) -> bool:
 
 
 def _stem(args) -> str:
-    return "bench_gemm" + ("_batched" if args.batched else "") + ("_sweep" if args.sweep else "") + (
-        "" if args.dtype == "bf16" else f"_{args.dtype}")
+    suffixes = [name for name, on in (("batched", args.batched), ("sweep", args.sweep),
+                                      (args.dtype, args.dtype != "bf16")) if on]
+    return "_".join(["bench_gemm", *suffixes])
 
 
 def main(argv=None) -> int:

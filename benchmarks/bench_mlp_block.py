@@ -78,7 +78,8 @@ class BlockConfig:
                 f"f={self.d_ff}")
 
 
-SUITE = [BlockConfig("gelu", 8192, 2048, 4096, 16384), BlockConfig("swiglu", 8192, 2048, 4096, 14336)]
+SUITE = [BlockConfig("gelu", 8192, 2048, 4096, 16384),
+         BlockConfig("swiglu", 8192, 2048, 4096, 14336)]
 QUICK = SUITE[:1]
 DRY_RUN = [BlockConfig("gelu", 64, 16, 64, 256), BlockConfig("swiglu", 64, 16, 64, 192)]
 

@@ -74,8 +74,8 @@ def _linen(cls, **kw):
         precision = jax.lax.Precision.HIGHEST if dtype == F32 else None
         module = cls(**kw, dtype=dtype, param_dtype=dtype, precision=precision,
                      dot_general=dot_general)
-        shapes = jax.eval_shape(module.init, jax.random.key(0), jax.ShapeDtypeStruct(x_shape, dtype))
-        shapes = shapes["params"]
+        x_spec = jax.ShapeDtypeStruct(x_shape, dtype)
+        shapes = jax.eval_shape(module.init, jax.random.key(0), x_spec)["params"]
 
         def apply(kernel, bias, x):
             return module.apply({"params": {"kernel": kernel, "bias": bias}}, x)
@@ -112,7 +112,8 @@ def _nnx_functional(module):
 CASES = [
     Case("linen.Dense", _linen(nn.Dense, features=48), (32, 64), "bi,io->bo", "o"),
     Case("linen.Dense-3d", _linen(nn.Dense, features=24), (4, 8, 64), "bsi,io->bso", "o"),
-    Case("linen.DenseGeneral-trailing-axes", _linen(nn.DenseGeneral, features=(4, 8), axis=(-2, -1)),
+    Case("linen.DenseGeneral-trailing-axes",
+         _linen(nn.DenseGeneral, features=(4, 8), axis=(-2, -1)),
          (16, 8, 16), "bij,ijfg->bfg", "fg"),
     Case("linen.DenseGeneral-split-axes", _linen(nn.DenseGeneral, features=(4, 6), axis=(1, -1)),
          (2, 3, 5, 8), "bixj,ijfg->bxfg", "fg"),
@@ -121,7 +122,8 @@ CASES = [
          (4, 8, 32), "bsi,bif->bsf", "bf"),
     Case("nnx.Linear", _nnx(nnx.Linear, 64, 48), (32, 64), "bi,io->bo", "o"),
     Case("nnx.Linear-3d", _nnx(nnx.Linear, 64, 24), (4, 8, 64), "bsi,io->bso", "o"),
-    Case("nnx.LinearGeneral-trailing-axes", _nnx(nnx.LinearGeneral, (8, 16), (4, 8), axis=(-2, -1)),
+    Case("nnx.LinearGeneral-trailing-axes",
+         _nnx(nnx.LinearGeneral, (8, 16), (4, 8), axis=(-2, -1)),
          (16, 8, 16), "bij,ijfg->bfg", "fg"),
     Case("nnx.LinearGeneral-split-axes", _nnx(nnx.LinearGeneral, (3, 8), (4, 6), axis=(1, -1)),
          (2, 3, 5, 8), "bixj,ijfg->bxfg", "fg"),
@@ -179,8 +181,8 @@ def _check(results, ref, label):
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_layer_matches_default(case, dtype, rng):
     apply_tma, kernel_shape, bias_shape = case.make(jax_tma.dot_general, dtype, case.x_shape)
-    apply_xla, kernel_shape_xla, bias_shape_xla = case.make(jax.lax.dot_general, dtype, case.x_shape)
-    assert (kernel_shape, bias_shape) == (kernel_shape_xla, bias_shape_xla)
+    apply_xla, *shapes_xla = case.make(jax.lax.dot_general, dtype, case.x_shape)
+    assert [kernel_shape, bias_shape] == shapes_xla
     operands = _operands(case, dtype, rng, kernel_shape, bias_shape)
     ours = jax.jit(_vjp_fn(apply_tma))(*operands)
     default = jax.jit(_vjp_fn(apply_xla))(*operands)
@@ -265,16 +267,22 @@ def _cuda_kernel_calls(fn, *args) -> int:
     return len(_LOWERED_CALL.findall(lowered.as_text()))
 
 
-DENSE_CASES = [CASES[0], CASES[1], CASES[5], CASES[6]]  # 2-D and 3-D inputs, linen and nnx
+def _check_calls(case: Case, calls: int) -> None:
+    """Forward, input gradient and weight gradient each run the kernel, except where the
+    contracted axes of x are not adjacent (split-axes): there some products go through XLA."""
+    if "split-axes" in case.name:
+        assert 1 <= calls <= 3, calls
+    else:
+        assert calls == 3, calls
 
 
 @needs_extension
 @pytest.mark.parametrize("dtype", [BF16, F16], ids=["bf16", "fp16"])
-@pytest.mark.parametrize("case", DENSE_CASES, ids=[c.name for c in DENSE_CASES])
-def test_cuda_lowering_dense_backward(case, dtype, rng):
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_cuda_lowering_layer_backward(case, dtype, rng):
     apply, kernel_shape, bias_shape = case.make(jax_tma.dot_general, dtype, case.x_shape)
     operands = _operands(case, dtype, rng, kernel_shape, bias_shape)
-    assert _cuda_kernel_calls(_vjp_fn(apply), *_specs(*operands)) == 3
+    _check_calls(case, _cuda_kernel_calls(_vjp_fn(apply), *_specs(*operands)))
 
 
 @needs_extension
@@ -285,6 +293,9 @@ def test_cuda_lowering_training_step():
     assert _cuda_kernel_calls(s.step, *args) == flax_mlp.expected_kernel_calls(2)
     xla = flax_mlp.setup(batch=64, hidden=64, depth=2, dtype="bf16", use_tma=False)
     assert _cuda_kernel_calls(xla.step, *args) == 0
+
+
+DENSE_CASES = [c for c in CASES if "General" not in c.name]  # linen and nnx, 2-D and 3-D x
 
 
 @pytest.mark.gpu
@@ -310,7 +321,7 @@ GENERAL_CASES = [c for c in CASES if "General" in c.name]
 def test_gpu_general_layers_run_kernel(case, rng):
     apply, kernel_shape, bias_shape = case.make(jax_tma.dot_general, BF16, case.x_shape)
     operands = _operands(case, BF16, rng, kernel_shape, bias_shape)
-    assert flax_mlp.kernel_calls(_vjp_fn(apply), *operands) > 0
+    _check_calls(case, flax_mlp.kernel_calls(_vjp_fn(apply), *operands))
     _check(jax.jit(_vjp_fn(apply))(*operands), _reference(case, *operands), case.name)
 
 
