@@ -90,7 +90,10 @@ def test_values_match_float64_reference(rng, a_shape, b_shape, dtype, out_dtype)
         tol = F32_OPERAND_TOL if np.dtype(dtype) == np.float32 else TOL[np.dtype(out.dtype)]
         assert np.linalg.norm(np.asarray(out, np.float64) - ref) <= tol * np.linalg.norm(scale)
     xla = jnp.matmul(a, b, preferred_element_type=out_dtype)
-    np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(xla, np.float64))
+    assert out.dtype == xla.dtype
+    if out.dtype.kind == "i" or not jax_tma.kernel_status().available:
+        # The same XLA computation: identical bits.
+        np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(xla, np.float64))
 
 
 ERROR_CASES = [
