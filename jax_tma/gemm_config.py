@@ -135,10 +135,12 @@ def check_config(config: GemmConfig, m: int, n: int, k: int, out_dtype,
 # consumer warpgroups on a wide tile keep the tensor cores busiest, one (block_m=64) far less.
 _TILE_EFFICIENCY = {(128, 256): 1.0, (128, 128): 0.9, (64, 128): 0.4}
 _PEAK_FLOPS_PER_SM = 989e12 / 132
-# Streaming operands: about 40 GB/s per busy CTA, at most about 4 TB/s in all.
-_MEMORY_BYTES_PER_S = 4.0e12
-_MEMORY_BYTES_PER_S_PER_CTA = 40e9
-_SPLIT_FIXED_S = 1e-6  # the extra reduction kernel
+# Streaming operands (decode-like shapes, measured with --sweep on an H200): about 65 GB/s
+# per busy CTA, at most about 3.4 TB/s in all; a split-K product pays about 2 us for the
+# extra reduction kernel and its launch.
+_MEMORY_BYTES_PER_S = 3.4e12
+_MEMORY_BYTES_PER_S_PER_CTA = 65e9
+_SPLIT_FIXED_S = 2e-6
 _SPLIT_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16)
 
 
