@@ -102,6 +102,10 @@ class Setup:
     params: Any
     opt_state: Any
     batches: list[tuple[jax.Array, jax.Array]]
+    # NOTE: XLA's CPU collectives can deadlock when several sharded steps are queued on a
+    # machine with few cores (a rendezvous waits for a device whose threads are all busy), so
+    # on CPU meshes each step waits for the previous one.
+    sync_each_step: bool = False
 
 
 def setup(*, batch: int = 256, hidden: int = 512, depth: int = 2, dtype: str = "bf16",
@@ -142,7 +146,8 @@ def setup(*, batch: int = 256, hidden: int = 512, depth: int = 2, dtype: str = "
         return optax.apply_updates(params, updates), opt_state, loss
 
     batches = [(jax.device_put(x, sharded), jax.device_put(y, sharded)) for x, y in zip(xs, ys)]
-    return Setup(step, params, opt_state, batches)
+    sync = devices > 1 and available[0].platform == "cpu"
+    return Setup(step, params, opt_state, batches, sync_each_step=sync)
 
 
 def run(s: Setup, steps: int) -> list[float]:
@@ -151,6 +156,8 @@ def run(s: Setup, steps: int) -> list[float]:
     for i in range(steps):
         x, y = s.batches[i % len(s.batches)]
         params, opt_state, loss = s.step(params, opt_state, x, y)
+        if s.sync_each_step:
+            loss.block_until_ready()
         losses.append(loss)
     return [float(v) for v in jax.device_get(losses)]
 
