@@ -173,6 +173,10 @@ def _reference(case: Case, kernel, bias, x, g):
 def _check(results, ref, label):
     for name, got, want in zip(("y", "d kernel", "d bias", "d x"), results, ref):
         tol = TOL[np.dtype(got.dtype)]
+        if name == "d bias" and np.dtype(got.dtype).itemsize == 2:
+            # A sum over the batch that XLA reduces in the layer's 16-bit dtype (no product:
+            # the same computation with either dot_general); measured up to 1.1e-2 in bf16.
+            tol *= 2
         err = rel_error(got, want)
         assert err <= tol, f"{label} {name} ({got.dtype}): rel. error {err:.2e} > {tol:.0e}"
 
