@@ -82,6 +82,10 @@ using Tile128x128 = TileConfig<128, 128, 6, 1, EpilogueKind::kTmaStore>;
 using Tile64x128 = TileConfig<64, 128, 8, 1, EpilogueKind::kTmaStore>;
 using Tile128x128Direct = TileConfig<128, 128, 6, 1, EpilogueKind::kDirect>;
 using Tile64x128Direct = TileConfig<64, 128, 8, 1, EpilogueKind::kDirect>;
+// NOTE: for decode-like products (a few rows against a wide weight), which stream B: twice
+// the CTAs of the 64 x 128 tile at the same N, and 12 stages keep 192 KB of loads in flight.
+using Tile64x64 = TileConfig<64, 64, 12, 1, EpilogueKind::kTmaStore>;
+using Tile64x64Direct = TileConfig<64, 64, 12, 1, EpilogueKind::kDirect>;
 
 // Which of an operand's two matrix dimensions is contiguous in memory: K, or the other one
 // (M for A, N for B). The values are wgmma's transpose immediates (0: K-major, 1: MN-major).
@@ -142,7 +146,9 @@ struct OperandBoxes {
   X(ARG, Tile128x128)                   \
   X(ARG, Tile64x128)                    \
   X(ARG, Tile128x128Direct)             \
-  X(ARG, Tile64x128Direct)
+  X(ARG, Tile64x128Direct)              \
+  X(ARG, Tile64x64)                     \
+  X(ARG, Tile64x64Direct)
 #define JAX_TMA_SM90_GEMM_LAYOUTS(X, TILE) \
   X(TILE, LayoutNN)                        \
   X(TILE, LayoutNT)                        \
