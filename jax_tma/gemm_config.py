@@ -134,8 +134,9 @@ def check_config(config: GemmConfig, m: int, n: int, k: int, out_dtype,
 # Constants of the cost model, fitted to a sweep of every configuration on an H200
 # (benchmarks/bench_gemm.py --sweep). Relative wgmma throughput of one CTA per tile shape: two
 # consumer warpgroups on a wide tile keep the tensor cores busiest, one (block_m=64) far less.
-# The 64 x 64 tile's figure keeps the heuristic on the measured-best tile of every suite
-# shape; forced, it was the fastest on 128 x 4096 x 14336 (one wave without split-K).
+# NOTE: the model cannot tell the 64 x 64 tile from the 64 x 128 one on memory-bound
+# products; this figure leaves the suite's choices as they were. Forced, the 64 x 64 tile was
+# the fastest measured on 128 x 4096 x 14336 (one wave without split-K), slower elsewhere.
 _TILE_EFFICIENCY = {(128, 256): 1.0, (128, 128): 0.9, (64, 128): 0.4, (64, 64): 0.2}
 _PEAK_FLOPS_PER_SM = 989e12 / 132
 # Streaming operands (decode-like shapes, measured with --sweep on an H200): about 65 GB/s
