@@ -401,3 +401,13 @@ def test_kernel_is_deterministic(rng, config):
     first = np.asarray(f(a, b))
     for _ in range(3):
         np.testing.assert_array_equal(np.asarray(f(a, b)), first)
+
+
+def test_heuristic_leaves_out_the_64x64_tile():
+    """The cost model cannot rank the 64 x 64 tile (it ties with 64 x 128 on memory-bound
+    products), so only an explicit config runs it."""
+    shapes = [(1, 4096, 4096), (16, 6144, 4096), (128, 4096, 14336), (1024, 1024, 1000)]
+    for m, n, k in shapes:
+        for batch in (1, 64):
+            assert gemm.default_config(m, n, k, batch=batch).block_n != 64
+    assert jax_tma.GemmConfig(64, 64, 12, 1) in gemm.COMPILED_CONFIGS
