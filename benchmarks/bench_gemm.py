@@ -315,12 +315,27 @@ def _table(rows: list[Row], env: dict, dtype: str) -> str:
     return "\n".join(lines)
 
 
-def _plot(rows: list[Row], path: pathlib.Path, title: str) -> bool:
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or None without matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def save_figure(plt, fig, path: pathlib.Path) -> bool:
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def _plot(rows: list[Row], path: pathlib.Path, title: str) -> bool:
+    plt = pyplot()
+    if plt is None:
         return False
     shapes = list(dict.fromkeys(r.shape for r in rows))
     names = [c for c in ("jax_tma", "xla", "pallas_mgpu") if any(r.contender == c for r in rows)]
@@ -341,10 +356,7 @@ def _plot(rows: list[Row], path: pathlib.Path, title: str) -> bool:
     ax2.axhline(1.0, color="black", linewidth=0.8)
     ax2.set_ylabel("jax_tma speed / XLA speed")
     ax2.set_xticks(x, labels, rotation=60, ha="right", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(plt, fig, path)
 
 
 def _stem(args) -> str:

@@ -45,7 +45,7 @@ import jax_tma
 from jax_tma import _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_gemm import environment  # noqa: E402
+from bench_gemm import environment, pyplot, save_figure  # noqa: E402
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 CHECK_TOLERANCE = 2e-2  # relative loss and gradient difference between the two steps
@@ -194,11 +194,8 @@ def _table(rows: list[dict], env: dict, dtype: str) -> str:
 
 
 def _plot(rows: list[dict], path: pathlib.Path, title: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return False
     labels = [f"{r['block']}\nd={r['d_model']} f={r['d_ff']}\n{r['tokens']} tokens" for r in rows]
     x = np.arange(len(rows))
@@ -209,10 +206,7 @@ def _plot(rows: list[dict], path: pathlib.Path, title: str) -> bool:
     ax.set_ylabel("ms per training step")
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
+    return save_figure(plt, fig, path)
 
 
 def _parse(argv=None) -> argparse.Namespace:

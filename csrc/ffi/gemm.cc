@@ -33,6 +33,16 @@
 namespace ffi = xla::ffi;
 
 namespace jax_tma::ffi_handlers {
+
+// The attributes of both handlers (decoded by name: XLA_FFI_REGISTER_STRUCT_ATTR_DECODING below).
+struct GemmAttrs {
+  int64_t block_m, block_n, stages, cluster_m, epilogue, splits;
+  int64_t m, n, k, batch;
+  int64_t a_batch_stride, a_m_stride, a_k_stride;
+  int64_t b_batch_stride, b_k_stride, b_n_stride;
+  int64_t d_split_stride, d_batch_stride, d_m_stride;
+};
+
 namespace {
 
 using sm90_gemm::DType;
@@ -60,13 +70,6 @@ CUtensorMapDataType tma_type(DType t) {
 }
 
 // The attributes of one call, as bound below.
-struct GemmAttrs {
-  int64_t block_m, block_n, stages, cluster_m, epilogue, splits;
-  int64_t m, n, k, batch;
-  int64_t a_batch_stride, a_m_stride, a_k_stride;
-  int64_t b_batch_stride, b_k_stride, b_n_stride;
-  int64_t d_split_stride, d_batch_stride, d_m_stride;
-};
 
 // One dimension of a strided view: how many indices, the element stride, the attribute name.
 struct ViewDim {
@@ -238,6 +241,15 @@ ffi::Error dispatch(const GemmAttrs& p, const Call& call) {
       str(p.cluster_m) + ", epilogue=" + str(p.epilogue));
 }
 
+// An operand's layout from its strides: the dimension with unit stride is the contiguous one;
+// when both have one (a dimension of size 1), `tie` wins. False when neither has.
+bool major_of(int64_t k_stride, int64_t mn_stride, Major tie, Major* major) {
+  const bool k_unit = k_stride == 1, mn_unit = mn_stride == 1;
+  if (!k_unit && !mn_unit) return false;
+  *major = k_unit && mn_unit ? tie : (k_unit ? Major::kK : Major::kMN);
+  return true;
+}
+
 ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
                      const ffi::AnyBuffer& b, ffi::AnyBuffer& d, const GemmAttrs& p) {
   const std::string dims =
@@ -273,23 +285,13 @@ ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& 
   }
 
   // Layouts: one unit stride per operand, on K or on the other dimension.
-  if (p.a_k_stride == 1) {
-    call.layout.a = Major::kK;
-  } else if (p.a_m_stride == 1) {
-    call.layout.a = Major::kMN;
-  } else {
+  if (!major_of(p.a_k_stride, p.a_m_stride, Major::kK, &call.layout.a) ||
+      !major_of(p.b_k_stride, p.b_n_stride, Major::kMN, &call.layout.b)) {
     return ffi::Error::InvalidArgument(
-        "jax_tma gemm: a must be K-major (a_k_stride=1) or M-major (a_m_stride=1), got "
-        "a_m_stride=" + str(p.a_m_stride) + ", a_k_stride=" + str(p.a_k_stride));
-  }
-  if (p.b_n_stride == 1) {
-    call.layout.b = Major::kMN;
-  } else if (p.b_k_stride == 1) {
-    call.layout.b = Major::kK;
-  } else {
-    return ffi::Error::InvalidArgument(
-        "jax_tma gemm: b must be N-major (b_n_stride=1) or K-major (b_k_stride=1), got "
-        "b_k_stride=" + str(p.b_k_stride) + ", b_n_stride=" + str(p.b_n_stride));
+        "jax_tma gemm: a must be K-major (a_k_stride=1) or M-major (a_m_stride=1) and b N-major "
+        "(b_n_stride=1) or K-major (b_k_stride=1), got a_m_stride=" + str(p.a_m_stride) +
+        ", a_k_stride=" + str(p.a_k_stride) + ", b_k_stride=" + str(p.b_k_stride) +
+        ", b_n_stride=" + str(p.b_n_stride));
   }
 
   const int64_t k_blocks = (p.k + 63) / 64;
@@ -400,78 +402,63 @@ ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& 
 }
 
 ffi::Error gemm_sm90_out(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
-                         ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d, int64_t block_m,
-                         int64_t block_n, int64_t stages, int64_t cluster_m, int64_t epilogue,
-                         int64_t splits, int64_t m, int64_t n, int64_t k, int64_t batch,
-                         int64_t a_batch_stride, int64_t a_m_stride, int64_t a_k_stride,
-                         int64_t b_batch_stride, int64_t b_k_stride, int64_t b_n_stride,
-                         int64_t d_split_stride, int64_t d_batch_stride, int64_t d_m_stride) {
-  return gemm_sm90(stream, device, a, b, *d,
-                   {block_m, block_n, stages, cluster_m, epilogue, splits, m, n, k, batch,
-                    a_batch_stride, a_m_stride, a_k_stride, b_batch_stride, b_k_stride,
-                    b_n_stride, d_split_stride, d_batch_stride, d_m_stride});
+                         ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d, GemmAttrs attrs) {
+  return gemm_sm90(stream, device, a, b, *d, attrs);
 }
 
 ffi::Error gemm_sm90_into(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
                           ffi::AnyBuffer b, ffi::AnyBuffer /*d_in, aliased to d*/,
-                          ffi::Result<ffi::AnyBuffer> d, int64_t block_m, int64_t block_n,
-                          int64_t stages, int64_t cluster_m, int64_t epilogue, int64_t splits,
-                          int64_t m, int64_t n, int64_t k, int64_t batch,
-                          int64_t a_batch_stride, int64_t a_m_stride, int64_t a_k_stride,
-                          int64_t b_batch_stride, int64_t b_k_stride, int64_t b_n_stride,
-                          int64_t d_split_stride, int64_t d_batch_stride, int64_t d_m_stride) {
-  return gemm_sm90(stream, device, a, b, *d,
-                   {block_m, block_n, stages, cluster_m, epilogue, splits, m, n, k, batch,
-                    a_batch_stride, a_m_stride, a_k_stride, b_batch_stride, b_k_stride,
-                    b_n_stride, d_split_stride, d_batch_stride, d_m_stride});
-}
-
-// The attributes both handlers take, in GemmAttrs order.
-template <class Binding>
-auto with_gemm_attrs(Binding binding) {
-  return std::move(binding)
-      .template Attr<int64_t>("block_m")         // tile M
-      .template Attr<int64_t>("block_n")         // tile N
-      .template Attr<int64_t>("stages")          // pipeline depth
-      .template Attr<int64_t>("cluster_m")       // CTAs per cluster
-      .template Attr<int64_t>("epilogue")        // EpilogueKind
-      .template Attr<int64_t>("splits")          // split-K ranges
-      .template Attr<int64_t>("m")               // rows of each D[b]
-      .template Attr<int64_t>("n")               // columns of each D[b]
-      .template Attr<int64_t>("k")               // contraction length
-      .template Attr<int64_t>("batch")           // products
-      .template Attr<int64_t>("a_batch_stride")  // 0: A shared by every product
-      .template Attr<int64_t>("a_m_stride")
-      .template Attr<int64_t>("a_k_stride")
-      .template Attr<int64_t>("b_batch_stride")  // 0: B shared by every product
-      .template Attr<int64_t>("b_k_stride")
-      .template Attr<int64_t>("b_n_stride")
-      .template Attr<int64_t>("d_split_stride")
-      .template Attr<int64_t>("d_batch_stride")
-      .template Attr<int64_t>("d_m_stride");
+                          ffi::Result<ffi::AnyBuffer> d, GemmAttrs attrs) {
+  return gemm_sm90(stream, device, a, b, *d, attrs);
 }
 
 }  // namespace
+}  // namespace jax_tma::ffi_handlers
+
+// The attributes both handlers take, decoded by name into GemmAttrs (every one required).
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jax_tma::ffi_handlers::GemmAttrs,
+    xla::ffi::StructMember<int64_t>("block_m"),         // tile M
+    xla::ffi::StructMember<int64_t>("block_n"),         // tile N
+    xla::ffi::StructMember<int64_t>("stages"),          // pipeline depth
+    xla::ffi::StructMember<int64_t>("cluster_m"),       // CTAs per cluster
+    xla::ffi::StructMember<int64_t>("epilogue"),        // EpilogueKind
+    xla::ffi::StructMember<int64_t>("splits"),          // split-K ranges
+    xla::ffi::StructMember<int64_t>("m"),               // rows of each D[b]
+    xla::ffi::StructMember<int64_t>("n"),               // columns of each D[b]
+    xla::ffi::StructMember<int64_t>("k"),               // contraction length
+    xla::ffi::StructMember<int64_t>("batch"),           // products
+    xla::ffi::StructMember<int64_t>("a_batch_stride"),  // 0: A shared by every product
+    xla::ffi::StructMember<int64_t>("a_m_stride"),
+    xla::ffi::StructMember<int64_t>("a_k_stride"),
+    xla::ffi::StructMember<int64_t>("b_batch_stride"),  // 0: B shared by every product
+    xla::ffi::StructMember<int64_t>("b_k_stride"),
+    xla::ffi::StructMember<int64_t>("b_n_stride"),
+    xla::ffi::StructMember<int64_t>("d_split_stride"),
+    xla::ffi::StructMember<int64_t>("d_batch_stride"),
+    xla::ffi::StructMember<int64_t>("d_m_stride"));
+
+namespace jax_tma::ffi_handlers {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmSm90, gemm_sm90_out,
-                              with_gemm_attrs(
-                                  ffi::Ffi::Bind()
-                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
-                                      .Ctx<ffi::DeviceOrdinal>()  // device of the call
-                                      .Arg<ffi::AnyBuffer>()      // a (flat, strided view)
-                                      .Arg<ffi::AnyBuffer>()      // b (flat, strided view)
-                                      .Ret<ffi::AnyBuffer>()),    // d (flat, strided view)
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
+                                  .Ctx<ffi::DeviceOrdinal>()  // device of the call
+                                  .Arg<ffi::AnyBuffer>()      // a (flat, strided view)
+                                  .Arg<ffi::AnyBuffer>()      // b (flat, strided view)
+                                  .Ret<ffi::AnyBuffer>()      // d (flat, strided view)
+                                  .Attrs<GemmAttrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmSm90Into, gemm_sm90_into,
-                              with_gemm_attrs(
-                                  ffi::Ffi::Bind()
-                                      .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
-                                      .Ctx<ffi::DeviceOrdinal>()  // device of the call
-                                      .Arg<ffi::AnyBuffer>()      // a
-                                      .Arg<ffi::AnyBuffer>()      // b
-                                      .Arg<ffi::AnyBuffer>()      // d_in
-                                      .Ret<ffi::AnyBuffer>()),    // d, aliases d_in
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
+                                  .Ctx<ffi::DeviceOrdinal>()  // device of the call
+                                  .Arg<ffi::AnyBuffer>()      // a
+                                  .Arg<ffi::AnyBuffer>()      // b
+                                  .Arg<ffi::AnyBuffer>()      // d_in
+                                  .Ret<ffi::AnyBuffer>()      // d, aliases d_in
+                                  .Attrs<GemmAttrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace jax_tma::ffi_handlers

@@ -112,27 +112,17 @@ struct MainloopSm90TmaWgmma {
     }
   }
 
-  // Descriptor of A's k16 step `kk` for the warpgroup whose share starts at `a`.
-  __device__ static uint64_t desc_a(const T* a, int kk) {
-    if constexpr (kMajorA == sm90_gemm::Major::kK) {
-      // The step moves 32 bytes along the swizzled rows; 8-row groups are 1024 bytes apart.
-      return ptx::make_smem_desc(a + kk * kWgmmaK, 0, 1024, ptx::WgmmaSwizzle::k128B);
+  // Descriptor of the k16 step `kk` of an operand tile at `tile` whose boxes are `kBoxBytes`
+  // apart, in either layout. Both swizzle 128 bytes, with 8-row groups 1024 bytes apart.
+  //   K-major: the step moves 32 bytes along the swizzled rows (the leading offset is unused).
+  //   MN-major: the step moves 16 K-rows of 128 bytes; 64-wide M or N blocks are one box apart
+  //   (for A, wgmma's M = 64 spans one).
+  template <sm90_gemm::Major kMajor, uint32_t kBoxBytes>
+  __device__ static uint64_t desc(const T* tile, int kk) {
+    if constexpr (kMajor == sm90_gemm::Major::kK) {
+      return ptx::make_smem_desc(tile + kk * kWgmmaK, 0, 1024, ptx::WgmmaSwizzle::k128B);
     } else {
-      // The step moves 16 K-rows of 128 bytes; 64-wide M blocks are one box apart (wgmma's
-      // M = 64 spans one), 8-row groups 1024 bytes apart.
-      return ptx::make_smem_desc(a + kk * kWgmmaK * Tile::kSwizzleElems, Boxes::kABoxBytes, 1024,
-                                 ptx::WgmmaSwizzle::k128B);
-    }
-  }
-
-  // Descriptor of B's k16 step `kk`.
-  __device__ static uint64_t desc_b(const T* b, int kk) {
-    if constexpr (kMajorB == sm90_gemm::Major::kK) {
-      // kBlockN rows of 128 bytes: as K-major A.
-      return ptx::make_smem_desc(b + kk * kWgmmaK, 0, 1024, ptx::WgmmaSwizzle::k128B);
-    } else {
-      // The step moves 16 K-rows of 128 bytes; 64-wide N blocks are one box apart.
-      return ptx::make_smem_desc(b + kk * kWgmmaK * Tile::kSwizzleElems, Boxes::kBBoxBytes, 1024,
+      return ptx::make_smem_desc(tile + kk * kWgmmaK * Tile::kSwizzleElems, kBoxBytes, 1024,
                                  ptx::WgmmaSwizzle::k128B);
     }
   }
@@ -146,7 +136,8 @@ struct MainloopSm90TmaWgmma {
 #pragma unroll
     for (int kk = 0; kk < kBlockK / kWgmmaK; ++kk) {
       Mma::template mma<static_cast<int>(kMajorA), static_cast<int>(kMajorB)>(
-          acc, desc_a(a, kk), desc_b(b, kk), (overwrite && kk == 0) ? 0 : 1);
+          acc, desc<kMajorA, Boxes::kABoxBytes>(a, kk), desc<kMajorB, Boxes::kBBoxBytes>(b, kk),
+          (overwrite && kk == 0) ? 0 : 1);
     }
     ptx::wgmma_commit_group();
   }
