@@ -12,12 +12,15 @@ min-max spread. Outputs are checked against XLA before timing.
     python benchmarks/bench_gemm.py --batched        # attention-like [B,M,K] @ [B,K,N]
     python benchmarks/bench_gemm.py --shapes 4096,4096,4096 32,2048,2048,128 --dtype fp16
     python benchmarks/bench_gemm.py --sweep --shapes 8192,8192,8192   # every legal config
+    python benchmarks/bench_gemm.py --quick --layout NT   # b stored [N, K] (dot_general)
     python benchmarks/bench_gemm.py --dry-run        # tiny shapes; runs without a GPU (CI)
     python benchmarks/bench_gemm.py --commit abc1234 # the commit that ran, if .git is stale
 
 A shape is M,N,K (a[M,K] @ b[K,N]) or B,M,N,K (a[B,M,K] @ b[B,K,N]); every suite runs in bf16
-or fp16. Results go to benchmarks/results/<device>/: bench_gemm[_batched][_sweep][_fp16] .json,
-.md and .png (a dry run writes files only when --out is given).
+or fp16. --layout NT/TN/TT stores b as [N, K] and/or a as [K, M] and times
+jax_tma.dot_general against lax.dot_general on them (2-D shapes). Results go to
+benchmarks/results/<device>/: bench_gemm[_batched][_sweep][_<layout>][_fp16] .json, .md and .png
+(a dry run writes files only when --out is given).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 import jax_tma
@@ -69,6 +73,7 @@ BATCHED_SUITE = [
 BATCHED_QUICK = [(32, 2048, 2048, 128), (32, 2048, 128, 2048), (8, 2048, 4096, 4096)]
 BATCHED_DRY_RUN = [(2, 64, 64, 64), (3, 7, 129, 72)]
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+LAYOUTS = ("NN", "NT", "TN", "TT")  # a then b: N as in a[M, K] @ b[K, N], T stored transposed
 L2_BYTES = 50 * 2**20
 BUFFER_BUDGET = 4 * 2**30  # operand bytes allotted per shape
 
@@ -102,6 +107,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--shapes", nargs="+", metavar="[B,]M,N,K",
                    help="ad-hoc shapes: M,N,K for 2-D products, B,M,N,K for batched ones")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--layout", choices=sorted(LAYOUTS), default="NN",
+                   help="operand layout: T stores a as [K, M] (first letter) or b as [N, K]")
     p.add_argument("--sweep", action="store_true", help="time every legal kernel configuration")
     p.add_argument("--no-pallas", action="store_true", help="skip the Pallas Mosaic-GPU matmul")
     p.add_argument("--rounds", type=int, default=5)
@@ -129,6 +136,8 @@ def _parse(argv=None) -> argparse.Namespace:
                            else BATCHED_SUITE)
     else:
         args.shape_list = DRY_RUN if args.dry_run else QUICK if args.quick else SUITE
+    if args.layout != "NN" and any(len(s) != 3 for s in args.shape_list):
+        p.error("--layout applies to 2-D (M,N,K) shapes")
     if args.dry_run:
         args.rounds, args.iterations = 1, 1
     return args
@@ -153,12 +162,26 @@ def _pallas_contender(dtype):
     return run, fits
 
 
-def _operand_sets(shape, dtype, key):
+def _operand_sets(shape, dtype, key, layout="NN"):
     batch, m, n, k = _split(shape)
     per_set = math.prod(batch) * (m * k + k * n) * jnp.dtype(dtype).itemsize
     count = max(2, math.ceil(2 * L2_BYTES / per_set))
     count = int(min(count, 16, max(2, BUFFER_BUDGET // per_set)))
-    return _timing.random_operands(key, [(*batch, m, k), (*batch, k, n)], dtype, count)
+    a_shape = (k, m) if layout[0] == "T" else (m, k)
+    b_shape = (n, k) if layout[1] == "T" else (k, n)
+    return _timing.random_operands(key, [(*batch, *a_shape), (*batch, *b_shape)], dtype, count)
+
+
+def _products(layout: str):
+    """(jax_tma product, XLA product, config product) of a @ b with operands stored in
+    `layout`: NN through matmul, the others through dot_general."""
+    if layout == "NN":
+        return (jax_tma.matmul, jnp.matmul,
+                lambda cfg: lambda a, b: jax_tma.matmul(a, b, config=cfg))
+    dims = (((0 if layout[0] == "T" else 1,), (1 if layout[1] == "T" else 0,)), ((), ()))
+    return (lambda a, b: jax_tma.dot_general(a, b, dims),
+            lambda a, b: lax.dot_general(a, b, dims),
+            lambda cfg: lambda a, b: jax_tma.dot_general(a, b, dims, config=cfg))
 
 
 def _check(name, fn, ops, ref) -> str:
@@ -169,14 +192,15 @@ def _check(name, fn, ops, ref) -> str:
 
 def bench_shape(shape, dtype, args, pallas) -> list[Row]:
     batch, m, n, k = _split(shape)
-    sets = _operand_sets(shape, dtype, jax.random.key(math.prod(batch) * 131 + m * 31 + n * 7 + k))
-    ref = jax.jit(jnp.matmul)(*sets[0])
-    contenders = {"jax_tma": jax_tma.matmul, "xla": jnp.matmul}
+    key = jax.random.key(math.prod(batch) * 131 + m * 31 + n * 7 + k)
+    sets = _operand_sets(shape, dtype, key, args.layout)
+    ours, xla, forced = _products(args.layout)
+    ref = jax.jit(xla)(*sets[0])
+    contenders = {"jax_tma": ours, "xla": xla}
     if args.sweep:
         for cfg in _sweep_configs(m, n, k, dtype):
-            contenders[f"jax_tma[{cfg.describe()}]"] = (
-                lambda a, b, cfg=cfg: jax_tma.matmul(a, b, config=cfg))
-    if pallas is not None and not batch and pallas[1](m, n, k):
+            contenders[f"jax_tma[{cfg.describe()}]"] = forced(cfg)
+    if pallas is not None and not batch and args.layout == "NN" and pallas[1](m, n, k):
         contenders["pallas_mgpu"] = pallas[0]
     notes = {}
     for name in list(contenders):
@@ -361,6 +385,7 @@ def _plot(rows: list[Row], path: pathlib.Path, title: str) -> bool:
 
 def _stem(args) -> str:
     suffixes = [name for name, on in (("batched", args.batched), ("sweep", args.sweep),
+                                      (args.layout, args.layout != "NN"),
                                       (args.dtype, args.dtype != "bf16")) if on]
     return "_".join(["bench_gemm", *suffixes])
 
@@ -386,7 +411,8 @@ def main(argv=None) -> int:
         if args.sweep:
             for r in sorted((r for r in new if r.seconds), key=lambda r: r.seconds):
                 print(f"    {r.seconds * 1e6:10.1f} us {r.tflops():7.1f} TFLOP/s  {r.contender}")
-    table = _table(rows, env, args.dtype)
+    what = args.dtype if args.layout == "NN" else f"{args.dtype}, layout {args.layout}"
+    table = _table(rows, env, what)
     print(table)
     if args.dry_run and args.out is None:
         return 0
@@ -394,10 +420,10 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = _stem(args)
     (out / f"{stem}.json").write_text(json.dumps(
-        {"environment": env, "dtype": args.dtype, "dry_run": args.dry_run,
+        {"environment": env, "dtype": args.dtype, "layout": args.layout, "dry_run": args.dry_run,
          "rows": [dict(dataclasses.asdict(r), tflops=r.tflops()) for r in rows]}, indent=1))
     (out / f"{stem}.md").write_text(table + "\n")
-    plotted = _plot(rows, out / f"{stem}.png", f"{env['device']}, {args.dtype}")
+    plotted = _plot(rows, out / f"{stem}.png", f"{env['device']}, {what}")
     print(f"wrote {out}/{stem}.json, .md" + (", .png" if plotted else ""))
     return 0
 

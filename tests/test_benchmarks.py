@@ -69,6 +69,20 @@ def test_bench_gemm_dry_run(tmp_path):
     assert {tuple(r["shape"]) for r in report["rows"]} == {(64, 64, 64), (7, 129, 72)}
 
 
+@pytest.mark.parametrize("layout", ["NT", "TN", "TT"])
+def test_bench_gemm_transposed_layout_dry_run(tmp_path, layout):
+    result = _run("bench_gemm.py", "--layout", layout, "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"layout {layout}" in result.stdout and "| 7×129×72 |" in result.stdout
+    report = _written(tmp_path, f"bench_gemm_{layout}")
+    assert report["layout"] == layout and len(report["rows"]) >= 4
+
+
+def test_bench_gemm_layout_needs_2d_shapes():
+    result = _run("bench_gemm.py", "--layout", "NT", "--batched")
+    assert result.returncode == 2 and "2-D" in result.stderr
+
+
 def test_bench_gemm_batched_fp16_dry_run(tmp_path):
     result = _run("bench_gemm.py", "--batched", "--dtype", "fp16", "--commit", "0123abc",
                   "--out", str(tmp_path))
