@@ -47,7 +47,7 @@ from jax_tma.gemm_config import (  # noqa: F401 - re-exported: the gemm module's
     tma_store_aligned,
 )
 from jax_tma.gemm_config import _EPILOGUE_DIRECT, _EPILOGUE_TMA_STORE
-from jax_tma.gemm_plan import DimensionNumbers, GemmPlan
+from jax_tma.gemm_plan import DimensionNumbers, GemmPlan, free_axes
 
 KERNEL_TARGET = "jax_tma_gemm_sm90"
 MATMUL_DIMS: DimensionNumbers = (((1,), (0,)), ((), ()))  # a[M, K] @ b[K, N]
@@ -61,18 +61,21 @@ def _num_sms() -> int:
 def output_shape(lhs_shape, rhs_shape, dimension_numbers: DimensionNumbers) -> tuple[int, ...]:
     """Shape of ``dot_general``: batch dims, then lhs free dims, then rhs free dims."""
     (lc, rc), (lb, rb) = dimension_numbers
-    lhs_free = [d for i, d in enumerate(lhs_shape) if i not in lc and i not in lb]
-    rhs_free = [d for i, d in enumerate(rhs_shape) if i not in rc and i not in rb]
-    return (*(lhs_shape[i] for i in lb), *lhs_free, *rhs_free)
+    return (*(lhs_shape[i] for i in lb),
+            *(lhs_shape[i] for i in free_axes(len(lhs_shape), lc, lb)),
+            *(rhs_shape[i] for i in free_axes(len(rhs_shape), rc, rb)))
+
+
+def _kernel_dtypes(lhs_dtype, rhs_dtype, out_dtype) -> bool:
+    lhs_dtype, rhs_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
+    return (lhs_dtype == rhs_dtype and lhs_dtype in KERNEL_INPUT_DTYPES
+            and jnp.dtype(out_dtype) in kernel_output_dtypes(lhs_dtype))
 
 
 def kernel_plan(lhs_aval, rhs_aval, dimension_numbers: DimensionNumbers, out_dtype) -> GemmPlan | None:
     """The kernel's view of this product, or None when it runs through XLA (dtypes the kernel
     does not take, an empty product, or operands that cannot be read in place)."""
-    in_dtype = jnp.dtype(lhs_aval.dtype)
-    if jnp.dtype(rhs_aval.dtype) != in_dtype or in_dtype not in KERNEL_INPUT_DTYPES:
-        return None
-    if jnp.dtype(out_dtype) not in kernel_output_dtypes(in_dtype):
+    if not _kernel_dtypes(lhs_aval.dtype, rhs_aval.dtype, out_dtype):
         return None
     return gemm_plan.plan(lhs_aval.shape, rhs_aval.shape, dimension_numbers)
 
@@ -226,8 +229,7 @@ def _transpose_lhs(g, x, y, *, dimension_numbers, out_dtype, config, local):
     del out_dtype, config
     (xc, yc), (xb, yb) = dimension_numbers
     x_ndim, y_ndim = len(x.aval.shape), _ranks(y)
-    x_free = [a for a in range(x_ndim) if a not in xc and a not in xb]
-    y_free = [a for a in range(y_ndim) if a not in yc and a not in yb]
+    x_free, y_free = free_axes(x_ndim, xc, xb), free_axes(y_ndim, yc, yb)
     nb = len(xb)
     g_y_free = tuple(range(nb + len(x_free), nb + len(x_free) + len(y_free)))
     dims = ((g_y_free, tuple(y_free)), (tuple(range(nb)), tuple(yb)))
@@ -242,8 +244,7 @@ def _transpose_rhs(g, x, y, *, dimension_numbers, out_dtype, config, local):
     del out_dtype, config
     (xc, yc), (xb, yb) = dimension_numbers
     x_ndim, y_ndim = _ranks(x), len(y.aval.shape)
-    x_free = [a for a in range(x_ndim) if a not in xc and a not in xb]
-    y_free = [a for a in range(y_ndim) if a not in yc and a not in yb]
+    x_free, y_free = free_axes(x_ndim, xc, xb), free_axes(y_ndim, yc, yb)
     nb = len(xb)
     g_x_free = tuple(range(nb, nb + len(x_free)))
     dims = ((tuple(x_free), g_x_free), (tuple(xb), tuple(range(nb))))
@@ -272,11 +273,11 @@ def _batch_rule(args, dims, *, dimension_numbers, out_dtype, config, local):
         return _bind(lhs, rhs, new, out_dtype, local), 0
     if ld is not None:
         lc, lb = shift(lc, ld), shift(lb, ld)
-        free = [a for a in range(lhs.ndim) if a not in lc and a not in lb]
+        free = free_axes(lhs.ndim, lc, lb)
         out_dim = len(lb) + free.index(ld)
         return _bind(lhs, rhs, ((lc, rc), (lb, rb)), out_dtype, local), out_dim
     rc, rb = shift(rc, rd), shift(rb, rd)
-    free = [a for a in range(rhs.ndim) if a not in rc and a not in rb]
+    free = free_axes(rhs.ndim, rc, rb)
     lhs_free = lhs.ndim - len(lc) - len(lb)
     out_dim = len(lb) + lhs_free + free.index(rd)
     return _bind(lhs, rhs, ((lc, rc), (lb, rb)), out_dtype, local), out_dim
@@ -305,12 +306,6 @@ def _normalize(dimension_numbers, lhs_ndim: int, rhs_ndim: int) -> DimensionNumb
         return tuple(int(a) % ndim for a in seq)
 
     return ((axes(lc, lhs_ndim), axes(rc, rhs_ndim)), (axes(lb, lhs_ndim), axes(rb, rhs_ndim)))
-
-
-def _kernel_dtypes(lhs_dtype, rhs_dtype, out_dtype) -> bool:
-    lhs_dtype, rhs_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype)
-    return (lhs_dtype == rhs_dtype and lhs_dtype in KERNEL_INPUT_DTYPES
-            and jnp.dtype(out_dtype) in kernel_output_dtypes(lhs_dtype))
 
 
 def dot_general(lhs: Any, rhs: Any, dimension_numbers, precision=None,
@@ -354,21 +349,6 @@ def dot_general(lhs: Any, rhs: Any, dimension_numbers, precision=None,
             config_for(plan, expected.dtype, config)
     return dot_general_p.bind(lhs, rhs, dimension_numbers=dims, out_dtype=jnp.dtype(expected.dtype),
                               config=config, local=False)
-
-
-def kernel_eligible(a: Any, b: Any, out_dtype: Any) -> bool:
-    """True when ``a @ b`` (2-D) into out_dtype is a product the sm90 kernel computes.
-
-    Where it runs is decided when the primitive is lowered (platform, GPU, JAX_TMA_DISABLE).
-    """
-    if np.ndim(a) != 2 or np.ndim(b) != 2:
-        return False
-    if not _kernel_dtypes(jnp.result_type(a), jnp.result_type(b), out_dtype):
-        return False
-    if np.shape(a)[1] != np.shape(b)[0]:
-        return False
-    avals = [jax.core.ShapedArray(np.shape(x), jnp.result_type(x)) for x in (a, b)]
-    return kernel_plan(*avals, (((1,), (0,)), ((), ())), out_dtype) is not None
 
 
 def matmul(a: Any, b: Any, *, out_dtype: Any = None, config: GemmConfig | None = None) -> jax.Array:

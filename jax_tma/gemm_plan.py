@@ -60,6 +60,12 @@ class GemmPlan:
         return ("N" if self.lhs.k_major else "T") + ("T" if self.rhs.k_major else "N")
 
 
+def free_axes(ndim: int, contract_axes, batch_axes) -> list[int]:
+    """The axes of an operand of rank `ndim` that are neither contracted nor batch, in order:
+    ``dot_general`` puts them in the output after the batch dims, lhs's before rhs's."""
+    return [a for a in range(ndim) if a not in contract_axes and a not in batch_axes]
+
+
 def _row_major_strides(shape: Sequence[int]) -> list[int]:
     strides, step = [0] * len(shape), 1
     for i in reversed(range(len(shape))):
@@ -81,23 +87,23 @@ def _merge(shape: Sequence[int], strides: Sequence[int], axes: Sequence[int]) ->
     return strides[kept[-1]]
 
 
-def _operand(shape: Sequence[int], batch_axes, free_axes, contract_axes,
+def _operand(shape: Sequence[int], batch_group, free_group, contract_group,
              broadcast: bool) -> OperandView | None:
     """How the kernel reads one operand whose (batch, free, contracting) axes are given."""
     nontrivial = [a for a in range(len(shape)) if shape[a] != 1]
     if not nontrivial:  # a single element: any layout reads it
         return OperandView(0, STRIDE_ELEMS, 1)
     inner = nontrivial[-1]
-    if inner in batch_axes:
+    if inner in batch_group:
         return None  # the unit stride must belong to K or to the free index
-    k_inner = inner in contract_axes
-    owner = contract_axes if k_inner else free_axes
+    k_inner = inner in contract_group
+    owner = contract_group if k_inner else free_group
 
     def view(pad: int) -> OperandView | None:
         padded = list(shape)
         padded[inner] += pad
         strides = _row_major_strides(padded)
-        groups = [_merge(shape, strides, g) for g in (batch_axes, free_axes, contract_axes)]
+        groups = [_merge(shape, strides, g) for g in (batch_group, free_group, contract_group)]
         if any(g is None for g in groups):
             return None
         batch, free, contract = groups
@@ -129,8 +135,7 @@ def plan(lhs_shape: Sequence[int], rhs_shape: Sequence[int],
     # Contracting (and batch) pairs index alike when both sides merge in the same order:
     # order the pairs by the lhs axis.
     lc, rc = zip(*sorted(zip(lc, rc))) if lc else ((), ())
-    lf = [a for a in range(len(lhs_shape)) if a not in lb and a not in lc]
-    rf = [a for a in range(len(rhs_shape)) if a not in rb and a not in rc]
+    lf, rf = free_axes(len(lhs_shape), lc, lb), free_axes(len(rhs_shape), rc, rb)
     m = math.prod(lhs_shape[a] for a in lf)
     n = math.prod(rhs_shape[a] for a in rf)
     k = math.prod(lhs_shape[a] for a in lc)

@@ -29,6 +29,8 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_tma.gemm_plan import free_axes
+
 Axes = tuple[str, ...]
 
 
@@ -46,10 +48,6 @@ def _spec_of(sharding, ndim: int) -> list[Axes]:
     return [_axes(e) for e in spec]
 
 
-def _free(ndim: int, contract, batch) -> list[int]:
-    return [a for a in range(ndim) if a not in contract and a not in batch]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Choice:
     lhs: tuple[Axes, ...]
@@ -64,7 +62,7 @@ class _Choice:
 def _choose(mesh, lhs_shape, rhs_shape, lhs_spec, rhs_spec, dimension_numbers) -> _Choice:
     """Shardings of both operands and the output for the operands' current shardings."""
     (lc, rc), (lb, rb) = dimension_numbers
-    lf, rf = _free(len(lhs_shape), lc, lb), _free(len(rhs_shape), rc, rb)
+    lf, rf = free_axes(len(lhs_shape), lc, lb), free_axes(len(rhs_shape), rc, rb)
     used: set[str] = set()
 
     def claim(candidates: Axes, size: int) -> Axes:
@@ -104,18 +102,20 @@ def _scatter_plan(mesh, choice: _Choice, requested: list[Axes], out_shape):
     return plan, tuple(a for a in choice.reduce_axes if a in left)
 
 
+def _choose_for(mesh, arg_shapes, dimension_numbers) -> _Choice:
+    lhs, rhs = arg_shapes
+    return _choose(mesh, lhs.shape, rhs.shape, _spec_of(lhs.sharding, len(lhs.shape)),
+                   _spec_of(rhs.sharding, len(rhs.shape)), dimension_numbers)
+
+
 def _infer(local_dot, dimension_numbers, out_dtype, config, mesh, arg_shapes, result_shape):
     del local_dot, out_dtype, config, result_shape
-    lhs, rhs = arg_shapes
-    choice = _choose(mesh, lhs.shape, rhs.shape, _spec_of(lhs.sharding, len(lhs.shape)),
-                     _spec_of(rhs.sharding, len(rhs.shape)), dimension_numbers)
+    choice = _choose_for(mesh, arg_shapes, dimension_numbers)
     return NamedSharding(mesh, choice.spec(choice.out))
 
 
 def _partition(local_dot, dimension_numbers, out_dtype, config, mesh, arg_shapes, result_shape):
-    lhs, rhs = arg_shapes
-    choice = _choose(mesh, lhs.shape, rhs.shape, _spec_of(lhs.sharding, len(lhs.shape)),
-                     _spec_of(rhs.sharding, len(rhs.shape)), dimension_numbers)
+    choice = _choose_for(mesh, arg_shapes, dimension_numbers)
     requested = _spec_of(result_shape.sharding, len(result_shape.shape))
     scatters, psum_axes = _scatter_plan(mesh, choice, requested, result_shape.shape)
     out_dims = list(choice.out)
@@ -152,7 +152,7 @@ def _sharding_rule(local_dot, dimension_numbers, out_dtype, config, mesh, operan
         lhs[a] = rhs[b] = f"b{i}"
     for i, (a, b) in enumerate(zip(lc, rc)):
         lhs[a] = rhs[b] = f"k{i}"
-    lf, rf = _free(lhs_rank, lc, lb), _free(rhs_rank, rc, rb)
+    lf, rf = free_axes(lhs_rank, lc, lb), free_axes(rhs_rank, rc, rb)
     for i, a in enumerate(lf):
         lhs[a] = f"m{i}"
     for i, b in enumerate(rf):

@@ -12,10 +12,23 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
+import jax
 import numpy as np
 import pytest
 
 from jax_tma import _ext
+
+# Tests that read the extension (CUDA lowering, SASS): skipped without it, unless
+# JAX_TMA_REQUIRE_EXTENSION=1 (CI with nvcc) makes a missing extension a failure.
+needs_extension = pytest.mark.skipif(
+    _ext.extension_error() is not None and os.environ.get("JAX_TMA_REQUIRE_EXTENSION") != "1",
+    reason="extension not built",
+)
+
+
+def cuda_hlo(fn, *args) -> str:
+    """StableHLO of fn(*args) lowered for CUDA (works on a machine without a GPU)."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def hopper_available() -> bool:

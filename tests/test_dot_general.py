@@ -12,7 +12,6 @@ finite differences mean nothing in bf16.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -23,8 +22,8 @@ from jax import lax
 from jax.test_util import check_grads
 
 import jax_tma
-from jax_tma import _ext, _testing, gemm, gemm_plan
-from conftest import random_array, rel_error
+from jax_tma import _testing, gemm, gemm_plan
+from conftest import cuda_hlo, needs_extension, random_array, rel_error
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -85,10 +84,6 @@ def prim_dot(lhs, rhs, dims):
     """The primitive itself, for any dtype (the public op sends fp32 straight to lax)."""
     return gemm.dot_general_p.bind(lhs, rhs, dimension_numbers=dims,
                                    out_dtype=jnp.result_type(lhs), config=None, local=False)
-
-
-def cuda_hlo(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def spec(shape, dtype=BF16):
@@ -274,10 +269,6 @@ def test_public_bf16_gradients_match_lax(rng):
 
 # ---------------------------------------------------------------- CUDA lowering (CPU)
 
-needs_extension = pytest.mark.skipif(
-    _ext.extension_error() is not None and os.environ.get("JAX_TMA_REQUIRE_EXTENSION") != "1",
-    reason="extension not built",
-)
 KERNEL_CALL = f"custom_call @{gemm.KERNEL_TARGET}("
 
 

@@ -31,8 +31,7 @@ import pytest
 from flax import nnx
 
 import jax_tma
-from jax_tma import _ext
-from conftest import random_array, rel_error
+from conftest import needs_extension, random_array, rel_error
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "examples"))
@@ -44,10 +43,6 @@ F32 = np.dtype(np.float32)
 TOL = {F32: 1e-5, BF16: 1e-2, F16: 2e-3}
 _LOWERED_CALL = re.compile(r"stablehlo\.custom_call @(jax_tma_\w+)\(")
 
-needs_extension = pytest.mark.skipif(
-    _ext.extension_error() is not None and os.environ.get("JAX_TMA_REQUIRE_EXTENSION") != "1",
-    reason="extension not built",
-)
 
 
 # ---------------------------------------------------------------- layers under test

@@ -22,17 +22,12 @@ import pytest
 
 import jax_tma
 from jax_tma import _ext, _testing, gemm
-from conftest import f64_matmul, random_array, rel_error
+from conftest import cuda_hlo, f64_matmul, needs_extension, random_array, rel_error
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 TOL = {BF16: 1e-2, F16: 2e-3, np.dtype(np.float32): 1e-5}
 F32_OPERAND_TOL = 2e-3
-
-
-def cuda_hlo(fn, *args) -> str:
-    """StableHLO of fn(*args) lowered for CUDA (works on a machine without a GPU)."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def spec(shape, dtype):
@@ -201,10 +196,6 @@ def test_warns_once_when_kernels_unavailable():
 
 # ---------------------------------------------------------------- CUDA lowering (CPU)
 
-needs_extension = pytest.mark.skipif(
-    _ext.extension_error() is not None and os.environ.get("JAX_TMA_REQUIRE_EXTENSION") != "1",
-    reason="extension not built",
-)
 
 
 @needs_extension
