@@ -13,6 +13,7 @@ min-max spread. Outputs are checked against XLA before timing.
     python benchmarks/bench_gemm.py --shapes 4096,4096,4096 32,2048,2048,128 --dtype fp16
     python benchmarks/bench_gemm.py --sweep --shapes 8192,8192,8192   # every legal config
     python benchmarks/bench_gemm.py --quick --layout NT   # b stored [N, K] (dot_general)
+    python benchmarks/bench_gemm.py --breakdown --shapes 1,4096,4096  # kernels and durations
     python benchmarks/bench_gemm.py --dry-run        # tiny shapes; runs without a GPU (CI)
     python benchmarks/bench_gemm.py --commit abc1234 # the commit that ran, if .git is stale
 
@@ -110,6 +111,10 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="NN",
                    help="operand layout: T stores a as [K, M] (first letter) or b as [N, K]")
     p.add_argument("--sweep", action="store_true", help="time every legal kernel configuration")
+    p.add_argument("--splits", default="1,2,4,8", metavar="S,S,...",
+                   help="split-K factors the sweep tries (default 1,2,4,8)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also print the kernels each contender launches, with their durations")
     p.add_argument("--no-pallas", action="store_true", help="skip the Pallas Mosaic-GPU matmul")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iterations", type=int, default=3, help="timed calls per round")
@@ -122,6 +127,12 @@ def _parse(argv=None) -> argparse.Namespace:
                    help="tiny shapes, 1 round; files only with --out; exercises the harness "
                         "without a GPU")
     args = p.parse_args(argv)
+    try:
+        args.split_list = tuple(int(x) for x in args.splits.split(","))
+    except ValueError:
+        args.split_list = ()
+    if not args.split_list or min(args.split_list) < 1:
+        p.error(f"--splits takes positive ints separated by commas, got {args.splits!r}")
     if args.shapes:
         try:
             args.shape_list = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
@@ -198,7 +209,7 @@ def bench_shape(shape, dtype, args, pallas) -> list[Row]:
     ref = jax.jit(xla)(*sets[0])
     contenders = {"jax_tma": ours, "xla": xla}
     if args.sweep:
-        for cfg in _sweep_configs(m, n, k, dtype):
+        for cfg in _sweep_configs(m, n, k, dtype, args.split_list):
             contenders[f"jax_tma[{cfg.describe()}]"] = forced(cfg)
     if pallas is not None and not batch and args.layout == "NN" and pallas[1](m, n, k):
         contenders["pallas_mgpu"] = pallas[0]
@@ -215,14 +226,28 @@ def bench_shape(shape, dtype, args, pallas) -> list[Row]:
     if "jax_tma" in notes:
         raise RuntimeError(notes["jax_tma"])
     timings = _timing.compare(contenders, sets, rounds=args.rounds, iterations=args.iterations)
+    if args.breakdown:
+        _print_breakdown(shape, {n: contenders[n] for n in ("jax_tma", "xla")}, sets[0])
     rows = [Row(shape, name, t.median_s, t.spread_s) for name, t in timings.items()]
     rows += [Row(shape, name, None, None, note) for name, note in notes.items()]
     return rows
 
 
-def _sweep_configs(m, n, k, dtype):
+def _print_breakdown(shape, contenders, ops) -> None:
+    for name, fn in contenders.items():
+        kernels = _timing.kernel_breakdown(fn, ops)
+        if kernels is None:
+            print(f"{_label(shape)} {name}: no per-kernel timing (CUPTI unavailable)")
+            continue
+        total = sum(t for _, t in kernels)
+        print(f"{_label(shape)} {name}: {len(kernels)} kernel(s), {total * 1e6:.1f} us")
+        for kernel, t in kernels:
+            print(f"    {t * 1e6:9.2f} us  {kernel[:150]}")
+
+
+def _sweep_configs(m, n, k, dtype, splits=(1, 2, 4, 8)):
     for tile in gemm.COMPILED_CONFIGS:
-        for split in (1, 2, 4, 8):
+        for split in splits:
             cfg = dataclasses.replace(tile, split_k=split)
             if split > 1 and cfg.splits_for(k) != split:
                 continue

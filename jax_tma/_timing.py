@@ -94,6 +94,22 @@ def timing_method() -> str:
     return "cupti" if on_gpu and _cupti_measure() is not None else "wall"
 
 
+def kernel_breakdown(fn: Callable[..., jax.Array], operands: Sequence[jax.Array],
+                     iterations: int = 5) -> list[tuple[str, float]] | None:
+    """The kernels one jitted call of ``fn(*operands)`` launches, as (name, median seconds)
+    in launch order; None where CUPTI timing is unavailable."""
+    measure = _cupti_measure() if timing_method() == "cupti" else None
+    if measure is None:
+        return None
+    jitted = jax.jit(fn)
+    jax.block_until_ready(jitted(*operands))
+    _, runs = measure(jitted, aggregate=False, iterations=iterations)(*operands)
+    runs = runs if runs and isinstance(runs[0], list) else [runs]
+    names = [name for name, _ in runs[0]]
+    return [(name, statistics.median(run[i][1] for run in runs) * 1e-3)
+            for i, name in enumerate(names)]
+
+
 def compare(
     contenders: dict[str, Callable[..., jax.Array]],
     operand_sets: Sequence[tuple[jax.Array, ...]],

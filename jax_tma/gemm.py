@@ -94,7 +94,8 @@ def config_for(plan: GemmPlan, out_dtype, config: GemmConfig | None) -> GemmConf
     out_dtype = jnp.dtype(out_dtype)
     if config is None:
         return default_config(plan.m, plan.n, plan.k, _num_sms(), out_dtype, batch=plan.batch,
-                              out_strides=out_strides(plan))
+                              out_strides=out_strides(plan),
+                              rows_misaligned=plan.rows_misaligned)
     check_config(config, plan.m, plan.n, plan.k, out_dtype, out_strides(plan))
     return config
 

@@ -23,6 +23,8 @@ DEFAULT_NUM_SMS = 132
 _COMPILED_TILES = (
     (128, 256, 4, 2, False),
     (128, 256, 4, 1, False),
+    (128, 192, 4, 2, False),
+    (128, 192, 4, 1, False),
     (128, 128, 6, 2, False),
     (128, 128, 6, 1, True),
     (64, 128, 8, 1, True),
@@ -131,38 +133,48 @@ def check_config(config: GemmConfig, m: int, n: int, k: int, out_dtype,
         )
 
 
-# Constants of the cost model, fitted to a sweep of every configuration on an H200
-# (benchmarks/bench_gemm.py --sweep). Relative wgmma throughput of one CTA per tile shape: two
-# consumer warpgroups on a wide tile keep the tensor cores busiest, one (block_m=64) far less.
-# NOTE: the model cannot tell the 64 x 64 tile from the 64 x 128 one (on memory-bound products
-# they tie), so default_config leaves it out: forced, it was the fastest measured on
-# 128 x 4096 x 14336 (one wave without split-K) but 1.4x slower than 64 x 128 on 64 batches of
-# 1024 x 1024 x 64. Its figure here only ranks it for estimate_seconds callers.
-_TILE_EFFICIENCY = {(128, 256): 1.0, (128, 128): 0.9, (64, 128): 0.4, (64, 64): 0.2}
-_HEURISTIC_TILES = {(128, 256), (128, 128), (64, 128)}  # (block_m, block_n) ranked by the model
+# Constants of the cost model, fitted to sweeps of every configuration on an H200
+# (benchmarks/bench_gemm.py --sweep, 2026-11-21). Relative wgmma throughput of one CTA per tile
+# shape, from 8192^3 with each tile's wave quantisation taken out: two consumer warpgroups on
+# a wide tile keep the tensor cores busiest.
+_TILE_EFFICIENCY = {(128, 256): 1.0, (128, 192): 0.97, (128, 128): 0.93, (64, 128): 0.80,
+                    (64, 64): 0.46}
+_HEURISTIC_TILES = set(_TILE_EFFICIENCY)  # (block_m, block_n) ranked by the model
 _PEAK_FLOPS_PER_SM = 989e12 / 132
-# Streaming operands (decode-like shapes, measured with --sweep on an H200): about 65 GB/s
-# per busy CTA, at most about 3.4 TB/s in all; a split-K product pays about 2 us for the
-# extra reduction kernel and its launch.
-_MEMORY_BYTES_PER_S = 3.4e12
+# Every tile also pays for its epilogue and the refill of the ring behind it: about 0.45 us,
+# from 64 batches of 1024 x 1024 x 64 (one K slice per tile) in 64 x 64 and 64 x 128 tiles.
+_TILE_FIXED_S = 0.45e-6
+# Operand rows that are 16-byte but not 32-byte multiples apart (1000 columns of bf16, say)
+# slow TMA's loads down about twofold, and 64-row tiles load the most per FLOP: 64 x 128 ran
+# 1000^3 in 11.1 us against 5.8 us for 1024^3, and 3000 x 5000 x 2048 at 0.46x 128 x 256.
+_MISALIGNED_SMALL_TILE_EFFICIENCY = 0.5
+# Streaming operands (decode-like shapes): about 65 GB/s per busy CTA, at most about 4 TB/s
+# in all (XLA's own kernel streamed 64 x 28672 x 4096 at 4.1 TB/s); a split-K product pays
+# about 2 us for the extra reduction kernel.
+_MEMORY_BYTES_PER_S = 4.0e12
 _MEMORY_BYTES_PER_S_PER_CTA = 65e9
 _SPLIT_FIXED_S = 2e-6
 _SPLIT_CHOICES = (1, 2, 4, 8, 16)  # measured: split 3 lost to 4 on 1x4096x4096
 
 
 def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
-                     out_bytes: int = 2, batch: int = 1) -> float:
+                     out_bytes: int = 2, batch: int = 1, rows_misaligned: bool = False) -> float:
     """Cost model behind default_config: waves of tiles times the time of one tile (its K
-    range at the tile shape's wgmma efficiency), or the operands' memory traffic at the
-    bandwidth the busy CTAs can pull if that takes longer, plus the split-K partial products'
-    round trip through memory. `batch` independent products of M x N x K share the grid."""
+    range at the tile shape's wgmma efficiency, plus a fixed cost per tile), or the operands'
+    memory traffic at the bandwidth the busy CTAs can pull if that takes longer, plus the
+    split-K partial products' round trip through memory. `batch` independent products of
+    M x N x K share the grid; `rows_misaligned`: some operand's rows are not 32-byte
+    multiples apart (GemmPlan.rows_misaligned)."""
     splits = config.splits_for(k)
     units = batch * math.ceil(m / config.block_m) * math.ceil(n / config.block_n) * splits
     waves = math.ceil(units / num_sms)
     k_per_split = math.ceil(math.ceil(k / BLOCK_K) / splits) * BLOCK_K
+    efficiency = _TILE_EFFICIENCY[(config.block_m, config.block_n)]
+    if rows_misaligned and config.block_m == 64:
+        efficiency *= _MISALIGNED_SMALL_TILE_EFFICIENCY
     tile_s = (2 * config.block_m * config.block_n * k_per_split) / (
-        _PEAK_FLOPS_PER_SM * _TILE_EFFICIENCY[(config.block_m, config.block_n)]
-    )
+        _PEAK_FLOPS_PER_SM * efficiency
+    ) + _TILE_FIXED_S
     bandwidth = min(_MEMORY_BYTES_PER_S, min(units, num_sms) * _MEMORY_BYTES_PER_S_PER_CTA)
     memory_s = batch * (2 * (m * k + k * n) + out_bytes * m * n) / bandwidth
     split_s = 0.0 if splits == 1 else _SPLIT_FIXED_S + 8 * splits * batch * m * n / _MEMORY_BYTES_PER_S
@@ -171,12 +183,13 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
 
 def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
                    out_dtype=jnp.bfloat16, batch: int = 1,
-                   out_strides: tuple[int, ...] | None = None) -> GemmConfig:
+                   out_strides: tuple[int, ...] | None = None,
+                   rows_misaligned: bool = False) -> GemmConfig:
     """Picks a configuration for `batch` products of M x N x K.
 
-    Every compiled tile the model ranks (all but 64 x 64, which only runs when forced) with
-    every split-K choice is scored by ``estimate_seconds`` (waves,
-    last-wave utilization and tile efficiency, or memory traffic for skinny problems); among
+    Every compiled tile with every split-K choice is scored by ``estimate_seconds`` (waves,
+    last-wave utilization, tile efficiency and a fixed cost per tile, or memory traffic for
+    skinny problems); among
     equal scores the deeper pipeline wins, then the cluster of 2 (B multicast), which halves
     the L2 traffic of B whenever both CTAs of a cluster have a tile. Split-K runs without
     clusters: measured, the cluster's lockstep only slows its short K ranges down.
@@ -196,7 +209,8 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
                 continue
             multicast = cfg.cluster_m > 1 and math.ceil(m / cfg.block_m) >= cfg.cluster_m
             key = (
-                round(estimate_seconds(cfg, m, n, k, num_sms, out_bytes, batch), 9),
+                round(estimate_seconds(cfg, m, n, k, num_sms, out_bytes, batch,
+                                       rows_misaligned), 9),
                 -cfg.stages,
                 -int(multicast),
                 cfg.split_k,

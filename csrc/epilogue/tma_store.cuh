@@ -114,7 +114,7 @@ struct TmaStoreEpilogue {
     }
   }
 
-  // Before the CTA exits: every store issued by this warpgroup has completed.
+  // Before the CTA exits: every store issued by this warpgroup has read its staging buffer.
   __device__ static void finish() {
     if (threadIdx.x % 128 == 0) StorePipeline::producer_tail();
   }

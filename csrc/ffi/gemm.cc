@@ -192,9 +192,14 @@ ffi::Error run(const GemmAttrs& p, Call call) {
   }
   const int64_t batch_a = call.args.shape.a_batched ? p.batch : 1;
   const int64_t batch_b = call.args.shape.b_batched ? p.batch : 1;
+  const int a_rows = Boxes::a_rows(p.m);
+  const int box_a[3] = {Boxes::kBoxA[0], Boxes::kAKMajor ? a_rows : Boxes::kBoxA[1],
+                        Boxes::kBoxA[2]};
+  call.args.shape.a_stage_bytes =
+      Boxes::kALoads * static_cast<uint32_t>(a_rows) * Tile::kSwizzleElems * Tile::kElementBytes;
   const auto spec_a = operand_spec<Layout::kA>(
       call.in, {p.m, p.a_m_stride, "a_m_stride"}, {p.k, p.a_k_stride, "a_k_stride"},
-      {batch_a, p.a_batch_stride, "a_batch_stride"}, Boxes::kBoxA);
+      {batch_a, p.a_batch_stride, "a_batch_stride"}, box_a);
   const auto spec_b = operand_spec<Layout::kB>(
       call.in, {p.n, p.b_n_stride, "b_n_stride"}, {p.k, p.b_k_stride, "b_k_stride"},
       {batch_b, p.b_batch_stride, "b_batch_stride"}, Boxes::kBoxB);

@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         const TileOrigin at{w.m_block * Tile::kBlockM, w.n_block * Tile::kBlockN,
                             shape.a_batched ? w.batch : 0, shape.b_batched ? w.batch : 0};
         K::Mainloop::load(pipeline, write, smem.operands, &tmap_a, &tmap_b, at, kb_begin,
-                          kb_begin + count, mode, scheduler.rank);
+                          kb_begin + count, mode, scheduler.rank, shape.a_stage_bytes);
       }
       pipeline.producer_tail(write);
     }

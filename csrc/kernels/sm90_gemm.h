@@ -27,7 +27,8 @@ enum class EpilogueKind : int { kTmaStore = 0, kDirect = 1 };
 
 // One compiled CTA tile configuration. kBlockM / 64 consumer warpgroups split BLOCK_M; one
 // producer warpgroup issues the copies. With kClusterM = 2, the two CTAs of a cluster take
-// vertically adjacent tiles and each multicasts half of the shared B slice to both.
+// vertically adjacent tiles and multicast the shared B slice to both, CTA r issuing B's
+// 64-wide column blocks j with j % 2 == r (for 192 columns: blocks 0 and 2, and block 1).
 template <int kBlockM_, int kBlockN_, int kStages_, int kClusterM_, EpilogueKind kEpilogue_>
 struct TileConfig {
   static constexpr int kBlockM = kBlockM_;
@@ -68,7 +69,7 @@ struct TileConfig {
   static_assert(kBlockK == kSwizzleElems, "one K slice is one 128-byte swizzle row");
   static_assert(kBlockM == 64 || kBlockM == 128, "one or two consumer warpgroups");
   static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "wgmma N is at most 256");
-  static_assert(kClusterM == 1 || (kClusterM == 2 && kBColumnBlocks % 2 == 0),
+  static_assert(kClusterM == 1 || (kClusterM == 2 && kBColumnBlocks >= 2),
                 "a cluster of 2 splits B's column blocks between its CTAs");
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the 227 KB of shared memory per block");
 };
@@ -77,6 +78,10 @@ struct TileConfig {
 // (_COMPILED_TILES), and ffi/gemm.cc dispatches on it.
 using Tile128x256C2 = TileConfig<128, 256, 4, 2, EpilogueKind::kTmaStore>;
 using Tile128x256 = TileConfig<128, 256, 4, 1, EpilogueKind::kTmaStore>;
+// NOTE: 128 x 192 exists for the wave count: where 128 x 256 tiles leave the last wave of the
+// grid part-empty (3000 x 5000: 3.6 waves), 192-wide ones often fill it (4.9).
+using Tile128x192C2 = TileConfig<128, 192, 4, 2, EpilogueKind::kTmaStore>;
+using Tile128x192 = TileConfig<128, 192, 4, 1, EpilogueKind::kTmaStore>;
 using Tile128x128C2 = TileConfig<128, 128, 6, 2, EpilogueKind::kTmaStore>;
 using Tile128x128 = TileConfig<128, 128, 6, 1, EpilogueKind::kTmaStore>;
 using Tile64x128 = TileConfig<64, 128, 8, 1, EpilogueKind::kTmaStore>;
@@ -132,6 +137,15 @@ struct OperandBoxes {
   static constexpr uint32_t kBBoxBytes = kBoxB[0] * kBoxB[1] * Tile::kElementBytes;
 
   static_assert(kALoads * kABoxBytes == Tile::kTileABytes, "A boxes tile the A stage");
+
+  // Rows of A's box for a product of `m` rows. NOTE: TMA zero-fills the rows of a box that lie
+  // past the matrix, but slowly: a decode-like product (M = 1, 64-row box) ran 1.7x longer
+  // than with 64 real rows. So a K-major A shorter than one tile is loaded as a box of its own
+  // rows; the stage's remaining rows keep stale data, which only reaches output rows >= m,
+  // and the epilogue never stores those.
+  static constexpr int a_rows(int64_t m) {
+    return kAKMajor && m < kABoxMN ? static_cast<int>(m) : kABoxMN;
+  }
   static_assert(kBLoads * kBBoxBytes == Tile::kTileBBytes, "B boxes tile the B stage");
   static_assert(kBoxA[1] <= 256 && kBoxB[1] <= 256, "TMA box dimensions are at most 256");
 };
@@ -142,6 +156,8 @@ struct OperandBoxes {
 #define JAX_TMA_SM90_GEMM_TILES(X, ARG) \
   X(ARG, Tile128x256C2)                 \
   X(ARG, Tile128x256)                   \
+  X(ARG, Tile128x192C2)                 \
+  X(ARG, Tile128x192)                   \
   X(ARG, Tile128x128C2)                 \
   X(ARG, Tile128x128)                   \
   X(ARG, Tile64x128)                    \
@@ -163,6 +179,9 @@ struct GemmShape {
   int k_blocks_per_split;   // kBlockK slices per K range; the last range may be shorter
   bool a_batched;           // false: A is one matrix for every batch entry (coordinate 0)
   bool b_batched;
+  // Bytes of A that one stage receives: Tile::kTileABytes, or less when A is K-major and has
+  // fewer rows than one tile (its box then holds only those rows: see OperandBoxes::a_rows).
+  uint32_t a_stage_bytes;
   // Element strides of D (its N stride is 1); the direct-store epilogue addresses D with them.
   int64_t d_m_stride, d_batch_stride, d_split_stride;
 };

@@ -13,7 +13,7 @@
 //
 // Clusters (Tile::kClusterM = 2): both CTAs of a cluster work on the same N block, batch entry
 // and K range, so their B slices are equal. When both M blocks exist (LoadMode::kMulticast)
-// each CTA loads half of B's 64-wide blocks and multicasts them to both; when the peer's M
+// CTA r loads B's 64-wide blocks j with j % 2 == r and multicasts them to both; when the peer's M
 // block lies past the matrix, this CTA loads all of B itself (kSolo) and the peer only keeps
 // its ring in step (kIdle: no copies, an arrival with no bytes). Every consumer warp releases
 // each stage to the empty barriers of all CTAs of the cluster, whatever the mode, so a producer
@@ -75,11 +75,12 @@ struct MainloopSm90TmaWgmma {
   static_assert(Boxes::kBBoxMN == 64 && kBBoxElems == 64 * kBlockK);
 
   // Producer (one thread): stream K slices [kb_begin, kb_end) of one output tile into the ring.
-  // `rank` is this CTA's rank in its cluster.
+  // `rank` is this CTA's rank in its cluster; `a_stage_bytes` what A's boxes bring per stage
+  // (GemmShape::a_stage_bytes).
   __device__ static void load(Pipeline& pipeline, State& write, SharedStorage& smem,
                               const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
                               const TileOrigin& at, int kb_begin, int kb_end, LoadMode mode,
-                              int rank) {
+                              int rank, uint32_t a_stage_bytes) {
 #pragma unroll 1
     for (int kb = kb_begin; kb < kb_end; ++kb) {
       pipeline.producer_acquire(write);
@@ -89,7 +90,7 @@ struct MainloopSm90TmaWgmma {
         continue;
       }
       // Whoever issues them, every byte of A and B lands in this CTA's stage.
-      uint64_t* full = pipeline.producer_expect_tx(write, Tile::kStageBytes);
+      uint64_t* full = pipeline.producer_expect_tx(write, a_stage_bytes + Tile::kTileBBytes);
       const int k0 = kb * kBlockK;
 #pragma unroll
       for (int i = 0; i < Boxes::kALoads; ++i) {

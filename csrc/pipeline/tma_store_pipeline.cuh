@@ -6,7 +6,7 @@
 // Per step:  issuer: producer_acquire()      -- the buffer's previous store has read it
 //            (barrier)  writers fill buffer[state.index], then ptx::fence_proxy_async_shared()
 //            (barrier)  issuer: tma_store(...) for the buffer, producer_commit(), ++state
-// At the end the issuer calls producer_tail() before the CTA exits or reuses the memory.
+// At the end the issuer calls producer_tail() before the CTA exits or reuses the buffers.
 #pragma once
 
 #include <cstdint>
@@ -27,8 +27,10 @@ struct PipelineTmaStore {
   // Issuer: close the group of stores issued for the current buffer.
   __device__ static void producer_commit() { ptx::tma_store_commit_group(); }
 
-  // Issuer: every store has completed (its writes are performed), e.g. before exit.
-  __device__ static void producer_tail() { ptx::tma_store_wait_all<0>(); }
+  // Issuer: every store has finished reading shared memory, so the buffers may be reused or
+  // the CTA may exit. NOTE: the global writes need no wait: they are performed by the time
+  // the grid completes, and waiting for them added their latency to every kernel's tail.
+  __device__ static void producer_tail() { ptx::tma_store_wait_read<0>(); }
 };
 
 }  // namespace jax_tma
