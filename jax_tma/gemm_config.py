@@ -25,6 +25,9 @@ _COMPILED_TILES = (
     (128, 256, 4, 1, False),
     (128, 192, 4, 2, False),
     (128, 192, 4, 1, False),
+    (128, 256, 4, 4, False),
+    (128, 192, 4, 4, False),
+    (64, 128, 8, 4, False),
     (128, 128, 6, 2, False),
     (128, 128, 6, 1, True),
     (64, 128, 8, 1, True),
@@ -49,8 +52,8 @@ class GemmConfig:
       block_m: rows of the CTA tile: 128 (two consumer warpgroups of 64 rows) or 64 (one).
       block_n: columns of the CTA tile.
       stages: depth of the TMA -> wgmma shared-memory ring (K slices of 64).
-      cluster_m: CTAs per cluster along M. With 2, the CTAs of a cluster compute vertically
-        adjacent tiles and multicast the shared B slice to each other.
+      cluster_m: CTAs per cluster along M. With 2 or 4, the CTAs of a cluster compute
+        vertically adjacent tiles and multicast the shared B slice to each other.
       split_k: how many K ranges the product is split into (1: none). Each range writes an fp32
         partial product; the partial products are summed in a fixed order (deterministic).
         At most this many ranges are used, so that none is empty.
@@ -208,9 +211,11 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
             except ValueError:
                 continue
             multicast = cfg.cluster_m > 1 and math.ceil(m / cfg.block_m) >= cfg.cluster_m
+            units = batch * math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
             key = (
                 round(estimate_seconds(cfg, m, n, k, num_sms, out_bytes, batch,
                                        rows_misaligned), 9),
+                units,
                 -cfg.stages,
                 -int(multicast),
                 cfg.split_k,

@@ -24,7 +24,7 @@ struct TensorMapSpec {
   std::array<uint64_t, 5> byte_strides{};  // byte_strides[i]: step of dimension i + 1
   std::array<uint32_t, 5> box{};           // elements per copy, innermost first
   Swizzle swizzle = Swizzle::kNone;
-  CUtensorMapL2promotion l2_promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_256B;
+  CUtensorMapL2promotion l2_promotion = CU_TENSOR_MAP_L2_PROMOTION_L2_128B;
 };
 
 // Bytes of one element of `dtype`, or 0 for a type this encoder does not handle.
