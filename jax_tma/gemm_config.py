@@ -25,9 +25,6 @@ _COMPILED_TILES = (
     (128, 256, 4, 1, False),
     (128, 192, 4, 2, False),
     (128, 192, 4, 1, False),
-    (128, 256, 4, 4, False),
-    (128, 192, 4, 4, False),
-    (64, 128, 8, 4, False),
     (128, 128, 6, 2, False),
     (128, 128, 6, 1, True),
     (64, 128, 8, 1, True),
@@ -52,8 +49,8 @@ class GemmConfig:
       block_m: rows of the CTA tile: 128 (two consumer warpgroups of 64 rows) or 64 (one).
       block_n: columns of the CTA tile.
       stages: depth of the TMA -> wgmma shared-memory ring (K slices of 64).
-      cluster_m: CTAs per cluster along M. With 2 or 4, the CTAs of a cluster compute
-        vertically adjacent tiles and multicast the shared B slice to each other.
+      cluster_m: CTAs per cluster along M. With 2, the CTAs of a cluster compute vertically
+        adjacent tiles and multicast the shared B slice to each other.
       split_k: how many K ranges the product is split into (1: none). Each range writes an fp32
         partial product; the partial products are summed in a fixed order (deterministic).
         At most this many ranges are used, so that none is empty.
@@ -157,20 +154,30 @@ _MISALIGNED_SMALL_TILE_EFFICIENCY = 0.5
 _MEMORY_BYTES_PER_S = 4.0e12
 _MEMORY_BYTES_PER_S_PER_CTA = 65e9
 _SPLIT_FIXED_S = 2e-6
+# Share of the shorter of the compute and memory times that does not hide under the longer.
+_OVERLAP_LOSS = 0.01
 _SPLIT_CHOICES = (1, 2, 4, 8, 16)  # measured: split 3 lost to 4 on 1x4096x4096
 
 
 def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
                      out_bytes: int = 2, batch: int = 1, rows_misaligned: bool = False) -> float:
-    """Cost model behind default_config: waves of tiles times the time of one tile (its K
-    range at the tile shape's wgmma efficiency, plus a fixed cost per tile), or the operands'
-    memory traffic at the bandwidth the busy CTAs can pull if that takes longer, plus the
-    split-K partial products' round trip through memory. `batch` independent products of
-    M x N x K share the grid; `rows_misaligned`: some operand's rows are not 32-byte
-    multiples apart (GemmPlan.rows_misaligned)."""
+    """Cost model behind default_config, from two times:
+
+    - compute: waves of CTA slots times the time of one tile (its K range at the tile shape's
+      wgmma efficiency, plus a fixed cost per tile). A cluster of 2 takes two slots even when
+      the matrix ends after its first M block;
+    - memory: the operands' traffic at the bandwidth the busy CTAs can pull.
+
+    The estimate is the longer of the two plus a small share of the shorter (they overlap
+    only in part: among memory-bound choices, the one that computes least won the sweeps),
+    plus the split-K partial products' round trip through memory. `batch` independent products of M x N x K share the grid;
+    `rows_misaligned`: some operand's rows are not 32-byte multiples apart
+    (GemmPlan.rows_misaligned)."""
     splits = config.splits_for(k)
-    units = batch * math.ceil(m / config.block_m) * math.ceil(n / config.block_n) * splits
-    waves = math.ceil(units / num_sms)
+    m_blocks = math.ceil(m / config.block_m)
+    tiles = batch * m_blocks * math.ceil(n / config.block_n) * splits
+    slots = tiles // m_blocks * math.ceil(m_blocks / config.cluster_m) * config.cluster_m
+    waves = math.ceil(slots / num_sms)
     k_per_split = math.ceil(math.ceil(k / BLOCK_K) / splits) * BLOCK_K
     efficiency = _TILE_EFFICIENCY[(config.block_m, config.block_n)]
     if rows_misaligned and config.block_m == 64:
@@ -178,10 +185,12 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
     tile_s = (2 * config.block_m * config.block_n * k_per_split) / (
         _PEAK_FLOPS_PER_SM * efficiency
     ) + _TILE_FIXED_S
-    bandwidth = min(_MEMORY_BYTES_PER_S, min(units, num_sms) * _MEMORY_BYTES_PER_S_PER_CTA)
+    busy = min(slots, num_sms) * tiles / slots
+    bandwidth = min(_MEMORY_BYTES_PER_S, busy * _MEMORY_BYTES_PER_S_PER_CTA)
     memory_s = batch * (2 * (m * k + k * n) + out_bytes * m * n) / bandwidth
     split_s = 0.0 if splits == 1 else _SPLIT_FIXED_S + 8 * splits * batch * m * n / _MEMORY_BYTES_PER_S
-    return max(waves * tile_s, memory_s) + split_s
+    compute_s = waves * tile_s
+    return max(compute_s, memory_s) + _OVERLAP_LOSS * min(compute_s, memory_s) + split_s
 
 
 def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
@@ -211,11 +220,9 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
             except ValueError:
                 continue
             multicast = cfg.cluster_m > 1 and math.ceil(m / cfg.block_m) >= cfg.cluster_m
-            units = batch * math.ceil(m / cfg.block_m) * math.ceil(n / cfg.block_n)
             key = (
                 round(estimate_seconds(cfg, m, n, k, num_sms, out_bytes, batch,
                                        rows_misaligned), 9),
-                units,
                 -cfg.stages,
                 -int(multicast),
                 cfg.split_k,

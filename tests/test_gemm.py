@@ -399,6 +399,9 @@ def test_heuristic_follows_the_measured_sweeps():
     # (128 x 4096 x 14336: 33.6 us against 35.7 for the best 64 x 128 config).
     for m, n, k in [(1, 4096, 4096), (64, 4096, 4096), (128, 4096, 14336)]:
         assert gemm.default_config(m, n, k).tile[:2] == (64, 64), (m, n, k)
+    # More tiles than SMs: two waves of 64 x 128 (58.6 us) beat four of 64 x 64 (62.3 us),
+    # and a 128-row cluster tile would leave half its CTAs idle on 64 rows (81.7 us).
+    assert gemm.default_config(64, 28672, 4096).tile == (64, 128, 8, 1)
     # One K slice per tile: the fixed cost per tile keeps tiles large (64 x 64 tiles ran 64
     # batches of 1024 x 1024 x 64 1.4x slower than 64 x 128 ones).
     assert gemm.default_config(1024, 1024, 64, batch=64).block_n != 64

@@ -26,9 +26,9 @@ inline constexpr int dtype_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 enum class EpilogueKind : int { kTmaStore = 0, kDirect = 1 };
 
 // One compiled CTA tile configuration. kBlockM / 64 consumer warpgroups split BLOCK_M; one
-// producer warpgroup issues the copies. With kClusterM = 2 or 4, the CTAs of a cluster take
-// vertically adjacent tiles and multicast the shared B slice to all of them, CTA r issuing
-// B's 64-wide column blocks j with j % kClusterM == r (a CTA may issue none).
+// producer warpgroup issues the copies. With kClusterM = 2, the two CTAs of a cluster take
+// vertically adjacent tiles and multicast the shared B slice to both, CTA r issuing B's
+// 64-wide column blocks j with j % 2 == r (for 192 columns: blocks 0 and 2, and block 1).
 template <int kBlockM_, int kBlockN_, int kStages_, int kClusterM_, EpilogueKind kEpilogue_>
 struct TileConfig {
   static constexpr int kBlockM = kBlockM_;
@@ -69,8 +69,8 @@ struct TileConfig {
   static_assert(kBlockK == kSwizzleElems, "one K slice is one 128-byte swizzle row");
   static_assert(kBlockM == 64 || kBlockM == 128, "one or two consumer warpgroups");
   static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "wgmma N is at most 256");
-  static_assert(kClusterM == 1 || kClusterM == 2 || kClusterM == 4,
-                "clusters of 1, 2 or 4 CTAs along M");
+  static_assert(kClusterM == 1 || (kClusterM == 2 && kBColumnBlocks >= 2),
+                "a cluster of 2 splits B's column blocks between its CTAs");
   static_assert(kSmemBytes <= 227 * 1024, "exceeds the 227 KB of shared memory per block");
 };
 
@@ -82,12 +82,6 @@ using Tile128x256 = TileConfig<128, 256, 4, 1, EpilogueKind::kTmaStore>;
 // grid part-empty (3000 x 5000: 3.6 waves), 192-wide ones often fill it (4.9).
 using Tile128x192C2 = TileConfig<128, 192, 4, 2, EpilogueKind::kTmaStore>;
 using Tile128x192 = TileConfig<128, 192, 4, 1, EpilogueKind::kTmaStore>;
-// NOTE: clusters of 4 are for operands whose rows are not 32-byte multiples apart: TMA loads
-// those at about half speed, and multicast divides B's loads among more CTAs (128 x 256 on
-// 3000 x 5000 x 2048: 116 us alone, 93 us in clusters of 2).
-using Tile128x256C4 = TileConfig<128, 256, 4, 4, EpilogueKind::kTmaStore>;
-using Tile128x192C4 = TileConfig<128, 192, 4, 4, EpilogueKind::kTmaStore>;
-using Tile64x128C4 = TileConfig<64, 128, 8, 4, EpilogueKind::kTmaStore>;
 using Tile128x128C2 = TileConfig<128, 128, 6, 2, EpilogueKind::kTmaStore>;
 using Tile128x128 = TileConfig<128, 128, 6, 1, EpilogueKind::kTmaStore>;
 using Tile64x128 = TileConfig<64, 128, 8, 1, EpilogueKind::kTmaStore>;
@@ -164,9 +158,6 @@ struct OperandBoxes {
   X(ARG, Tile128x256)                   \
   X(ARG, Tile128x192C2)                 \
   X(ARG, Tile128x192)                   \
-  X(ARG, Tile128x256C4)                 \
-  X(ARG, Tile128x192C4)                 \
-  X(ARG, Tile64x128C4)                  \
   X(ARG, Tile128x128C2)                 \
   X(ARG, Tile128x128)                   \
   X(ARG, Tile64x128)                    \

@@ -11,12 +11,11 @@
 // Consumer warpgroup g multiplies A's M indices [64g, 64g + 64), which in both A layouts are
 // the 8 KB at offset g * 8 KB, by the whole B stage.
 //
-// Clusters (Tile::kClusterM = 2 or 4): the CTAs of a cluster work on the same N block, batch
-// entry and K range, so their B slices are equal. When every M block exists
-// (LoadMode::kMulticast) CTA r loads B's 64-wide blocks j with j % kClusterM == r and multicasts
-// them to all; when a peer's M block lies past the matrix, each CTA that has one loads all of
-// B itself (kSolo) and the others only keep their rings in step (kIdle: no copies, an arrival
-// with no bytes). Every consumer warp releases
+// Clusters (Tile::kClusterM = 2): both CTAs of a cluster work on the same N block, batch entry
+// and K range, so their B slices are equal. When both M blocks exist (LoadMode::kMulticast)
+// CTA r loads B's 64-wide blocks j with j % 2 == r and multicasts them to both; when the peer's M
+// block lies past the matrix, this CTA loads all of B itself (kSolo) and the peer only keeps
+// its ring in step (kIdle: no copies, an arrival with no bytes). Every consumer warp releases
 // each stage to the empty barriers of all CTAs of the cluster, whatever the mode, so a producer
 // never multicasts into a peer stage that the peer has not yet re-armed; empty barriers count
 // consumer warps x cluster CTAs.
