@@ -139,7 +139,6 @@ def check_config(config: GemmConfig, m: int, n: int, k: int, out_dtype,
 # a wide tile keep the tensor cores busiest.
 _TILE_EFFICIENCY = {(128, 256): 1.0, (128, 192): 0.97, (128, 128): 0.93, (64, 128): 0.80,
                     (64, 64): 0.46}
-_HEURISTIC_TILES = set(_TILE_EFFICIENCY)  # (block_m, block_n) ranked by the model
 _PEAK_FLOPS_PER_SM = 989e12 / 132
 # Every tile also pays for its epilogue and the refill of the ring behind it: about 0.45 us,
 # from 64 batches of 1024 x 1024 x 64 (one K slice per tile) in 64 x 64 and 64 x 128 tiles.
@@ -170,9 +169,9 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
 
     The estimate is the longer of the two plus a small share of the shorter (they overlap
     only in part: among memory-bound choices, the one that computes least won the sweeps),
-    plus the split-K partial products' round trip through memory. `batch` independent products of M x N x K share the grid;
-    `rows_misaligned`: some operand's rows are not 32-byte multiples apart
-    (GemmPlan.rows_misaligned)."""
+    plus the split-K partial products' round trip through memory. `batch` independent
+    products of M x N x K share the grid; `rows_misaligned`: some operand's rows are not
+    32-byte multiples apart (GemmPlan.rows_misaligned)."""
     splits = config.splits_for(k)
     m_blocks = math.ceil(m / config.block_m)
     tiles = batch * m_blocks * math.ceil(n / config.block_n) * splits
@@ -201,16 +200,13 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
 
     Every compiled tile with every split-K choice is scored by ``estimate_seconds`` (waves,
     last-wave utilization, tile efficiency and a fixed cost per tile, or memory traffic for
-    skinny problems); among
-    equal scores the deeper pipeline wins, then the cluster of 2 (B multicast), which halves
+    skinny problems); among equal scores the deeper pipeline wins, then the cluster of 2 (B multicast), which halves
     the L2 traffic of B whenever both CTAs of a cluster have a tile. Split-K runs without
     clusters: measured, the cluster's lockstep only slows its short K ranges down.
     """
     out_bytes = jnp.dtype(out_dtype).itemsize
     best, best_key = None, None
     for tile in COMPILED_CONFIGS:
-        if tile.tile[:2] not in _HEURISTIC_TILES:
-            continue
         for split_k in _SPLIT_CHOICES:
             cfg = dataclasses.replace(tile, split_k=split_k)
             if split_k > 1 and (cfg.splits_for(k) != split_k or cfg.cluster_m > 1):

@@ -195,8 +195,7 @@ ffi::Error run(const GemmAttrs& p, Call call) {
   const int a_rows = Boxes::a_rows(p.m);
   const int box_a[3] = {Boxes::kBoxA[0], Boxes::kAKMajor ? a_rows : Boxes::kBoxA[1],
                         Boxes::kBoxA[2]};
-  call.args.shape.a_stage_bytes =
-      Boxes::kALoads * static_cast<uint32_t>(a_rows) * Tile::kSwizzleElems * Tile::kElementBytes;
+  call.args.shape.a_stage_bytes = Boxes::a_stage_bytes(p.m);
   const auto spec_a = operand_spec<Layout::kA>(
       call.in, {p.m, p.a_m_stride, "a_m_stride"}, {p.k, p.a_k_stride, "a_k_stride"},
       {batch_a, p.a_batch_stride, "a_batch_stride"}, box_a);

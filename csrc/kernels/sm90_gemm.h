@@ -137,6 +137,8 @@ struct OperandBoxes {
   static constexpr uint32_t kBBoxBytes = kBoxB[0] * kBoxB[1] * Tile::kElementBytes;
 
   static_assert(kALoads * kABoxBytes == Tile::kTileABytes, "A boxes tile the A stage");
+  static_assert(kBLoads * kBBoxBytes == Tile::kTileBBytes, "B boxes tile the B stage");
+  static_assert(kBoxA[1] <= 256 && kBoxB[1] <= 256, "TMA box dimensions are at most 256");
 
   // Rows of A's box for a product of `m` rows. NOTE: TMA zero-fills the rows of a box that lie
   // past the matrix, but slowly: a decode-like product (M = 1, 64-row box) ran 1.7x longer
@@ -146,8 +148,12 @@ struct OperandBoxes {
   static constexpr int a_rows(int64_t m) {
     return kAKMajor && m < kABoxMN ? static_cast<int>(m) : kABoxMN;
   }
-  static_assert(kBLoads * kBBoxBytes == Tile::kTileBBytes, "B boxes tile the B stage");
-  static_assert(kBoxA[1] <= 256 && kBoxB[1] <= 256, "TMA box dimensions are at most 256");
+  // Bytes A's boxes bring into one stage for a product of `m` rows (GemmShape::a_stage_bytes):
+  // Tile::kTileABytes unless a_rows(m) shortens the box.
+  static constexpr uint32_t a_stage_bytes(int64_t m) {
+    return kALoads * static_cast<uint32_t>(a_rows(m)) * Tile::kSwizzleElems * Tile::kElementBytes;
+  }
+  static_assert(a_stage_bytes(kABoxMN) == Tile::kTileABytes);
 };
 
 // Every compiled kernel is one (tile, layout) pair. The instantiation files and the dispatcher
