@@ -124,7 +124,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="not a compiled configuration"):
         jax_tma.GemmConfig(block_n=256, stages=9)
     with pytest.raises(ValueError, match="not a compiled configuration"):
-        jax_tma.GemmConfig(block_m=64, block_n=256, stages=4, cluster_m=1)
+        jax_tma.GemmConfig(block_m=64, block_n=256, stages=5, cluster_m=1)
     with pytest.raises(ValueError, match="split_k"):
         jax_tma.GemmConfig(split_k=0)
     with pytest.raises(ValueError, match="split_k"):

@@ -3,8 +3,17 @@
 // (In, Out, Tile, Layout): the operand layouts are compile-time (kernels/sm90_gemm.h).
 //
 // Warp-specialised and persistent: warpgroup 0 produces (one elected thread issues every TMA
-// copy), the other warpgroups consume (wgmma into fp32 registers, then the epilogue). The grid
-// walks (split, batch entry, tile) units through the tile scheduler. Out-of-bounds rows,
+// copy), the other two consume (wgmma into fp32 registers, then the epilogue): both on every
+// 128-row tile, or in turns on 64-row tiles (ping-pong, Tile::kPingPong). The grid walks
+// (split, batch entry, tile) units through the tile scheduler; the producer fills the ring in
+// the order of the units, so in ping-pong a consumer's next tile arrives while the other
+// consumer's is being computed, and its own epilogue runs meanwhile.
+//
+// NOTE: a ping-pong consumer passes over the other's stages without waiting on them, so it
+// could meet a stage's full barrier one ring pass early, where the parity of the pass it wants
+// has completed already for the pass before. The consumers therefore take turns (an
+// OrderedBarrier): one starts waiting on its tile's stages only after the other has seen the
+// last stage of its own tile full, by which time every earlier pass has completed. Out-of-bounds rows,
 // columns and K are zero-filled by TMA on the way in and clipped by the epilogue on the way
 // out; each operand's map spans one batch entry per batch index, so nothing crosses entries.
 #pragma once
@@ -23,6 +32,7 @@
 #include "kernels/sm90_gemm.h"
 #include "mainloop/sm90_tma_wgmma.cuh"
 #include "pipeline/named_barrier.cuh"
+#include "pipeline/ordered_barrier.cuh"
 #include "ptx/cluster.cuh"
 #include "ptx/common.cuh"
 #include "ptx/mbarrier.cuh"
@@ -45,6 +55,9 @@ struct Kernel {
   using Epilogue = TmaStoreEpilogue<Out, Tile::kBlockN, Tile::kEpilogueBuffers>;
   static constexpr bool kTmaStore = Tile::kEpilogue == EpilogueKind::kTmaStore;
 
+  // Ping-pong: the consumers' turns at waiting on the ring (see the note at the top).
+  using Turns = OrderedBarrier<Tile::kConsumerWarpgroups, 1>;
+
   struct Empty {};
   struct SharedStorage {
     typename Mainloop::SharedStorage operands;
@@ -52,16 +65,15 @@ struct Kernel {
     std::conditional_t<kTmaStore, typename Epilogue::SharedStorage, Empty>
         staging[Tile::kConsumerWarpgroups];
     typename Pipeline::SharedStorage barriers;
+    typename Turns::SharedStorage turns;  // used in ping-pong only
   };
   // The base is aligned up by at most 1023 bytes inside the dynamic allocation.
   // (sizeof would count the tail padding up to the 1024-byte alignment, which is never used.)
-  static_assert(offsetof(SharedStorage, barriers) + sizeof(typename Pipeline::SharedStorage) +
-                    1023 <=
+  static_assert(offsetof(SharedStorage, turns) + sizeof(SharedStorage::turns) + 1023 <=
                 Tile::kSmemBytes);
   static_assert(!kTmaStore || sizeof(SharedStorage::staging) == Tile::kEpilogueBytes);
   static_assert(Epilogue::kChunkBytes == Tile::kEpilogueChunkBytes);
   static_assert(Epilogue::kChunkCols * sizeof(Out) == Tile::kEpilogueRowBytes);
-  static constexpr int kConsumerWarps = 4 * Tile::kConsumerWarpgroups;
 };
 
 template <class In, class Out, class Tile, class Layout>
@@ -80,7 +92,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     ptx::prefetch_tensormap(&tmap_a);
     ptx::prefetch_tensormap(&tmap_b);
     if constexpr (K::kTmaStore) ptx::prefetch_tensormap(&tmap_d);
-    K::Pipeline::init(smem.barriers, K::kConsumerWarps * Tile::kClusterM);
+    K::Pipeline::init(smem.barriers, Tile::kStageReaderWarps * Tile::kClusterM);
+    if constexpr (Tile::kPingPong) K::Turns::init(smem.turns, 128);  // a warpgroup arrives
     ptx::fence_mbarrier_init();
   }
   // Peers multicast into this CTA's ring and arrive on its barriers: all must be initialised.
@@ -123,16 +136,29 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         static_cast<uint32_t>(NamedBarrierId::kEpilogue0) + warpgroup, 128};
     typename K::Epilogue::State store_state{};
     auto read = make_consumer_start_state<Tile::kStages>();
+    // Ping-pong: this warpgroup's A rows are the whole 64-row tile, and it takes every other
+    // unit; cooperative: its 64 rows of every 128-row tile.
+    const int a_block = Tile::kPingPong ? 0 : warpgroup;
+    int turn = 0;
+    typename K::Turns turns{smem.turns, static_cast<uint32_t>(warpgroup)};
+    auto hand_over = [&] {  // this tile's last stage is full: the other consumer may wait
+      if constexpr (Tile::kPingPong) turns.arrive();
+    };
     float acc[K::Mainloop::kAccRegs];
-    for (auto w = scheduler.first(); scheduler.valid(w); w = scheduler.next(w)) {
+    for (auto w = scheduler.first(); scheduler.valid(w); w = scheduler.next(w), ++turn) {
       int kb_begin;
       const int count = k_range(w, &kb_begin);
-      if (!w.self_valid) {
-        K::Mainloop::skip(pipeline, read, count);
+      if (Tile::kPingPong && turn % 2 != warpgroup) {
+        read.advance(static_cast<uint32_t>(count));  // the other consumer's stages
         continue;
       }
-      K::Mainloop::mma(pipeline, read, smem.operands, warpgroup, count, acc);
-      const int row0 = w.m_block * Tile::kBlockM + 64 * warpgroup;
+      if constexpr (Tile::kPingPong) turns.wait();
+      if (!w.self_valid) {
+        K::Mainloop::skip(pipeline, read, count, hand_over);
+        continue;
+      }
+      K::Mainloop::mma(pipeline, read, smem.operands, a_block, count, acc, hand_over);
+      const int row0 = w.m_block * Tile::kBlockM + 64 * a_block;
       const int col0 = w.n_block * Tile::kBlockN;
       if constexpr (K::kTmaStore) {
         K::Epilogue::store(acc, smem.staging[warpgroup], &tmap_d, row0, col0, w.batch,

@@ -25,10 +25,13 @@ inline constexpr int dtype_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
 // of D), or straight from registers with bounds checks (any N).
 enum class EpilogueKind : int { kTmaStore = 0, kDirect = 1 };
 
-// One compiled CTA tile configuration. kBlockM / 64 consumer warpgroups split BLOCK_M; one
-// producer warpgroup issues the copies. With kClusterM = 2, the two CTAs of a cluster take
-// vertically adjacent tiles and multicast the shared B slice to both, CTA r issuing B's
-// 64-wide column blocks j with j % 2 == r (for 192 columns: blocks 0 and 2, and block 1).
+// One compiled CTA tile configuration: one producer warpgroup issues the copies, two consumer
+// warpgroups run wgmma and the epilogue, 64 rows of a tile each. A 128-row tile is cooperative:
+// the two consumers split its rows. A 64-row tile is ping-pong: each consumer computes whole
+// tiles, the two taking alternate ones, so one's epilogue runs under the other's mainloop.
+// With kClusterM = 2, the two CTAs of a cluster take vertically adjacent tiles and multicast the
+// shared B slice to both, CTA r issuing B's 64-wide column blocks j with j % 2 == r (for 192
+// columns: blocks 0 and 2, and block 1).
 template <int kBlockM_, int kBlockN_, int kStages_, int kClusterM_, EpilogueKind kEpilogue_>
 struct TileConfig {
   static constexpr int kBlockM = kBlockM_;
@@ -37,8 +40,11 @@ struct TileConfig {
   static constexpr int kStages = kStages_;
   static constexpr int kClusterM = kClusterM_;
   static constexpr EpilogueKind kEpilogue = kEpilogue_;
-  static constexpr int kConsumerWarpgroups = kBlockM / 64;
+  static constexpr bool kPingPong = kBlockM == 64;
+  static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
+  // Consumer warps that read (and release) each stage: one warpgroup's in ping-pong.
+  static constexpr int kStageReaderWarps = kPingPong ? 4 : 4 * kConsumerWarpgroups;
   static constexpr int kElementBytes = 2;
   // Elements in one 128-byte swizzle row: the inner extent of every operand box.
   static constexpr int kSwizzleElems = 128 / kElementBytes;
@@ -67,7 +73,7 @@ struct TileConfig {
       kStages * kStageBytes + kEpilogueBytes + kStages * 16 + 64 + 1024;
 
   static_assert(kBlockK == kSwizzleElems, "one K slice is one 128-byte swizzle row");
-  static_assert(kBlockM == 64 || kBlockM == 128, "one or two consumer warpgroups");
+  static_assert(kBlockM == 64 || kBlockM == 128, "ping-pong 64-row or cooperative 128-row tiles");
   static_assert(kBlockN % 64 == 0 && kBlockN <= 256, "wgmma N is at most 256");
   static_assert(kClusterM == 1 || (kClusterM == 2 && kBColumnBlocks >= 2),
                 "a cluster of 2 splits B's column blocks between its CTAs");
@@ -84,6 +90,13 @@ using Tile128x192C2 = TileConfig<128, 192, 4, 2, EpilogueKind::kTmaStore>;
 using Tile128x192 = TileConfig<128, 192, 4, 1, EpilogueKind::kTmaStore>;
 using Tile128x128C2 = TileConfig<128, 128, 6, 2, EpilogueKind::kTmaStore>;
 using Tile128x128 = TileConfig<128, 128, 6, 1, EpilogueKind::kTmaStore>;
+// NOTE: for a few rows against a wide weight (64 x 28672 x 4096), 256 columns make one wave of
+// 112 tiles that stream B; and for the largest products, ping-pong hides the epilogues.
+using Tile64x256C2 = TileConfig<64, 256, 4, 2, EpilogueKind::kTmaStore>;
+using Tile64x256 = TileConfig<64, 256, 4, 1, EpilogueKind::kTmaStore>;
+// NOTE: operands whose rows are 16-byte but not 32-byte multiples apart (1000 columns of bf16)
+// halve TMA's load rate; multicasting B halves what each CTA of this tile loads.
+using Tile64x128C2 = TileConfig<64, 128, 8, 2, EpilogueKind::kTmaStore>;
 using Tile64x128 = TileConfig<64, 128, 8, 1, EpilogueKind::kTmaStore>;
 using Tile128x128Direct = TileConfig<128, 128, 6, 1, EpilogueKind::kDirect>;
 using Tile64x128Direct = TileConfig<64, 128, 8, 1, EpilogueKind::kDirect>;
@@ -166,6 +179,9 @@ struct OperandBoxes {
   X(ARG, Tile128x192)                   \
   X(ARG, Tile128x128C2)                 \
   X(ARG, Tile128x128)                   \
+  X(ARG, Tile64x256C2)                  \
+  X(ARG, Tile64x256)                    \
+  X(ARG, Tile64x128C2)                  \
   X(ARG, Tile64x128)                    \
   X(ARG, Tile128x128Direct)             \
   X(ARG, Tile64x128Direct)              \

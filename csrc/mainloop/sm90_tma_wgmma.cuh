@@ -8,8 +8,8 @@
 //            M-major: kBlockM / 64 blocks, each 64 K-rows x 64 M.
 //   B stage, N-major: kBlockN / 64 blocks, each 64 K-rows x 64 N.
 //            K-major: kBlockN rows x 64 K (one 128-byte row per N index), in blocks of 64 rows.
-// Consumer warpgroup g multiplies A's M indices [64g, 64g + 64), which in both A layouts are
-// the 8 KB at offset g * 8 KB, by the whole B stage.
+// A consumer warpgroup multiplies one 64-row block of the A stage, block r holding M indices
+// [64r, 64r + 64) (in both A layouts the 8 KB at offset r * 8 KB), by the whole B stage.
 //
 // Clusters (Tile::kClusterM = 2): both CTAs of a cluster work on the same N block, batch entry
 // and K range, so their B slices are equal. When both M blocks exist (LoadMode::kMulticast)
@@ -56,7 +56,7 @@ struct MainloopSm90TmaWgmma {
   using Boxes = sm90_gemm::OperandBoxes<Tile, Layout>;
   static constexpr int kABoxElems = Boxes::kABoxBytes / sizeof(T);
   static constexpr int kBBoxElems = Boxes::kBBoxBytes / sizeof(T);
-  // A's share of one consumer warpgroup: 64 M indices x kBlockK.
+  // One 64-row block of the A stage: what one consumer warpgroup multiplies.
   static constexpr int kAWarpgroupElems = 64 * kBlockK;
 
   using Pipeline = PipelineTmaAsync<kStages>;
@@ -128,10 +128,10 @@ struct MainloopSm90TmaWgmma {
     }
   }
 
-  // One K slice: four wgmma k16 steps on stage `stage` into `acc`.
-  __device__ static void issue(const SharedStorage& smem, int stage, int warpgroup,
+  // One K slice: four wgmma k16 steps on stage `stage`, A's row block `a_block`, into `acc`.
+  __device__ static void issue(const SharedStorage& smem, int stage, int a_block,
                                float (&acc)[kAccRegs], bool overwrite) {
-    const T* a = smem.a[stage] + warpgroup * kAWarpgroupElems;
+    const T* a = smem.a[stage] + a_block * kAWarpgroupElems;
     const T* b = smem.b[stage];
     ptx::wgmma_fence();
 #pragma unroll
@@ -152,19 +152,23 @@ struct MainloopSm90TmaWgmma {
     }
   }
 
-  // Consumer warpgroup: accumulate one output tile over `k_blocks` (>= 1) slices. Keeps one
-  // wgmma group in flight and releases each stage as soon as the group reading it has retired.
+  // Consumer warpgroup: accumulate A's row block `a_block` of one output tile over `k_blocks`
+  // (>= 1) slices. Keeps one wgmma group in flight and releases each stage as soon as the
+  // group reading it has retired. `waited()` runs once the tile's last stage is known full.
+  template <class Waited>
   __device__ static void mma(Pipeline& pipeline, State& read, const SharedStorage& smem,
-                             int warpgroup, int k_blocks, float (&acc)[kAccRegs]) {
+                             int a_block, int k_blocks, float (&acc)[kAccRegs], Waited&& waited) {
     pipeline.consumer_wait(read);
+    if (k_blocks == 1) waited();
     ptx::wgmma_fence_operands(acc);
-    issue(smem, read.index, warpgroup, acc, true);
+    issue(smem, read.index, a_block, acc, true);
     State in_flight = read;
     ++read;
 #pragma unroll 1
     for (int kb = 1; kb < k_blocks; ++kb) {
       pipeline.consumer_wait(read);
-      issue(smem, read.index, warpgroup, acc, false);
+      if (kb == k_blocks - 1) waited();
+      issue(smem, read.index, a_block, acc, false);
       ptx::wgmma_wait_group<1>();
       release(pipeline, in_flight);
       in_flight = read;
@@ -176,10 +180,12 @@ struct MainloopSm90TmaWgmma {
   }
 
   // Consumer warpgroup of an idle CTA (LoadMode::kIdle): pass through the tile's stages.
-  __device__ static void skip(Pipeline& pipeline, State& read, int k_blocks) {
+  template <class Waited>
+  __device__ static void skip(Pipeline& pipeline, State& read, int k_blocks, Waited&& waited) {
 #pragma unroll 1
     for (int kb = 0; kb < k_blocks; ++kb) {
       pipeline.consumer_wait(read);
+      if (kb == k_blocks - 1) waited();
       release(pipeline, read);
       ++read;
     }

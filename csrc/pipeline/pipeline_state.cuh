@@ -25,6 +25,13 @@ struct PipelineState {
       phase ^= 1;
     }
   }
+  // `steps` steps at once: a consumer passing over stages that another consumer reads.
+  __device__ __forceinline__ void advance(uint32_t steps) {
+    count += steps;
+    index += steps;
+    phase ^= (index / kStages) & 1u;
+    index %= kStages;
+  }
   __device__ __forceinline__ PipelineState& operator++() {
     advance();
     return *this;
