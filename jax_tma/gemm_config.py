@@ -139,18 +139,21 @@ def check_config(config: GemmConfig, m: int, n: int, k: int, out_dtype,
 
 # Constants of the cost model, fitted to sweeps of every configuration on an H200
 # (benchmarks/bench_gemm.py --sweep, 2026-11-21). Relative wgmma throughput of one CTA per tile
-# shape, from 8192^3 with each tile's wave quantisation taken out: two consumer warpgroups on
-# a wide tile keep the tensor cores busiest.
-_TILE_EFFICIENCY = {(128, 256): 1.0, (128, 192): 0.97, (128, 128): 0.93, (64, 256): 0.90,
-                    (64, 128): 0.80, (64, 64): 0.46}
+# shape and cluster size, from 8192^3 with each tile's wave quantisation taken out: two consumer
+# warpgroups on a wide tile keep the tensor cores busiest; 64-row tiles in clusters lose to
+# their lockstep (64 x 128: 1988 us in pairs against 1611 us alone).
+_TILE_EFFICIENCY = {(128, 256): 1.0, (128, 192): 0.97, (128, 128): 0.93, (64, 256): 0.88,
+                    (64, 128): 0.84, (64, 64): 0.46}
+_SMALL_TILE_CLUSTER_EFFICIENCY = {(64, 256): 0.97, (64, 128): 0.83}
 _PEAK_FLOPS_PER_SM = 989e12 / 132
 # Every tile also pays for its epilogue and the refill of the ring behind it: about 0.45 us,
 # from 64 batches of 1024 x 1024 x 64 (one K slice per tile) in 64 x 64 and 64 x 128 tiles.
 _TILE_FIXED_S = 0.45e-6
 # Operand rows that are 16-byte but not 32-byte multiples apart (1000 columns of bf16, say)
 # slow TMA's loads down about twofold, and 64-row tiles load the most per FLOP: 64 x 128 ran
-# 1000^3 in 11.1 us against 5.8 us for 1024^3, and 3000 x 5000 x 2048 at 0.46x 128 x 256.
-_MISALIGNED_SMALL_TILE_EFFICIENCY = 0.5
+# 1000^3 in 10.1 us against 6.2 us for 1024^3, and 3000 x 5000 x 2048 at 0.49x 128 x 192.
+# In a cluster, each CTA loads half of B: 64 x 128 in pairs ran 1000^3 in 8.4 us.
+_MISALIGNED_SMALL_TILE_EFFICIENCY = {1: 0.5, 2: 0.9}
 # Streaming operands (decode-like shapes): about 65 GB/s per busy CTA, at most about 4 TB/s
 # in all (XLA's own kernel streamed 64 x 28672 x 4096 at 4.1 TB/s); a split-K product pays
 # about 2 us for the extra reduction kernel.
@@ -183,8 +186,10 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
     waves = math.ceil(slots / num_sms)
     k_per_split = math.ceil(math.ceil(k / BLOCK_K) / splits) * BLOCK_K
     efficiency = _TILE_EFFICIENCY[(config.block_m, config.block_n)]
+    if config.block_m == 64 and config.cluster_m > 1:
+        efficiency *= _SMALL_TILE_CLUSTER_EFFICIENCY[(config.block_m, config.block_n)]
     if rows_misaligned and config.block_m == 64:
-        efficiency *= _MISALIGNED_SMALL_TILE_EFFICIENCY
+        efficiency *= _MISALIGNED_SMALL_TILE_EFFICIENCY[config.cluster_m]
     tile_s = (2 * config.block_m * config.block_n * k_per_split) / (
         _PEAK_FLOPS_PER_SM * efficiency
     ) + _TILE_FIXED_S
