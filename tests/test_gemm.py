@@ -396,19 +396,25 @@ def test_kernel_is_deterministic(rng, config):
 def test_heuristic_follows_the_measured_sweeps():
     """Choices the cost model must reproduce from the H200 sweeps it was fitted to."""
     # Decode-like products stream B: the 64 x 64 tile puts the most CTAs on it without split-K
-    # (128 x 4096 x 14336: 33.6 us against 35.7 for the best 64 x 128 config).
-    for m, n, k in [(1, 4096, 4096), (64, 4096, 4096), (128, 4096, 14336)]:
+    # (16 x 6144 x 4096: 14.9 us against 15.3 for the best 64 x 128 config)...
+    for m, n, k in [(1, 4096, 4096), (16, 6144, 4096), (64, 4096, 4096)]:
         assert gemm.default_config(m, n, k).tile[:2] == (64, 64), (m, n, k)
-    # More tiles than SMs: two waves of 64 x 128 (58.6 us) beat four of 64 x 64 (62.3 us),
-    # and a 128-row cluster tile would leave half its CTAs idle on 64 rows (81.7 us).
-    assert gemm.default_config(64, 28672, 4096).tile == (64, 128, 8, 1)
+    # ...or split K where the tiles alone leave SMs idle (128 x 4096 x 14336: 64 x 128 split in
+    # 2 ran in 34.2 us, 64 x 64 unsplit in 34.9 us, 64 x 128 unsplit in 39.9 us).
+    cfg = gemm.default_config(128, 4096, 14336)
+    assert cfg.tile[:2] == (64, 64) or (cfg.tile[:2] == (64, 128) and cfg.split_k > 1), cfg
+    # One wave of 112 tiles 256 wide streams B fastest (64 x 28672 x 4096: 56.9 us against
+    # 57.7 for two waves of 64 x 128); a 128-row cluster tile would leave half its CTAs idle on
+    # 64 rows (81.9 us).
+    assert gemm.default_config(64, 28672, 4096).tile == (64, 256, 4, 1)
     # One K slice per tile: the fixed cost per tile keeps tiles large (64 x 64 tiles ran 64
-    # batches of 1024 x 1024 x 64 1.4x slower than 64 x 128 ones).
+    # batches of 1024 x 1024 x 64 2.2x slower than 128 x 256 ones).
     assert gemm.default_config(1024, 1024, 64, batch=64).block_n != 64
-    # One wave of small tiles beats a half-empty wave of large ones (1024^3: 5.9 us against
-    # 8.2 for 128 x 128)...
-    assert gemm.default_config(1024, 1024, 1024).tile[:2] == (64, 128)
-    # ...unless rows 16 but not 32 bytes apart slow the loads (1000^3: 11.1 against 9.6 us).
-    assert gemm.default_config(1000, 1000, 1000, rows_misaligned=True).block_m == 128
-    # 3.6 waves of 128 x 256 tiles become 4.9 of 128 x 192 ones (90.4 against 92.8 us).
+    # One wave of small tiles beats a half-empty wave of large ones (1024^3: 6.2 us against
+    # 8.2 for 128 x 128); alone, a 64-row tile beats a pair (6.5 us).
+    assert gemm.default_config(1024, 1024, 1024).tile == (64, 128, 8, 1)
+    # Rows 16 but not 32 bytes apart slow the loads; pairs that multicast B halve each CTA's
+    # share (1000^3: 8.4 us, against 10.1 alone and 9.7 for 128 x 128 pairs).
+    assert gemm.default_config(1000, 1000, 1000, rows_misaligned=True).tile == (64, 128, 8, 2)
+    # 3.6 waves of 128 x 256 tiles become 4.9 of 128 x 192 ones (90.1 against 93.2 us).
     assert gemm.default_config(3000, 5000, 2048, rows_misaligned=True).tile[:2] == (128, 192)

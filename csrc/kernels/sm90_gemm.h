@@ -32,8 +32,7 @@ enum class EpilogueKind : int { kTmaStore = 0, kDirect = 1 };
 // With kClusterM = 2, the two CTAs of a cluster take vertically adjacent tiles and multicast the
 // shared B slice to both, CTA r issuing B's 64-wide column blocks j with j % 2 == r (for 192
 // columns: blocks 0 and 2, and block 1).
-template <int kBlockM_, int kBlockN_, int kStages_, int kClusterM_, EpilogueKind kEpilogue_,
-          int kEpilogueBuffers_ = 2>
+template <int kBlockM_, int kBlockN_, int kStages_, int kClusterM_, EpilogueKind kEpilogue_>
 struct TileConfig {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -61,7 +60,7 @@ struct TileConfig {
   static constexpr int kEpilogueRows = 64;
   static constexpr int kEpilogueRowBytes = 128;
   static constexpr uint32_t kEpilogueChunkBytes = kEpilogueRows * kEpilogueRowBytes;
-  static constexpr int kEpilogueBuffers = kEpilogueBuffers_;
+  static constexpr int kEpilogueBuffers = 2;
   static constexpr uint32_t kEpilogueBytes =
       kEpilogue == EpilogueKind::kTmaStore
           ? kConsumerWarpgroups * kEpilogueBuffers * kEpilogueChunkBytes

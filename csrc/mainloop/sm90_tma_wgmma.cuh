@@ -16,9 +16,10 @@
 // CTA r loads B's 64-wide blocks j with j % 2 == r and multicasts them to both; when the
 // peer's M block lies past the matrix, this CTA loads all of B itself (kSolo) and the peer
 // only keeps its ring in step (kIdle: no copies, an arrival with no bytes). Every consumer
-// warp releases each stage to the empty barriers of all CTAs of the cluster, whatever the
-// mode, so a producer never multicasts into a peer stage that the peer has not yet re-armed;
-// empty barriers count consumer warps x cluster CTAs.
+// warp that reads a stage releases it to the empty barriers of all CTAs of the cluster,
+// whatever the mode, so a producer never multicasts into a peer stage that the peer has not
+// yet re-armed; empty barriers count the warps that read a stage (Tile::kStageReaderWarps: one
+// warpgroup's in ping-pong) x cluster CTAs.
 #pragma once
 
 #include <cuda.h>
