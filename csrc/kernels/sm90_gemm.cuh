@@ -7,15 +7,15 @@
 // 128-row tile, or in turns on 64-row tiles (ping-pong, Tile::kPingPong). The grid walks
 // (split, batch entry, tile) units through the tile scheduler; the producer fills the ring in
 // the order of the units, so in ping-pong a consumer's next tile arrives while the other
-// consumer's is being computed, and its own epilogue runs meanwhile.
+// consumer's is being computed, and its own epilogue runs meanwhile. Out-of-bounds rows,
+// columns and K are zero-filled by TMA on the way in and clipped by the epilogue on the way
+// out; each operand's map spans one batch entry per batch index, so nothing crosses entries.
 //
 // NOTE: a ping-pong consumer passes over the other's stages without waiting on them, so it
 // could meet a stage's full barrier one ring pass early, where the parity of the pass it wants
 // has completed already for the pass before. The consumers therefore take turns (an
 // OrderedBarrier): one starts waiting on its tile's stages only after the other has seen the
-// last stage of its own tile full, by which time every earlier pass has completed. Out-of-bounds rows,
-// columns and K are zero-filled by TMA on the way in and clipped by the epilogue on the way
-// out; each operand's map spans one batch entry per batch index, so nothing crosses entries.
+// last stage of its own tile full, by which time every earlier pass has completed.
 #pragma once
 
 #include <cuda.h>
