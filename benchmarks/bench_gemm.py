@@ -364,6 +364,25 @@ def _table(rows: list[Row], env: dict, dtype: str) -> str:
     return "\n".join(lines)
 
 
+def banner(env: dict, dtype: str) -> str:
+    """One line naming the device, its software and the run's dtype, timing and kernel path."""
+    return (f"{env['device']} | driver {env['driver']} | CUDA {env['cuda_runtime']} | "
+            f"jax {env['jax']} | {dtype} | timing {env['timing']} | jax_tma kernel "
+            f"{'on' if env['jax_tma_kernel'] else 'off (XLA path)'}")
+
+
+def write_report(out_root: pathlib.Path | None, env: dict, stem: str, payload: dict, table: str,
+                 plot) -> None:
+    """Writes <stem>.json (`payload`), <stem>.md (`table`) and, where `plot(path)` draws one,
+    <stem>.png under `out_root` (default benchmarks/results) / the device's name."""
+    out = (out_root or pathlib.Path("benchmarks/results")) / env["device"].lower().replace(" ", "-")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
+    (out / f"{stem}.md").write_text(table + "\n")
+    plotted = plot(out / f"{stem}.png")
+    print(f"wrote {out}/{stem}.json, .md" + (", .png" if plotted else ""))
+
+
 def pyplot():
     """matplotlib.pyplot on the file-only Agg backend, or None without matplotlib."""
     try:
@@ -419,9 +438,7 @@ def main(argv=None) -> int:
     args = _parse(argv)
     dtype = DTYPES[args.dtype]
     env = environment(args.commit)
-    print(f"{env['device']} | driver {env['driver']} | CUDA {env['cuda_runtime']} | "
-          f"jax {env['jax']} | {args.dtype} | timing {env['timing']} | jax_tma kernel "
-          f"{'on' if env['jax_tma_kernel'] else 'off (XLA path)'}", flush=True)
+    print(banner(env, args.dtype), flush=True)
     pallas = None if args.no_pallas or args.dry_run else _pallas_contender(dtype)
     rows: list[Row] = []
     for i, shape in enumerate(args.shape_list):
@@ -441,15 +458,11 @@ def main(argv=None) -> int:
     print(table)
     if args.dry_run and args.out is None:
         return 0
-    out = (args.out or pathlib.Path("benchmarks/results")) / env["device"].lower().replace(" ", "-")
-    out.mkdir(parents=True, exist_ok=True)
-    stem = _stem(args)
-    (out / f"{stem}.json").write_text(json.dumps(
+    write_report(
+        args.out, env, _stem(args),
         {"environment": env, "dtype": args.dtype, "layout": args.layout, "dry_run": args.dry_run,
-         "rows": [dict(dataclasses.asdict(r), tflops=r.tflops()) for r in rows]}, indent=1))
-    (out / f"{stem}.md").write_text(table + "\n")
-    plotted = _plot(rows, out / f"{stem}.png", f"{env['device']}, {what}")
-    print(f"wrote {out}/{stem}.json, .md" + (", .png" if plotted else ""))
+         "rows": [dict(dataclasses.asdict(r), tflops=r.tflops()) for r in rows]},
+        table, lambda path: _plot(rows, path, f"{env['device']}, {what}"))
     return 0
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import math
 import pathlib
 import re
@@ -45,7 +44,7 @@ import jax_tma
 from jax_tma import _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_gemm import environment, pyplot, save_figure  # noqa: E402
+from bench_gemm import banner, environment, pyplot, save_figure, write_report  # noqa: E402
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 CHECK_TOLERANCE = 2e-2  # relative loss and gradient difference between the two steps
@@ -250,9 +249,7 @@ def main(argv=None) -> int:
     args = _parse(argv)
     dtype = DTYPES[args.dtype]
     env = environment(args.commit)
-    print(f"{env['device']} | driver {env['driver']} | CUDA {env['cuda_runtime']} | "
-          f"jax {env['jax']} | {args.dtype} | timing {env['timing']} | jax_tma kernel "
-          f"{'on' if env['jax_tma_kernel'] else 'off (XLA path)'}", flush=True)
+    print(banner(env, args.dtype), flush=True)
     rows = []
     for i, cfg in enumerate(args.configs):
         print(f"[{i + 1}/{len(args.configs)}] {cfg.describe()} ...", end="", file=sys.stderr,
@@ -265,15 +262,11 @@ def main(argv=None) -> int:
     print(table)
     if args.dry_run and args.out is None:
         return 0
-    out = (args.out or pathlib.Path("benchmarks/results")) / env["device"].lower().replace(" ", "-")
-    out.mkdir(parents=True, exist_ok=True)
-    stem = "bench_mlp_block" + ("" if args.dtype == "bf16" else f"_{args.dtype}")
-    (out / f"{stem}.json").write_text(json.dumps(
+    write_report(
+        args.out, env, "bench_mlp_block" + ("" if args.dtype == "bf16" else f"_{args.dtype}"),
         {"environment": env, "dtype": args.dtype, "dry_run": args.dry_run, "sets": args.sets,
-         "rows": rows}, indent=1))
-    (out / f"{stem}.md").write_text(table + "\n")
-    plotted = _plot(rows, out / f"{stem}.png", f"{env['device']}, {args.dtype}")
-    print(f"wrote {out}/{stem}.json, .md" + (", .png" if plotted else ""))
+         "rows": rows},
+        table, lambda path: _plot(rows, path, f"{env['device']}, {args.dtype}"))
     return 0
 
 
