@@ -21,8 +21,8 @@ DEFAULT_NUM_SMS = 132
 # (block_m, block_n, stages, cluster_m, has a direct-store variant) of the TileConfig
 # instantiations in csrc/kernels/sm90_gemm.h.
 _COMPILED_TILES = (
-    (128, 256, 4, 2, False),
-    (128, 256, 4, 1, False),
+    (128, 256, 3, 2, False),
+    (128, 256, 3, 1, False),
     (128, 192, 4, 2, False),
     (128, 192, 4, 1, False),
     (128, 128, 6, 2, False),
@@ -62,7 +62,7 @@ class GemmConfig:
 
     block_m: int = 128
     block_n: int = 256
-    stages: int = 4
+    stages: int = 3
     cluster_m: int = 2
     split_k: int = 1
 

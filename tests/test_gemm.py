@@ -138,7 +138,7 @@ def test_config_validation():
 def test_config_rejects_unaligned_output_without_direct_store():
     """TMA stores need 16-byte output rows: an N of 4097 bf16 needs a direct-store tile."""
     a, b = jnp.ones((64, 128), BF16), jnp.ones((128, 4097), BF16)
-    wide = jax_tma.GemmConfig(128, 256, 4, 2)
+    wide = jax_tma.GemmConfig(128, 256, 3, 2)
     with pytest.raises(ValueError, match=r"\(64, 4097\) output of bfloat16 has rows 8194 bytes apart"):
         jax_tma.matmul(a, b, config=wide)
     # Split-K partial products are fp32: 4097 * 4 bytes is still not a multiple of 16.

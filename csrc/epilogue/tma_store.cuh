@@ -1,9 +1,11 @@
 // Epilogue through shared memory and TMA stores: one consumer warpgroup writes its 64 x kBlockN
-// accumulator block in chunks of 64 rows x 128 bytes (64 16-bit or 32 fp32 columns). Each chunk
-// is converted to the output type, written 128-byte swizzled into one of two staging buffers
-// (stmatrix for 16-bit outputs), and handed to a TMA store that clips it to D's bounds. The
-// stores run asynchronously: the warpgroup goes on to the next tile's mainloop while they
-// drain, and a buffer is rewritten only after the store two chunks earlier has read it.
+// accumulator block in chunks of 64 rows x 128 bytes (64 16-bit or 32 fp32 columns). Chunks are
+// converted to the output type and written 128-byte swizzled (stmatrix for 16-bit outputs) into
+// a staging area of kBuffers chunks, then handed to TMA stores that clip them to D's bounds.
+// The staging area is filled in batches of kBuffers chunks: one wait, one fence and two named
+// barriers per batch, so a block that fits the staging area takes one batch, whose wait is for
+// the previous tile's stores (long done). The stores run asynchronously: the warpgroup goes on
+// to the next tile's mainloop while they drain.
 // D's tensor map is rank 4, {N, M, batch, split}, with a box of one chunk.
 #pragma once
 
@@ -12,9 +14,9 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "pipeline/named_barrier.cuh"
-#include "pipeline/pipeline_state.cuh"
 #include "pipeline/tma_store_pipeline.cuh"
 #include "ptx/stmatrix.cuh"
 #include "ptx/tma.cuh"
@@ -40,8 +42,9 @@ struct TmaStoreEpilogue {
   static constexpr int kChunkCols = 128 / static_cast<int>(sizeof(Out));
   static constexpr int kChunks = kBlockN / kChunkCols;
   static constexpr uint32_t kChunkBytes = kRows * 128;
-  using StorePipeline = PipelineTmaStore<kBuffers>;
-  using State = typename StorePipeline::State;
+  static_assert(kChunks % kBuffers == 0, "the staging area holds whole batches of chunks");
+  // One store group per batch, and the next batch rewrites the whole staging area.
+  using StorePipeline = PipelineTmaStore<1>;
 
   struct SharedStorage {
     alignas(1024) uint8_t buffer[kBuffers][kChunkBytes];
@@ -90,27 +93,35 @@ struct TmaStoreEpilogue {
     }
   }
 
+  // Chunks batch0 .. batch0 + kBuffers - 1 into the staging area, chunk batch0 + i in buffer i.
+  template <int batch0, int... i>
+  __device__ static void write_batch(const float (&acc)[kBlockN / 2], SharedStorage& smem,
+                                     std::integer_sequence<int, i...>) {
+    (write_chunk<batch0 + i>(acc, ptx::smem_u32(smem.buffer[i])), ...);
+  }
+
   // Stores the warpgroup's block with top-left corner (row0, col0) of D[split, batch].
   // `barrier` spans the warpgroup; thread 0 of the warpgroup issues (and owns) every store.
-  template <int c = 0>
+  template <int batch0 = 0>
   __device__ static void store(const float (&acc)[kBlockN / 2], SharedStorage& smem,
                                const CUtensorMap* map_d, int row0, int col0, int batch,
-                               int split, const NamedBarrier& barrier, State& state) {
+                               int split, const NamedBarrier& barrier) {
     const bool issuer = threadIdx.x % 128 == 0;
     if (issuer) StorePipeline::producer_acquire();
-    barrier.sync();  // the buffer's previous store has read it
-    uint8_t* buffer = smem.buffer[state.index];
-    write_chunk<c>(acc, ptx::smem_u32(buffer));
+    barrier.sync();  // the previous batch's stores have read the staging area
+    write_batch<batch0>(acc, smem, std::make_integer_sequence<int, kBuffers>{});
     ptx::fence_proxy_async_shared();
-    barrier.sync();  // the whole chunk is visible to the TMA unit
+    barrier.sync();  // the whole batch is visible to the TMA unit
     if (issuer) {
-      ptx::tma_store(map_d, buffer,
-                     ptx::TmaCoord<4>{{col0 + c * kChunkCols, row0, batch, split}});
+#pragma unroll
+      for (int i = 0; i < kBuffers; ++i) {
+        ptx::tma_store(map_d, smem.buffer[i],
+                       ptx::TmaCoord<4>{{col0 + (batch0 + i) * kChunkCols, row0, batch, split}});
+      }
       StorePipeline::producer_commit();
     }
-    ++state;
-    if constexpr (c + 1 < kChunks) {
-      store<c + 1>(acc, smem, map_d, row0, col0, batch, split, barrier, state);
+    if constexpr (batch0 + kBuffers < kChunks) {
+      store<batch0 + kBuffers>(acc, smem, map_d, row0, col0, batch, split, barrier);
     }
   }
 

@@ -81,7 +81,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     sm90_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                      const __grid_constant__ CUtensorMap tmap_b,
                      const __grid_constant__ CUtensorMap tmap_d, Out* __restrict__ d,
-                     GemmShape shape) {
+                     GemmShape shape,
+                     typename Kernel<In, Out, Tile, Layout>::Scheduler::Params tiles) {
   using K = Kernel<In, Out, Tile, Layout>;
   extern __shared__ uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<typename K::SharedStorage*>(
@@ -104,13 +105,12 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   }
 
   typename K::Pipeline pipeline{smem.barriers};
-  const typename K::Scheduler scheduler(shape.m, shape.n, shape.batch, shape.splits);
+  const typename K::Scheduler scheduler(tiles);
   const int k_blocks = (shape.k + Tile::kBlockK - 1) / Tile::kBlockK;
   auto k_range = [&](const WorkTile& w, int* begin) {
     *begin = w.split * shape.k_blocks_per_split;
     return min(k_blocks, *begin + shape.k_blocks_per_split) - *begin;
   };
-
   if (role == WarpGroupRole::Producer) {
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x / 32 == 0 && ptx::elect_one_sync()) {
@@ -134,7 +134,6 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     const int warpgroup = static_cast<int>(role) - static_cast<int>(WarpGroupRole::Consumer0);
     const NamedBarrier epilogue_barrier{
         static_cast<uint32_t>(NamedBarrierId::kEpilogue0) + warpgroup, 128};
-    typename K::Epilogue::State store_state{};
     auto read = make_consumer_start_state<Tile::kStages>();
     // Ping-pong: this warpgroup's A rows are the whole 64-row tile, and it takes every other
     // unit; cooperative: its 64 rows of every 128-row tile.
@@ -162,7 +161,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       const int col0 = w.n_block * Tile::kBlockN;
       if constexpr (K::kTmaStore) {
         K::Epilogue::store(acc, smem.staging[warpgroup], &tmap_d, row0, col0, w.batch,
-                           w.split, epilogue_barrier, store_state);
+                           w.split, epilogue_barrier);
       } else {
         Out* d_matrix = d + w.split * shape.d_split_stride + w.batch * shape.d_batch_stride;
         DirectStoreEpilogue<Out, Tile::kBlockN>::store(acc, d_matrix, shape.m, shape.n,
@@ -197,16 +196,15 @@ cudaError_t max_resident_clusters(KernelFn kernel, cudaLaunchConfig_t config, in
 
 template <class In, class Out, class Tile, class Layout>
 cudaError_t launch(const LaunchArgs& args) {
+  using K = Kernel<In, Out, Tile, Layout>;
   auto* kernel = &sm90_gemm_kernel<In, Out, Tile, Layout>;
   // NOTE: the attribute is per function and device; setting it again is cheap and keeps the
   // launcher free of shared state.
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const int m_blocks = (args.shape.m + Tile::kBlockM - 1) / Tile::kBlockM;
-  const int n_blocks = (args.shape.n + Tile::kBlockN - 1) / Tile::kBlockN;
-  const int cluster_rows = (m_blocks + Tile::kClusterM - 1) / Tile::kClusterM;
-  const int units = cluster_rows * n_blocks * args.shape.batch * args.shape.splits;
+  const auto tiles = K::Scheduler::make_params(args.shape.m, args.shape.n, args.shape.batch,
+                                               args.shape.splits);
 
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -225,9 +223,9 @@ cudaError_t launch(const LaunchArgs& args) {
     err = max_resident_clusters(kernel, config, &resident);
     if (err != cudaSuccess) return err;
   }
-  config.gridDim = dim3(std::max(1, std::min(units, resident)) * Tile::kClusterM);
+  config.gridDim = dim3(std::max(1, std::min(tiles.num_units, resident)) * Tile::kClusterM);
   return cudaLaunchKernelEx(&config, kernel, *args.tmap_a, *args.tmap_b, *args.tmap_d,
-                            static_cast<Out*>(args.d), args.shape);
+                            static_cast<Out*>(args.d), args.shape, tiles);
 }
 
 }  // namespace jax_tma::sm90_gemm
