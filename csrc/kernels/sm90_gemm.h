@@ -85,8 +85,8 @@ struct TileConfig {
 // (_COMPILED_TILES), and ffi/gemm.cc dispatches on it.
 // NOTE: 128 x 256 keeps 3 stages so that its whole 64 KB output block fits the staging area:
 // with 4 stages and half the staging, the second half of every epilogue waited ~950 cycles for
-// the first half's stores, and the 3-stage kernel measured 0.3-0.8 % faster on the large
-// products of the suite (8192 x 8192 x 1024: 190.0 against 192.2 us, in one run on an H200).
+// the first half's stores, and the 3-stage kernel measured 0.1-1.1 % faster on four large
+// products in each of two runs on an H200 (8192 x 8192 x 1024: 190.0 against 192.2 us).
 using Tile128x256C2 = TileConfig<128, 256, 3, 2, EpilogueKind::kTmaStore>;
 using Tile128x256 = TileConfig<128, 256, 3, 1, EpilogueKind::kTmaStore>;
 // NOTE: 128 x 192 exists for the wave count: where 128 x 256 tiles leave the last wave of the
