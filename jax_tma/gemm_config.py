@@ -209,8 +209,8 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
 
     Every compiled tile with every split-K choice is scored by ``estimate_seconds`` (waves,
     last-wave utilization, tile efficiency and a fixed cost per tile, or memory traffic for
-    skinny problems); among equal scores the deeper pipeline wins, then the cluster of 2 (B multicast), which halves
-    the L2 traffic of B whenever both CTAs of a cluster have a tile. Split-K runs without
+    skinny problems); among equal scores the deeper pipeline wins, then the cluster of 2 (B
+    multicast), which halves the L2 traffic of B whenever both CTAs of a cluster have a tile. Split-K runs without
     clusters: measured, the cluster's lockstep only slows its short K ranges down.
     """
     out_bytes = jnp.dtype(out_dtype).itemsize

@@ -44,7 +44,6 @@ TOL = {F32: 1e-5, BF16: 1e-2, F16: 2e-3}
 _LOWERED_CALL = re.compile(r"stablehlo\.custom_call @(jax_tma_\w+)\(")
 
 
-
 # ---------------------------------------------------------------- layers under test
 
 

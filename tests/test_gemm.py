@@ -196,7 +196,6 @@ def test_warns_once_when_kernels_unavailable():
 # ---------------------------------------------------------------- CUDA lowering (CPU)
 
 
-
 @needs_extension
 @pytest.mark.parametrize(
     "m,n,k,dtype,out_dtype",

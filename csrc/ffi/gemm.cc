@@ -69,8 +69,6 @@ CUtensorMapDataType tma_type(DType t) {
   return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
 }
 
-// The attributes of one call, as bound below.
-
 // One dimension of a strided view: how many indices, the element stride, the attribute name.
 struct ViewDim {
   int64_t extent, stride;

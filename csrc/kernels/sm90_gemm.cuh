@@ -111,6 +111,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     *begin = w.split * shape.k_blocks_per_split;
     return min(k_blocks, *begin + shape.k_blocks_per_split) - *begin;
   };
+
   if (role == WarpGroupRole::Producer) {
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x / 32 == 0 && ptx::elect_one_sync()) {

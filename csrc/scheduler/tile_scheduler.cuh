@@ -73,7 +73,7 @@ struct TileScheduler {
     w.split = p.units_per_split.divmod(linear, &in_split);
     w.batch = p.tiles_per_batch.divmod(in_split, &tile);
     const int first_row = p.tiles_per_group.divmod(tile, &in_group) * kGroupM;
-    if (first_row + kGroupM <= p.cluster_rows) {  // a whole group: kGroupM is a power of 2
+    if (first_row + kGroupM <= p.cluster_rows) {  // a whole group: kGroupM is a constant
       row = first_row + in_group % kGroupM;
       w.n_block = in_group / kGroupM;
     } else {
