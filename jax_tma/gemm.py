@@ -151,7 +151,7 @@ def _kernel_call(lhs, rhs, *, plan: GemmPlan, dimension_numbers, out_dtype, conf
         block_m=i64(cfg.block_m), block_n=i64(cfg.block_n), stages=i64(cfg.stages),
         cluster_m=i64(cfg.cluster_m),
         epilogue=i64(_EPILOGUE_TMA_STORE if aligned else _EPILOGUE_DIRECT),
-        splits=i64(splits),
+        splits=i64(splits), stream_k=i64(cfg.stream_k),
         m=i64(plan.m), n=i64(plan.n), k=i64(plan.k), batch=i64(plan.batch),
         a_batch_stride=i64(plan.lhs.batch_stride), a_m_stride=i64(plan.lhs.outer_stride),
         a_k_stride=i64(plan.lhs.k_stride),
@@ -160,13 +160,14 @@ def _kernel_call(lhs, rhs, *, plan: GemmPlan, dimension_numbers, out_dtype, conf
         d_split_stride=i64(out_size), d_batch_stride=i64(plan.d_batch_stride),
         d_m_stride=i64(plan.d_m_stride),
     )
-    out_type = jax.ShapeDtypeStruct(d_shape, d_dtype)
+    out_types = (jax.ShapeDtypeStruct(d_shape, d_dtype),
+                 jax.ShapeDtypeStruct((cfg.stream_k_workspace_bytes(_num_sms()),), jnp.uint8))
     if poison:
-        d = jax.ffi.ffi_call(KERNEL_TARGET + "_into", out_type, input_output_aliases={2: 0})(
+        d, _ = jax.ffi.ffi_call(KERNEL_TARGET + "_into", out_types, input_output_aliases={2: 0})(
             lhs, rhs, jnp.full(d_shape, jnp.nan, d_dtype), **attrs
         )
     else:
-        d = jax.ffi.ffi_call(KERNEL_TARGET, out_type)(lhs, rhs, **attrs)
+        d, _ = jax.ffi.ffi_call(KERNEL_TARGET, out_types)(lhs, rhs, **attrs)
     if splits > 1:
         d = jnp.sum(d, axis=0).astype(out_dtype)
     return d

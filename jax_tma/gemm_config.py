@@ -58,6 +58,12 @@ class GemmConfig:
       split_k: how many K ranges the product is split into (1: none). Each range writes an fp32
         partial product; the partial products are summed in a fixed order (deterministic).
         At most this many ranges are used, so that none is empty.
+      stream_k: when the tiles do not fill the last wave of the grid, deal that wave's K slices
+        out evenly to every CTA (128-row tiles, cluster_m=1, split_k=1 only). CTAs that compute
+        part of a tile leave fp32 partial sums in a workspace for the CTA that computes the
+        tile's first slices, which adds them in a fixed order (deterministic) before storing.
+        Applies only where each CTA gets at least 4 slices and more CTAs get work than whole
+        tiles would give; otherwise the tiles run whole.
     """
 
     block_m: int = 128
@@ -65,6 +71,7 @@ class GemmConfig:
     stages: int = 3
     cluster_m: int = 2
     split_k: int = 1
+    stream_k: bool = False
 
     def __post_init__(self) -> None:
         if self.tile not in _TILE_KEYS:
@@ -80,6 +87,13 @@ class GemmConfig:
             raise ValueError(
                 f"jax_tma: GemmConfig split_k must be an int in [1, {MAX_SPLIT_K}], "
                 f"got {self.split_k!r}"
+            )
+        if not isinstance(self.stream_k, bool):
+            raise ValueError(f"jax_tma: GemmConfig stream_k must be a bool, got {self.stream_k!r}")
+        if self.stream_k and (self.block_m != 128 or self.cluster_m != 1 or self.split_k != 1):
+            raise ValueError(
+                f"jax_tma: GemmConfig({self.describe()}): stream_k needs block_m=128, "
+                "cluster_m=1 and split_k=1"
             )
 
     @property
@@ -101,7 +115,16 @@ class GemmConfig:
         return (
             f"block_m={self.block_m}, block_n={self.block_n}, stages={self.stages}, "
             f"cluster_m={self.cluster_m}, split_k={self.split_k}"
+            + (", stream_k=True" if self.stream_k else "")
         )
+
+    def stream_k_workspace_bytes(self, num_sms: int) -> int:
+        """Bytes of the stream-K workspace for a grid of `num_sms` CTAs (0 without stream-K):
+        a flag per consumer warpgroup padded to 256 bytes, then an fp32 tile per CTA
+        (sm90_gemm::stream_k_workspace_bytes)."""
+        if not self.stream_k:
+            return 0
+        return -(-num_sms * 2 * 4 // 256) * 256 + num_sms * self.block_m * self.block_n * 4
 
 
 COMPILED_CONFIGS: tuple[GemmConfig, ...] = tuple(
@@ -163,6 +186,24 @@ _SPLIT_FIXED_S = 2e-6
 # Share of the shorter of the compute and memory times that does not hide under the longer.
 _OVERLAP_LOSS = 0.01
 _SPLIT_CHOICES = (1, 2, 4, 8, 16)  # measured: split 3 lost to 4 on 1x4096x4096
+# Stream-K's share of the last wave costs this many tiles' time on top of its K slices: the
+# pieces' partial sums' round trip, and K ranges that no longer line up across the CTAs that
+# share operands. Fitted on an H200 (128 x 256 tiles, cluster 1): 8192^3 ran in 1357.7 us
+# with stream-K against 1371.1 without (15.5 waves), 16384 x 4096 x 4096 in 692.1 against
+# 699.6 (15.5), 4096^3 in 184.2 against 176.7 (3.9).
+_STREAM_K_EXTRA_TILES = 0.33
+_STREAM_K_MIN_SLICES = 4  # TileScheduler::kMinStreamKSlices
+
+
+def stream_k_share(tiles: int, k: int, num_sms: int) -> tuple[int, int] | None:
+    """(tiles left after the whole waves, CTAs that share their K slices) when stream-K
+    applies to `tiles` tiles of depth k on `num_sms` CTAs, else None (TileScheduler::make_params)."""
+    left = tiles % num_sms
+    iterations = left * math.ceil(k / BLOCK_K)
+    ctas = min(num_sms, iterations // _STREAM_K_MIN_SLICES)
+    if left and ctas > left and iterations <= (2**31 - 1) // 2:
+        return left, ctas
+    return None
 
 
 def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
@@ -176,7 +217,8 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
 
     The estimate is the longer of the two plus a small share of the shorter (they overlap
     only in part: among memory-bound choices, the one that computes least won the sweeps),
-    plus the split-K partial products' round trip through memory. `batch` independent
+    plus the split-K partial products' round trip through memory. Stream-K replaces the last
+    wave by its share of the K slices plus a fixed cost. `batch` independent
     products of M x N x K share the grid; `rows_misaligned`: some operand's rows are not
     32-byte multiples apart (GemmPlan.rows_misaligned)."""
     splits = config.splits_for(k)
@@ -197,6 +239,10 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
     bandwidth = min(_MEMORY_BYTES_PER_S, busy * _MEMORY_BYTES_PER_S_PER_CTA)
     memory_s = batch * (2 * (m * k + k * n) + out_bytes * m * n) / bandwidth
     split_s = 0.0 if splits == 1 else _SPLIT_FIXED_S + 8 * splits * batch * m * n / _MEMORY_BYTES_PER_S
+    share = stream_k_share(tiles, k, num_sms) if config.stream_k else None
+    if share is not None:
+        left, ctas = share
+        waves = tiles // num_sms + left / ctas + _STREAM_K_EXTRA_TILES
     compute_s = waves * tile_s
     return max(compute_s, memory_s) + _OVERLAP_LOSS * min(compute_s, memory_s) + split_s
 
@@ -210,30 +256,35 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
     Every compiled tile with every split-K choice is scored by ``estimate_seconds`` (waves,
     last-wave utilization, tile efficiency and a fixed cost per tile, or memory traffic for
     skinny problems); among equal scores the deeper pipeline wins, then the cluster of 2 (B
-    multicast), which halves the L2 traffic of B whenever both CTAs of a cluster have a tile. Split-K runs without
-    clusters: measured, the cluster's lockstep only slows its short K ranges down.
+    multicast), which halves the L2 traffic of B whenever both CTAs of a cluster have a tile,
+    then no split and no stream-K. Split-K runs without clusters: measured, the cluster's
+    lockstep only slows its short K ranges down.
     """
     out_bytes = jnp.dtype(out_dtype).itemsize
     best, best_key = None, None
-    for tile in COMPILED_CONFIGS:
-        for split_k in _SPLIT_CHOICES:
-            cfg = dataclasses.replace(tile, split_k=split_k)
-            if split_k > 1 and (cfg.splits_for(k) != split_k or cfg.cluster_m > 1):
-                continue
-            try:
-                check_config(cfg, m, n, k, out_dtype, out_strides)
-            except ValueError:
-                continue
-            multicast = cfg.cluster_m > 1 and math.ceil(m / cfg.block_m) >= cfg.cluster_m
-            key = (
-                round(estimate_seconds(cfg, m, n, k, num_sms, out_bytes, batch,
-                                       rows_misaligned), 9),
-                -cfg.stages,
-                -int(multicast),
-                cfg.split_k,
-            )
-            if best_key is None or key < best_key:
-                best, best_key = cfg, key
+    candidates = [dataclasses.replace(tile, split_k=split_k)
+                  for tile in COMPILED_CONFIGS for split_k in _SPLIT_CHOICES]
+    candidates += [dataclasses.replace(tile, stream_k=True) for tile in COMPILED_CONFIGS
+                   if tile.block_m == 128 and tile.cluster_m == 1]
+    for cfg in candidates:
+        split_k = cfg.split_k
+        if split_k > 1 and (cfg.splits_for(k) != split_k or cfg.cluster_m > 1):
+            continue
+        try:
+            check_config(cfg, m, n, k, out_dtype, out_strides)
+        except ValueError:
+            continue
+        multicast = cfg.cluster_m > 1 and math.ceil(m / cfg.block_m) >= cfg.cluster_m
+        key = (
+            round(estimate_seconds(cfg, m, n, k, num_sms, out_bytes, batch,
+                                   rows_misaligned), 9),
+            -cfg.stages,
+            -int(multicast),
+            cfg.split_k,
+            int(cfg.stream_k),
+        )
+        if best_key is None or key < best_key:
+            best, best_key = cfg, key
     return best
 
 

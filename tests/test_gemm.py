@@ -129,6 +129,14 @@ def test_config_validation():
         jax_tma.GemmConfig(split_k=0)
     with pytest.raises(ValueError, match="split_k"):
         jax_tma.GemmConfig(split_k=gemm.MAX_SPLIT_K + 1)
+    with pytest.raises(ValueError, match="stream_k needs block_m=128, cluster_m=1 and split_k=1"):
+        jax_tma.GemmConfig(cluster_m=2, stream_k=True)
+    with pytest.raises(ValueError, match="stream_k needs"):
+        jax_tma.GemmConfig(64, 128, 8, 1, stream_k=True)
+    with pytest.raises(ValueError, match="stream_k needs"):
+        jax_tma.GemmConfig(128, 128, 6, 1, split_k=2, stream_k=True)
+    with pytest.raises(ValueError, match="stream_k must be a bool"):
+        jax_tma.GemmConfig(128, 128, 6, 1, stream_k=1)
     with pytest.raises(TypeError, match="GemmConfig"):
         jax_tma.matmul(jnp.ones((8, 8), BF16), jnp.ones((8, 8), BF16), config={"block_n": 128})
     for cfg in jax_tma.COMPILED_CONFIGS:
@@ -171,7 +179,7 @@ def test_default_config_is_legal(m, n, k):
 
 def test_default_config_heuristic():
     big = gemm.default_config(8192, 8192, 8192)
-    assert (big.block_m, big.block_n, big.cluster_m, big.split_k) == (128, 256, 2, 1)
+    assert (big.block_m, big.block_n, big.split_k) == (128, 256, 1)
     # Skinny M: 64-row tiles; few tiles over a long K: split-K fills the GPU.
     assert gemm.default_config(16, 6144, 4096).block_m == 64
     assert gemm.default_config(512, 512, 65536).split_k > 1
@@ -271,6 +279,13 @@ def test_cuda_lowering_forced_config():
     # Unaligned output rows take the direct-store epilogue.
     hlo = cuda_hlo(lambda a, b: jax_tma.matmul(a, b, config=cfg), spec((64, 64), BF16), spec((64, 7), BF16))
     assert "epilogue = 1" in hlo
+    assert "stream_k = 0" in hlo and "tensor<0xui8>" in hlo  # no workspace without stream-K
+    # Stream-K: a workspace result of a flag per warpgroup (padded) and an fp32 tile per SM.
+    sk = dataclasses.replace(cfg, stream_k=True)
+    hlo = cuda_hlo(lambda a, b: jax_tma.matmul(a, b, config=sk), spec((8192, 64), BF16), spec((64, 8192), BF16))
+    sms = gemm._num_sms()
+    assert "stream_k = 1" in hlo
+    assert f"tensor<{-(-sms * 8 // 256) * 256 + sms * 128 * 128 * 4}xui8>" in hlo
 
 
 def test_extension_built_when_required():
@@ -288,16 +303,21 @@ GPU_CASES = [
     for i, m in enumerate(MN)
     for j, n in enumerate(MN)
 ]
-# Every compiled tile, plus split-K on a clustered and a 64-row tile: each one the heuristic
-# can pick.
+# Every compiled tile, plus split-K on a clustered and a 64-row tile, and stream-K on every tile
+# that takes it: each one the heuristic can pick. (Stream-K deals out the K slices of the tiles
+# left over after whole waves; with 132 CTAs that is every tile of the smaller products, cut
+# into many pieces when K is long, and the last 33 tiles of 4097 x 4097 in 128 x 256.)
 GPU_CONFIGS = [
     None,
     *gemm.COMPILED_CONFIGS,
     jax_tma.GemmConfig(128, 128, 6, 2, split_k=4),
     jax_tma.GemmConfig(64, 128, 8, 1, split_k=3),
+    *[dataclasses.replace(c, stream_k=True) for c in gemm.COMPILED_CONFIGS
+      if c.block_m == 128 and c.cluster_m == 1],
 ]
 CONFIG_IDS = ["default"] + [
-    f"m{c.block_m}n{c.block_n}s{c.stages}c{c.cluster_m}k{c.split_k}" for c in GPU_CONFIGS[1:]
+    f"m{c.block_m}n{c.block_n}s{c.stages}c{c.cluster_m}k{c.split_k}" + ("sk" if c.stream_k else "")
+    for c in GPU_CONFIGS[1:]
 ]
 
 _REF_CACHE: dict = {}
@@ -383,7 +403,12 @@ def test_public_matmul_runs_kernel_inside_jit(rng):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [None, jax_tma.GemmConfig(128, 128, 6, 2, split_k=4)], ids=["default", "split4"])
+@pytest.mark.parametrize(
+    "config",
+    [None, jax_tma.GemmConfig(128, 128, 6, 2, split_k=4),
+     jax_tma.GemmConfig(128, 256, 3, 1, stream_k=True)],
+    ids=["default", "split4", "stream_k"],
+)
 def test_kernel_is_deterministic(rng, config):
     a, b = random_array(rng, (1000, 64 * 9), BF16), random_array(rng, (64 * 9, 4096), BF16)
     f = jax.jit(functools.partial(jax_tma.matmul, config=config))
@@ -417,3 +442,10 @@ def test_heuristic_follows_the_measured_sweeps():
     assert gemm.default_config(1000, 1000, 1000, rows_misaligned=True).tile == (64, 128, 8, 2)
     # 3.6 waves of 128 x 256 tiles become 4.9 of 128 x 192 ones (90.1 against 93.2 us).
     assert gemm.default_config(3000, 5000, 2048, rows_misaligned=True).tile[:2] == (128, 192)
+    # Stream-K shares a half-empty last wave after many whole ones (8192^3, 15.5 waves of
+    # 128 x 256: 1357.7 us against 1371.1), not after few (4096^3, 3.9 waves: 184.2 against
+    # 176.7) or in a single one (2048^3: 31.1 against 25.4).
+    assert gemm.default_config(8192, 8192, 8192).stream_k
+    assert gemm.default_config(16384, 4096, 4096).stream_k
+    assert not gemm.default_config(4096, 4096, 4096).stream_k
+    assert not gemm.default_config(2048, 2048, 2048).stream_k

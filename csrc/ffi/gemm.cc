@@ -12,6 +12,9 @@
 // are both bf16 or both fp16, D their type or fp32 (fp32 when splits > 1: one partial product
 // per K range, for the caller to sum). block_m, block_n, stages, cluster_m and epilogue name
 // one tile configuration compiled in kernels/sm90_gemm.h; the strides pick its layout.
+// stream_k = 1 deals the last wave's K slices out to the whole grid (scheduler/tile_scheduler.cuh),
+// with the second result as its workspace (sm90_gemm::stream_k_workspace_bytes; any size when
+// stream_k = 0, which leaves it untouched).
 #include "ffi/gemm.h"
 
 #include <cuda.h>
@@ -36,7 +39,7 @@ namespace jax_tma::ffi_handlers {
 
 // The attributes of both handlers (decoded by name: XLA_FFI_REGISTER_STRUCT_ATTR_DECODING below).
 struct GemmAttrs {
-  int64_t block_m, block_n, stages, cluster_m, epilogue, splits;
+  int64_t block_m, block_n, stages, cluster_m, epilogue, splits, stream_k;
   int64_t m, n, k, batch;
   int64_t a_batch_stride, a_m_stride, a_k_stride;
   int64_t b_batch_stride, b_k_stride, b_n_stride;
@@ -177,6 +180,11 @@ struct Call {
 template <class Tile, class Layout>
 ffi::Error run(const GemmAttrs& p, Call call) {
   using Boxes = sm90_gemm::OperandBoxes<Tile, Layout>;
+  if (p.stream_k && !Tile::kStreamK) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma gemm: stream_k=1 needs a 128-row tile without a cluster (cluster_m=1), got "
+        "block_m=" + str(p.block_m) + ", cluster_m=" + str(p.cluster_m));
+  }
   // NOTE: the scheduler numbers (split, batch entry, tile) units in int32, and steps past the
   // last one by the grid's cluster count.
   const int64_t m_blocks = (p.m + Tile::kBlockM - 1) / Tile::kBlockM;
@@ -253,7 +261,8 @@ bool major_of(int64_t k_stride, int64_t mn_stride, Major tie, Major* major) {
 }
 
 ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
-                     const ffi::AnyBuffer& b, ffi::AnyBuffer& d, const GemmAttrs& p) {
+                     const ffi::AnyBuffer& b, ffi::AnyBuffer& d, ffi::AnyBuffer& workspace,
+                     const GemmAttrs& p) {
   const std::string dims =
       "m=" + str(p.m) + ", n=" + str(p.n) + ", k=" + str(p.k) + ", batch=" + str(p.batch);
   for (int64_t v : {p.m, p.n, p.k, p.batch}) {
@@ -296,6 +305,11 @@ ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& 
         ", b_n_stride=" + str(p.b_n_stride));
   }
 
+  if (p.stream_k != 0 && (p.stream_k != 1 || p.splits != 1)) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma gemm: stream_k must be 0 or 1, and 1 only without split-K, got stream_k=" +
+        str(p.stream_k) + ", splits=" + str(p.splits));
+  }
   const int64_t k_blocks = (p.k + 63) / 64;
   if (p.splits < 1 || p.splits > k_blocks || (p.splits > 1 && call.out != DType::kF32)) {
     return ffi::Error::InvalidArgument(
@@ -400,18 +414,23 @@ ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& 
   shape.d_split_stride = p.d_split_stride;
   call.args.num_sms = info.num_sms;
   call.args.stream = stream;
+  call.args.stream_k = p.stream_k == 1;
+  call.args.workspace = workspace.untyped_data();
+  call.args.workspace_bytes = static_cast<int64_t>(workspace.size_bytes());
   return dispatch(p, call);
 }
 
 ffi::Error gemm_sm90_out(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
-                         ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d, GemmAttrs attrs) {
-  return gemm_sm90(stream, device, a, b, *d, attrs);
+                         ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d,
+                         ffi::Result<ffi::AnyBuffer> workspace, GemmAttrs attrs) {
+  return gemm_sm90(stream, device, a, b, *d, *workspace, attrs);
 }
 
 ffi::Error gemm_sm90_into(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
                           ffi::AnyBuffer b, ffi::AnyBuffer /*d_in, aliased to d*/,
-                          ffi::Result<ffi::AnyBuffer> d, GemmAttrs attrs) {
-  return gemm_sm90(stream, device, a, b, *d, attrs);
+                          ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace,
+                          GemmAttrs attrs) {
+  return gemm_sm90(stream, device, a, b, *d, *workspace, attrs);
 }
 
 }  // namespace
@@ -426,6 +445,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     xla::ffi::StructMember<int64_t>("cluster_m"),       // CTAs per cluster
     xla::ffi::StructMember<int64_t>("epilogue"),        // EpilogueKind
     xla::ffi::StructMember<int64_t>("splits"),          // split-K ranges
+    xla::ffi::StructMember<int64_t>("stream_k"),        // 1: stream-K last wave
     xla::ffi::StructMember<int64_t>("m"),               // rows of each D[b]
     xla::ffi::StructMember<int64_t>("n"),               // columns of each D[b]
     xla::ffi::StructMember<int64_t>("k"),               // contraction length
@@ -449,6 +469,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmSm90, gemm_sm90_out,
                                   .Arg<ffi::AnyBuffer>()      // a (flat, strided view)
                                   .Arg<ffi::AnyBuffer>()      // b (flat, strided view)
                                   .Ret<ffi::AnyBuffer>()      // d (flat, strided view)
+                                  .Ret<ffi::AnyBuffer>()      // stream-K workspace
                                   .Attrs<GemmAttrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 
@@ -460,6 +481,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmSm90Into, gemm_sm90_into,
                                   .Arg<ffi::AnyBuffer>()      // b
                                   .Arg<ffi::AnyBuffer>()      // d_in
                                   .Ret<ffi::AnyBuffer>()      // d, aliases d_in
+                                  .Ret<ffi::AnyBuffer>()      // stream-K workspace
                                   .Attrs<GemmAttrs>(),
                               {ffi::Traits::kCmdBufferCompatible});
 

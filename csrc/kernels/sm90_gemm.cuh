@@ -28,6 +28,7 @@
 #include <type_traits>
 
 #include "epilogue/direct_store.cuh"
+#include "epilogue/partial_tiles.cuh"
 #include "epilogue/tma_store.cuh"
 #include "kernels/sm90_gemm.h"
 #include "mainloop/sm90_tma_wgmma.cuh"
@@ -53,6 +54,7 @@ struct Kernel {
   using Pipeline = typename Mainloop::Pipeline;
   using Scheduler = TileScheduler<Tile::kBlockM, Tile::kBlockN, Tile::kClusterM>;
   using Epilogue = TmaStoreEpilogue<Out, Tile::kBlockN, Tile::kEpilogueBuffers>;
+  using Partials = PartialTiles<Mainloop::kAccRegs>;
   static constexpr bool kTmaStore = Tile::kEpilogue == EpilogueKind::kTmaStore;
 
   // Ping-pong: the consumers' turns at waiting on the ring (see the note at the top).
@@ -82,7 +84,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
                      const __grid_constant__ CUtensorMap tmap_b,
                      const __grid_constant__ CUtensorMap tmap_d, Out* __restrict__ d,
                      GemmShape shape,
-                     typename Kernel<In, Out, Tile, Layout>::Scheduler::Params tiles) {
+                     typename Kernel<In, Out, Tile, Layout>::Scheduler::Params tiles,
+                     typename Kernel<In, Out, Tile, Layout>::Partials partials) {
   using K = Kernel<In, Out, Tile, Layout>;
   extern __shared__ uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<typename K::SharedStorage*>(
@@ -106,27 +109,20 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
 
   typename K::Pipeline pipeline{smem.barriers};
   const typename K::Scheduler scheduler(tiles);
-  const int k_blocks = (shape.k + Tile::kBlockK - 1) / Tile::kBlockK;
-  auto k_range = [&](const WorkTile& w, int* begin) {
-    *begin = w.split * shape.k_blocks_per_split;
-    return min(k_blocks, *begin + shape.k_blocks_per_split) - *begin;
-  };
 
   if (role == WarpGroupRole::Producer) {
     ptx::setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x / 32 == 0 && ptx::elect_one_sync()) {
       auto write = make_producer_start_state<Tile::kStages>();
       for (auto w = scheduler.first(); scheduler.valid(w); w = scheduler.next(w)) {
-        int kb_begin;
-        const int count = k_range(w, &kb_begin);
         const LoadMode mode = !w.self_valid       ? LoadMode::kIdle
                               : Tile::kClusterM > 1 && w.cluster_full ? LoadMode::kMulticast
                                                                        : LoadMode::kSolo;
         // A shared operand has a batch extent of 1 in its map: always coordinate 0.
         const TileOrigin at{w.m_block * Tile::kBlockM, w.n_block * Tile::kBlockN,
                             shape.a_batched ? w.batch : 0, shape.b_batched ? w.batch : 0};
-        K::Mainloop::load(pipeline, write, smem.operands, &tmap_a, &tmap_b, at, kb_begin,
-                          kb_begin + count, mode, scheduler.rank, shape.a_stage_bytes);
+        K::Mainloop::load(pipeline, write, smem.operands, &tmap_a, &tmap_b, at, w.k_begin,
+                          w.k_end, mode, scheduler.rank, shape.a_stage_bytes);
       }
       pipeline.producer_tail(write);
     }
@@ -146,8 +142,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     };
     float acc[K::Mainloop::kAccRegs];
     for (auto w = scheduler.first(); scheduler.valid(w); w = scheduler.next(w), ++turn) {
-      int kb_begin;
-      const int count = k_range(w, &kb_begin);
+      const int count = w.k_end - w.k_begin;
       if (Tile::kPingPong && turn % 2 != warpgroup) {
         read.advance(static_cast<uint32_t>(count));  // the other consumer's stages
         continue;
@@ -158,6 +153,20 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         continue;
       }
       K::Mainloop::mma(pipeline, read, smem.operands, a_block, count, acc, hand_over);
+      if constexpr (Tile::kStreamK) {
+        if (w.piece >= 0) {
+          if (w.k_begin > 0) {  // not the tile's head: leave the partial sums for it
+            partials.store(2 * scheduler.cluster + warpgroup, acc, epilogue_barrier);
+            continue;
+          }
+          // The head: the CTAs after this one computed the rest of the tile's K range.
+          int cta = scheduler.cluster;
+          for (int done = w.k_end; done < tiles.k_blocks; done += scheduler.range_length(cta)) {
+            ++cta;
+            partials.accumulate(2 * cta + warpgroup, acc, epilogue_barrier);
+          }
+        }
+      }
       const int row0 = w.m_block * Tile::kBlockM + 64 * a_block;
       const int col0 = w.n_block * Tile::kBlockN;
       if constexpr (K::kTmaStore) {
@@ -204,9 +213,6 @@ cudaError_t launch(const LaunchArgs& args) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          Tile::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const auto tiles = K::Scheduler::make_params(args.shape.m, args.shape.n, args.shape.batch,
-                                               args.shape.splits);
-
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
   cluster.val.clusterDim.x = Tile::kClusterM;
@@ -224,9 +230,29 @@ cudaError_t launch(const LaunchArgs& args) {
     err = max_resident_clusters(kernel, config, &resident);
     if (err != cudaSuccess) return err;
   }
-  config.gridDim = dim3(std::max(1, std::min(tiles.num_units, resident)) * Tile::kClusterM);
+  // Stream-K: the whole grid shares the last wave, as far as the workspace reaches.
+  int stream_k_ctas = 0;
+  if (Tile::kStreamK && args.stream_k) {
+    stream_k_ctas = static_cast<int>(std::min<int64_t>(
+        resident, stream_k_capacity(args.workspace_bytes, Tile::kBlockM, Tile::kBlockN)));
+  }
+  const int k_blocks = (args.shape.k + Tile::kBlockK - 1) / Tile::kBlockK;
+  const auto tiles = K::Scheduler::make_params(args.shape.m, args.shape.n, args.shape.batch,
+                                               args.shape.splits, k_blocks,
+                                               args.shape.k_blocks_per_split, stream_k_ctas);
+  typename K::Partials partials{nullptr, nullptr};
+  int clusters = std::max(1, std::min(tiles.num_units, resident));
+  if (tiles.sk_ctas > 0) {
+    clusters = stream_k_ctas;
+    auto* base = static_cast<uint8_t*>(args.workspace);
+    partials.flags = reinterpret_cast<uint32_t*>(base);
+    partials.slots = reinterpret_cast<float4*>(base + stream_k_flag_bytes(stream_k_ctas));
+    err = cudaMemsetAsync(base, 0, stream_k_flag_bytes(stream_k_ctas), args.stream);
+    if (err != cudaSuccess) return err;
+  }
+  config.gridDim = dim3(clusters * Tile::kClusterM);
   return cudaLaunchKernelEx(&config, kernel, *args.tmap_a, *args.tmap_b, *args.tmap_d,
-                            static_cast<Out*>(args.d), args.shape, tiles);
+                            static_cast<Out*>(args.d), args.shape, tiles, partials);
 }
 
 }  // namespace jax_tma::sm90_gemm

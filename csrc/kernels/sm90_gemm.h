@@ -41,6 +41,8 @@ struct TileConfig {
   static constexpr int kClusterM = kClusterM_;
   static constexpr EpilogueKind kEpilogue = kEpilogue_;
   static constexpr bool kPingPong = kBlockM == 64;
+  // Stream-K (scheduler/tile_scheduler.cuh) needs cooperative tiles without clusters.
+  static constexpr bool kStreamK = !kPingPong && kClusterM_ == 1;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // Consumer warps that read (and release) each stage: one warpgroup's in ping-pong.
@@ -214,11 +216,30 @@ struct GemmShape {
   int64_t d_m_stride, d_batch_stride, d_split_stride;
 };
 
+// Stream-K workspace (epilogue/partial_tiles.cuh) for a grid of `ctas` CTAs of block_m x
+// block_n tiles: one flag per consumer warpgroup, padded to 256 bytes, then one fp32 partial
+// tile per CTA.
+inline constexpr int64_t stream_k_flag_bytes(int64_t ctas) { return (ctas * 2 * 4 + 255) / 256 * 256; }
+inline constexpr int64_t stream_k_workspace_bytes(int64_t ctas, int block_m, int block_n) {
+  return stream_k_flag_bytes(ctas) + ctas * block_m * block_n * 4;
+}
+// The most CTAs a workspace of `bytes` serves.
+inline int64_t stream_k_capacity(int64_t bytes, int block_m, int block_n) {
+  int64_t ctas = bytes / (block_m * block_n * 4);
+  while (ctas > 0 && stream_k_workspace_bytes(ctas, block_m, block_n) > bytes) --ctas;
+  return ctas;
+}
+
 struct LaunchArgs {
   const CUtensorMap* tmap_a;  // {inner, outer, batch}: see inner_outer and OperandBoxes
   const CUtensorMap* tmap_b;
   const CUtensorMap* tmap_d;  // {N, M, batch, splits}, box: one epilogue chunk (kTmaStore only)
   void* d;                    // base of D (kDirect only)
+  // Stream-K: deal the last wave's K slices out to every CTA (Tile::kStreamK only), with
+  // this workspace (stream_k_workspace_bytes; its flags are zeroed on the stream first).
+  bool stream_k;
+  void* workspace;
+  int64_t workspace_bytes;
   GemmShape shape;
   int num_sms;
   cudaStream_t stream;
