@@ -10,6 +10,10 @@
 // consumer's is being computed, and its own epilogue runs meanwhile. Out-of-bounds rows,
 // columns and K are zero-filled by TMA on the way in and clipped by the epilogue on the way
 // out; each operand's map spans one batch entry per batch index, so nothing crosses entries.
+// With stream-K (Tile::kStreamK, LaunchArgs::stream_k) a unit may be a piece of a tile's K
+// range: a piece that does not start the tile leaves its accumulators in the workspace
+// (epilogue/partial_tiles.cuh) instead of storing them, and the piece that starts it adds the
+// later CTAs' before its epilogue (scheduler/tile_scheduler.cuh).
 //
 // NOTE: a ping-pong consumer passes over the other's stages without waiting on them, so it
 // could meet a stage's full barrier one ring pass early, where the parity of the pass it wants
