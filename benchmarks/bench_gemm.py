@@ -256,7 +256,7 @@ def _sweep_configs(m, n, k, dtype, splits=(1, 2, 4, 8)):
             except ValueError:
                 continue
             yield cfg
-            if split == 1 and cfg.block_m == 128 and cfg.cluster_m == 1:
+            if split == 1 and cfg.takes_stream_k:
                 yield dataclasses.replace(cfg, stream_k=True)
 
 

@@ -90,7 +90,7 @@ class GemmConfig:
             )
         if not isinstance(self.stream_k, bool):
             raise ValueError(f"jax_tma: GemmConfig stream_k must be a bool, got {self.stream_k!r}")
-        if self.stream_k and (self.block_m != 128 or self.cluster_m != 1 or self.split_k != 1):
+        if self.stream_k and not (self.takes_stream_k and self.split_k == 1):
             raise ValueError(
                 f"jax_tma: GemmConfig({self.describe()}): stream_k needs block_m=128, "
                 "cluster_m=1 and split_k=1"
@@ -99,6 +99,11 @@ class GemmConfig:
     @property
     def tile(self) -> tuple[int, int, int, int]:
         return (self.block_m, self.block_n, self.stages, self.cluster_m)
+
+    @property
+    def takes_stream_k(self) -> bool:
+        """Whether this tile can run stream-K (TileConfig::kStreamK: 128 rows, no cluster)."""
+        return self.block_m == 128 and self.cluster_m == 1
 
     @property
     def has_direct_store(self) -> bool:
@@ -265,7 +270,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
     candidates = [dataclasses.replace(tile, split_k=split_k)
                   for tile in COMPILED_CONFIGS for split_k in _SPLIT_CHOICES]
     candidates += [dataclasses.replace(tile, stream_k=True) for tile in COMPILED_CONFIGS
-                   if tile.block_m == 128 and tile.cluster_m == 1]
+                   if tile.takes_stream_k]
     for cfg in candidates:
         split_k = cfg.split_k
         if split_k > 1 and (cfg.splits_for(k) != split_k or cfg.cluster_m > 1):

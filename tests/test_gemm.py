@@ -312,8 +312,7 @@ GPU_CONFIGS = [
     *gemm.COMPILED_CONFIGS,
     jax_tma.GemmConfig(128, 128, 6, 2, split_k=4),
     jax_tma.GemmConfig(64, 128, 8, 1, split_k=3),
-    *[dataclasses.replace(c, stream_k=True) for c in gemm.COMPILED_CONFIGS
-      if c.block_m == 128 and c.cluster_m == 1],
+    *[dataclasses.replace(c, stream_k=True) for c in gemm.COMPILED_CONFIGS if c.takes_stream_k],
 ]
 CONFIG_IDS = ["default"] + [
     f"m{c.block_m}n{c.block_n}s{c.stages}c{c.cluster_m}k{c.split_k}" + ("sk" if c.stream_k else "")

@@ -4,9 +4,10 @@
 // slot into its own accumulators before the epilogue. One slot per CTA and consumer warpgroup
 // (a CTA leaves at most one partial tile: the first piece of its range), laid out in the
 // accumulators' register order with the thread index fastest, so each warp moves whole
-// 512-byte runs of float4. The flags are zeroed before the launch (ffi/gemm.cc).
+// 512-byte runs of float4. The flags are zeroed before the launch (kernels/sm90_gemm.cuh).
 //
-// Workspace: `flags` (one uint32 per slot, padded to kFlagBytes) then the slots.
+// Workspace: `flags` (one uint32 per slot, padded: sm90_gemm::stream_k_flag_bytes) then the
+// slots.
 #pragma once
 
 #include <cstdint>
@@ -16,7 +17,7 @@
 
 namespace jax_tma {
 
-template <int kAccRegs>
+template <int kAccRegs, int kWarpgroups>
 struct PartialTiles {
   static constexpr int kThreads = 128;  // one consumer warpgroup
   static constexpr int kVectors = kAccRegs / 4;
@@ -25,25 +26,30 @@ struct PartialTiles {
   uint32_t* flags;
   float4* slots;
 
-  // Called by all threads of a warpgroup: write `acc` into `slot`, then publish it.
-  __device__ void store(int slot, const float (&acc)[kAccRegs], const NamedBarrier& warpgroup) {
-    float4* dst = slots + static_cast<int64_t>(slot) * kVectors * kThreads + threadIdx.x % kThreads;
+  // Called by all threads of consumer warpgroup `warpgroup` of CTA `cta`: write `acc` into its
+  // slot, then publish it.
+  __device__ void store(int cta, int warpgroup, const float (&acc)[kAccRegs],
+                        const NamedBarrier& barrier) {
+    const int slot = cta * kWarpgroups + warpgroup;
+    float4* dst = thread_vectors(slot);
 #pragma unroll
     for (int i = 0; i < kVectors; ++i) {
       dst[i * kThreads] = make_float4(acc[4 * i], acc[4 * i + 1], acc[4 * i + 2], acc[4 * i + 3]);
     }
-    warpgroup.sync();  // every thread's stores happen before the flag's release
+    barrier.sync();  // every thread's stores happen before the flag's release
     if (threadIdx.x % kThreads == 0) ptx::store_release_gpu(&flags[slot], 1u);
   }
 
-  // Called by all threads of a warpgroup: wait for `slot` and add it into `acc`.
-  __device__ void accumulate(int slot, float (&acc)[kAccRegs], const NamedBarrier& warpgroup) {
+  // Called by all threads of consumer warpgroup `warpgroup`: wait for the slot that the same
+  // warpgroup of CTA `cta` leaves and add it into `acc`.
+  __device__ void accumulate(int cta, int warpgroup, float (&acc)[kAccRegs],
+                             const NamedBarrier& barrier) {
+    const int slot = cta * kWarpgroups + warpgroup;
     if (threadIdx.x % kThreads == 0) {
       while (ptx::load_acquire_gpu(&flags[slot]) == 0) __nanosleep(64);
     }
-    warpgroup.sync();
-    const float4* src =
-        slots + static_cast<int64_t>(slot) * kVectors * kThreads + threadIdx.x % kThreads;
+    barrier.sync();
+    const float4* src = thread_vectors(slot);
 #pragma unroll
     for (int i = 0; i < kVectors; ++i) {
       const float4 v = __ldcg(src + i * kThreads);  // L2: written by another SM
@@ -52,6 +58,12 @@ struct PartialTiles {
       acc[4 * i + 2] += v.z;
       acc[4 * i + 3] += v.w;
     }
+  }
+
+ private:
+  // This thread's first float4 of `slot`; its next ones follow kThreads apart.
+  __device__ float4* thread_vectors(int slot) const {
+    return slots + static_cast<int64_t>(slot) * kVectors * kThreads + threadIdx.x % kThreads;
   }
 };
 

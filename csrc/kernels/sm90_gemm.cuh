@@ -58,7 +58,8 @@ struct Kernel {
   using Pipeline = typename Mainloop::Pipeline;
   using Scheduler = TileScheduler<Tile::kBlockM, Tile::kBlockN, Tile::kClusterM>;
   using Epilogue = TmaStoreEpilogue<Out, Tile::kBlockN, Tile::kEpilogueBuffers>;
-  using Partials = PartialTiles<Mainloop::kAccRegs>;
+  using Partials = PartialTiles<Mainloop::kAccRegs, Tile::kConsumerWarpgroups>;
+  static_assert(Tile::kConsumerWarpgroups == kStreamKSlotsPerCta);
   static constexpr bool kTmaStore = Tile::kEpilogue == EpilogueKind::kTmaStore;
 
   // Ping-pong: the consumers' turns at waiting on the ring (see the note at the top).
@@ -160,14 +161,14 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       if constexpr (Tile::kStreamK) {
         if (w.piece >= 0) {
           if (w.k_begin > 0) {  // not the tile's head: leave the partial sums for it
-            partials.store(2 * scheduler.cluster + warpgroup, acc, epilogue_barrier);
+            partials.store(scheduler.cluster, warpgroup, acc, epilogue_barrier);
             continue;
           }
           // The head: the CTAs after this one computed the rest of the tile's K range.
           int cta = scheduler.cluster;
           for (int done = w.k_end; done < tiles.k_blocks; done += scheduler.range_length(cta)) {
             ++cta;
-            partials.accumulate(2 * cta + warpgroup, acc, epilogue_barrier);
+            partials.accumulate(cta, warpgroup, acc, epilogue_barrier);
           }
         }
       }

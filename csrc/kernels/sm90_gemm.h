@@ -217,9 +217,12 @@ struct GemmShape {
 };
 
 // Stream-K workspace (epilogue/partial_tiles.cuh) for a grid of `ctas` CTAs of block_m x
-// block_n tiles: one flag per consumer warpgroup, padded to 256 bytes, then one fp32 partial
-// tile per CTA.
-inline constexpr int64_t stream_k_flag_bytes(int64_t ctas) { return (ctas * 2 * 4 + 255) / 256 * 256; }
+// block_n tiles: one uint32 flag per slot, padded to 256 bytes, then the slots, one per
+// consumer warpgroup (TileConfig::kConsumerWarpgroups), together one fp32 tile per CTA.
+inline constexpr int kStreamKSlotsPerCta = 2;
+inline constexpr int64_t stream_k_flag_bytes(int64_t ctas) {
+  return (ctas * kStreamKSlotsPerCta * 4 + 255) / 256 * 256;
+}
 inline constexpr int64_t stream_k_workspace_bytes(int64_t ctas, int block_m, int block_n) {
   return stream_k_flag_bytes(ctas) + ctas * block_m * block_n * 4;
 }
