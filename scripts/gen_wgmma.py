@@ -11,7 +11,7 @@ from __future__ import annotations
 import pathlib
 
 # N extents of wgmma m64nNk16 that the kernels instantiate.
-N_SIZES = (8, 16, 32, 64, 96, 128, 192, 256)
+N_SIZES = (8, 16, 32, 64, 96, 128, 192, 232, 256)
 IN_TYPES = {"bf16": "__nv_bfloat16", "f16": "__half"}
 
 HEADER = """\

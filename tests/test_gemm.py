@@ -439,8 +439,11 @@ def test_heuristic_follows_the_measured_sweeps():
     # Rows 16 but not 32 bytes apart slow the loads; pairs that multicast B halve each CTA's
     # share (1000^3: 8.4 us, against 10.1 alone and 9.7 for 128 x 128 pairs).
     assert gemm.default_config(1000, 1000, 1000, rows_misaligned=True).tile == (64, 128, 8, 2)
-    # 3.6 waves of 128 x 256 tiles become 4.9 of 128 x 192 ones (90.1 against 93.2 us).
-    assert gemm.default_config(3000, 5000, 2048, rows_misaligned=True).tile[:2] == (128, 192)
+    # 3.6 waves of 128 x 256 tiles become 4 of 128 x 232 ones (86.7 us, against 92.5 for
+    # 128 x 256 and 89.5 for 128 x 192, 4.9 waves).
+    assert gemm.default_config(3000, 5000, 2048, rows_misaligned=True).tile == (128, 232, 4, 2)
+    # ... but not where 232 columns waste a wave (4096^3: 4.4 waves of them against 3.9).
+    assert gemm.default_config(4096, 4096, 4096).block_n == 256
     # Stream-K shares a half-empty last wave after many whole ones (8192^3, 15.5 waves of
     # 128 x 256: 1357.7 us against 1371.1), not after few (4096^3, 3.9 waves: 184.2 against
     # 176.7) or in a single one (2048^3: 31.1 against 25.4).

@@ -40,9 +40,19 @@ template <class Out, int kBlockN, int kBuffers>
 struct TmaStoreEpilogue {
   static constexpr int kRows = 64;
   static constexpr int kChunkCols = 128 / static_cast<int>(sizeof(Out));
-  static constexpr int kChunks = kBlockN / kChunkCols;
+  static constexpr int kChunks = (kBlockN + kChunkCols - 1) / kChunkCols;
   static constexpr uint32_t kChunkBytes = kRows * 128;
   static_assert(kChunks % kBuffers == 0, "the staging area holds whole batches of chunks");
+  static_assert(kBlockN >= kChunkCols && kBlockN % 8 == 0,
+                "chunks start on the accumulators' 8-column blocks");
+
+  // First column of chunk `c` in the block. A width that is not a multiple of the chunk's
+  // (232) ends with a chunk shifted left to end at the block's edge: it repeats columns of the
+  // chunk before it, so both stores write the same values there, and no store reaches the next
+  // tile's columns (TMA clips only at D's edge).
+  static constexpr int chunk_col(int c) {
+    return c * kChunkCols < kBlockN - kChunkCols ? c * kChunkCols : kBlockN - kChunkCols;
+  }
   // One store group per batch, and the next batch rewrites the whole staging area.
   using StorePipeline = PipelineTmaStore<1>;
 
@@ -68,12 +78,14 @@ struct TmaStoreEpilogue {
       const int row = 16 * warp + (matrix & 1) * 8 + (lane & 7);
 #pragma unroll
       for (int qq = 0; qq < kChunkCols / 16; ++qq) {
-        const int q = c * (kChunkCols / 16) + qq;
+        // Registers of the chunk's 8-column blocks 2qq and 2qq + 1 (4 per block).
+        constexpr int kFirst = 4 * (chunk_col(c) / 8);
+        const int r = kFirst + 8 * qq;
         ptx::stmatrix_x4(base + swizzled(row, 2 * qq + (matrix >> 1)),
-                         pack_pair<Out>(acc[8 * q + 0], acc[8 * q + 1]),
-                         pack_pair<Out>(acc[8 * q + 2], acc[8 * q + 3]),
-                         pack_pair<Out>(acc[8 * q + 4], acc[8 * q + 5]),
-                         pack_pair<Out>(acc[8 * q + 6], acc[8 * q + 7]));
+                         pack_pair<Out>(acc[r + 0], acc[r + 1]),
+                         pack_pair<Out>(acc[r + 2], acc[r + 3]),
+                         pack_pair<Out>(acc[r + 4], acc[r + 5]),
+                         pack_pair<Out>(acc[r + 6], acc[r + 7]));
       }
     } else {
       // fp32: each thread owns two adjacent columns of rows r and r + 8 per 8-column block.
@@ -81,7 +93,7 @@ struct TmaStoreEpilogue {
       const int pair = lane % 4;
 #pragma unroll
       for (int jj = 0; jj < kChunkCols / 8; ++jj) {
-        const int j = c * (kChunkCols / 8) + jj;
+        const int j = chunk_col(c) / 8 + jj;
         const int unit = 2 * jj + pair / 2;
         const uint32_t inner = (pair & 1) * 8;
 #pragma unroll
@@ -116,7 +128,7 @@ struct TmaStoreEpilogue {
 #pragma unroll
       for (int i = 0; i < kBuffers; ++i) {
         ptx::tma_store(map_d, smem.buffer[i],
-                       ptx::TmaCoord<4>{{col0 + (batch0 + i) * kChunkCols, row0, batch, split}});
+                       ptx::TmaCoord<4>{{col0 + chunk_col(batch0 + i), row0, batch, split}});
       }
       StorePipeline::producer_commit();
     }

@@ -6,8 +6,9 @@
 // Shared-memory layouts (all 128-byte swizzled, each stage and box 1024-byte aligned):
 //   A stage, K-major: kBlockM rows x 64 K (one 128-byte row per M index).
 //            M-major: kBlockM / 64 blocks, each 64 K-rows x 64 M.
-//   B stage, N-major: kBlockN / 64 blocks, each 64 K-rows x 64 N.
-//            K-major: kBlockN rows x 64 K (one 128-byte row per N index), in blocks of 64 rows.
+//   B stage, N-major: kBlockN / 64 blocks (rounded up), each 64 K-rows x 64 N.
+//            K-major: kBlockN rows x 64 K (one 128-byte row per N index), in blocks of 64 rows
+//            (rounded up to whole blocks).
 // A consumer warpgroup multiplies one 64-row block of the A stage, block r holding M indices
 // [64r, 64r + 64) (in both A layouts the 8 KB at offset r * 8 KB), by the whole B stage.
 //
@@ -66,7 +67,7 @@ struct MainloopSm90TmaWgmma {
 
   struct SharedStorage {
     alignas(1024) T a[kStages][kBlockM * kBlockK];
-    alignas(1024) T b[kStages][kBlockK * kBlockN];
+    alignas(1024) T b[kStages][kBlockK * Tile::kBColumnBlocks * 64];  // whole 64-wide blocks
   };
   static_assert(sizeof(T) == Tile::kElementBytes);
   static_assert(sizeof(SharedStorage::a[0]) == Tile::kTileABytes);
