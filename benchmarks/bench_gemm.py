@@ -209,7 +209,7 @@ def bench_shape(shape, dtype, args, pallas) -> list[Row]:
     ref = jax.jit(xla)(*sets[0])
     contenders = {"jax_tma": ours, "xla": xla}
     if args.sweep:
-        for cfg in _sweep_configs(m, n, k, dtype, args.split_list):
+        for cfg in gemm.legal_configs(m, n, k, dtype, splits=args.split_list):
             contenders[f"jax_tma[{cfg.describe()}]"] = forced(cfg)
     if pallas is not None and not batch and args.layout == "NN" and pallas[1](m, n, k):
         contenders["pallas_mgpu"] = pallas[0]
@@ -243,21 +243,6 @@ def _print_breakdown(shape, contenders, ops) -> None:
         print(f"{_label(shape)} {name}: {len(kernels)} kernel(s), {total * 1e6:.1f} us")
         for kernel, t in kernels:
             print(f"    {t * 1e6:9.2f} us  {kernel[:150]}")
-
-
-def _sweep_configs(m, n, k, dtype, splits=(1, 2, 4, 8)):
-    for tile in gemm.COMPILED_CONFIGS:
-        for split in splits:
-            cfg = dataclasses.replace(tile, split_k=split)
-            if split > 1 and cfg.splits_for(k) != split:
-                continue
-            try:
-                gemm.check_config(cfg, m, n, k, dtype)
-            except ValueError:
-                continue
-            yield cfg
-            if split == 1 and cfg.takes_stream_k:
-                yield dataclasses.replace(cfg, stream_k=True)
 
 
 def _run(cmd: list[str]) -> str | None:

@@ -44,6 +44,7 @@ from jax_tma.gemm_config import (  # noqa: F401 - re-exported: the gemm module's
     default_config,
     estimate_seconds,
     kernel_output_dtypes,
+    legal_configs,
     tma_store_aligned,
 )
 from jax_tma.gemm_config import _EPILOGUE_DIRECT, _EPILOGUE_TMA_STORE

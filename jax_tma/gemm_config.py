@@ -258,6 +258,25 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
     return max(compute_s, memory_s) + _OVERLAP_LOSS * min(compute_s, memory_s) + split_s
 
 
+def legal_configs(m: int, n: int, k: int, out_dtype, out_strides: tuple[int, ...] | None = None,
+                  splits: tuple[int, ...] = _SPLIT_CHOICES):
+    """Yields every compiled tile that can compute an M x N x K product into out_dtype
+    (check_config), with each split-K factor of `splits` that a depth of k uses in full, and
+    with stream-K where the tile takes it."""
+    for tile in COMPILED_CONFIGS:
+        for split_k in splits:
+            cfg = dataclasses.replace(tile, split_k=split_k)
+            if split_k > 1 and cfg.splits_for(k) != split_k:
+                continue
+            try:
+                check_config(cfg, m, n, k, out_dtype, out_strides)
+            except ValueError:
+                continue
+            yield cfg
+            if split_k == 1 and cfg.takes_stream_k:
+                yield dataclasses.replace(cfg, stream_k=True)
+
+
 def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
                    out_dtype=jnp.bfloat16, batch: int = 1,
                    out_strides: tuple[int, ...] | None = None,
@@ -273,17 +292,8 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
     """
     out_bytes = jnp.dtype(out_dtype).itemsize
     best, best_key = None, None
-    candidates = [dataclasses.replace(tile, split_k=split_k)
-                  for tile in COMPILED_CONFIGS for split_k in _SPLIT_CHOICES]
-    candidates += [dataclasses.replace(tile, stream_k=True) for tile in COMPILED_CONFIGS
-                   if tile.takes_stream_k]
-    for cfg in candidates:
-        split_k = cfg.split_k
-        if split_k > 1 and (cfg.splits_for(k) != split_k or cfg.cluster_m > 1):
-            continue
-        try:
-            check_config(cfg, m, n, k, out_dtype, out_strides)
-        except ValueError:
+    for cfg in legal_configs(m, n, k, out_dtype, out_strides):
+        if cfg.split_k > 1 and cfg.cluster_m > 1:
             continue
         multicast = cfg.cluster_m > 1 and math.ceil(m / cfg.block_m) >= cfg.cluster_m
         key = (
