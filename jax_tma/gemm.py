@@ -96,7 +96,7 @@ def config_for(plan: GemmPlan, out_dtype, config: GemmConfig | None) -> GemmConf
     if config is None:
         return default_config(plan.m, plan.n, plan.k, _num_sms(), out_dtype, batch=plan.batch,
                               out_strides=out_strides(plan),
-                              rows_misaligned=plan.rows_misaligned)
+                              misaligned_rows=plan.misaligned_rows)
     check_config(config, plan.m, plan.n, plan.k, out_dtype, out_strides(plan))
     return config
 

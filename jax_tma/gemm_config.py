@@ -184,10 +184,17 @@ _PEAK_FLOPS_PER_SM = 989e12 / 132
 # from 64 batches of 1024 x 1024 x 64 (one K slice per tile) in 64 x 64 and 64 x 128 tiles.
 _TILE_FIXED_S = 0.45e-6
 # Operand rows that are 16-byte but not 32-byte multiples apart (1000 columns of bf16, say)
-# slow TMA's loads down about twofold, and 64-row tiles load the most per FLOP: 64 x 128 ran
-# 1000^3 in 10.1 us against 6.2 us for 1024^3, and 3000 x 5000 x 2048 at 0.49x 128 x 192.
-# In a cluster, each CTA loads half of B: 64 x 128 in pairs ran 1000^3 in 8.4 us.
-_MISALIGNED_SMALL_TILE_EFFICIENCY = {1: 0.5, 2: 0.9}
+# slow TMA's loads down, and 64-row tiles load the most per FLOP. Misaligned rows of B (the
+# larger share of a 64-row tile's loads) cost about half the speed: 64 x 128 ran 1000^3 in
+# 10.1 us against 6.2 us for 1024^3, and 3000 x 5000 x 2048 at 0.49x 128 x 192; in pairs,
+# each CTA loads half of B: 1000^3 in 8.4 us. Misaligned rows of A alone cost a pair more
+# than a CTA that loads all of B (H200, 2026-11-21: 1024 x 1024 x 1000 and 1000 x 1024 x 1000
+# ran in 6.2-6.4 us alone against 6.0 for 1024^3, in pairs in 7.3-7.5 against 6.3-6.4).
+# NOTE: alone, on 2.9 waves, A's misaligned rows cost more (3000 x 1024 x 3000: 64 x 128 took
+# 36.0-37.2 us against 29.4 for 3072 x 1024 x 3072; 128 x 256 alone 33.6-34.2). A factor for
+# that is left out: any below 1 moved 3000 x 1024 x 3000 to 128 x 232 pairs, which took as
+# long (36.4-36.7), and 16 x 4096 x 4100 from 64 x 64 tiles (13.4 us) to split-K.
+_MISALIGNED_SMALL_TILE_EFFICIENCY = {"b": {1: 0.5, 2: 0.9}, "a": {1: 1.0, 2: 0.86}}
 # Streaming operands (decode-like shapes): about 65 GB/s per busy CTA, at most about 4 TB/s
 # in all (XLA's own kernel streamed 64 x 28672 x 4096 at 4.1 TB/s); a split-K product pays
 # about 2 us for the extra reduction kernel.
@@ -218,7 +225,7 @@ def stream_k_share(tiles: int, k: int, num_sms: int) -> tuple[int, int] | None:
 
 
 def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
-                     out_bytes: int = 2, batch: int = 1, rows_misaligned: bool = False) -> float:
+                     out_bytes: int = 2, batch: int = 1, misaligned_rows: str = "") -> float:
     """Cost model behind default_config, from two times:
 
     - compute: waves of CTA slots times the time of one tile (its K range at the tile shape's
@@ -230,8 +237,8 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
     only in part: among memory-bound choices, the one that computes least won the sweeps),
     plus the split-K partial products' round trip through memory. Stream-K replaces the last
     wave by its share of the K slices plus a fixed cost. `batch` independent
-    products of M x N x K share the grid; `rows_misaligned`: some operand's rows are not
-    32-byte multiples apart (GemmPlan.rows_misaligned)."""
+    products of M x N x K share the grid; `misaligned_rows`: the operands, "a" and/or "b",
+    whose rows are not 32-byte multiples apart (GemmPlan.misaligned_rows)."""
     splits = config.splits_for(k)
     m_blocks = math.ceil(m / config.block_m)
     tiles = batch * m_blocks * math.ceil(n / config.block_n) * splits
@@ -241,8 +248,9 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
     efficiency = _TILE_EFFICIENCY[(config.block_m, config.block_n)]
     if config.block_m == 64 and config.cluster_m > 1:
         efficiency *= _SMALL_TILE_CLUSTER_EFFICIENCY[(config.block_m, config.block_n)]
-    if rows_misaligned and config.block_m == 64:
-        efficiency *= _MISALIGNED_SMALL_TILE_EFFICIENCY[config.cluster_m]
+    if misaligned_rows and config.block_m == 64:
+        worst = "b" if "b" in misaligned_rows else "a"
+        efficiency *= _MISALIGNED_SMALL_TILE_EFFICIENCY[worst][config.cluster_m]
     tile_s = (2 * config.block_m * config.block_n * k_per_split) / (
         _PEAK_FLOPS_PER_SM * efficiency
     ) + _TILE_FIXED_S
@@ -280,7 +288,7 @@ def legal_configs(m: int, n: int, k: int, out_dtype, out_strides: tuple[int, ...
 def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
                    out_dtype=jnp.bfloat16, batch: int = 1,
                    out_strides: tuple[int, ...] | None = None,
-                   rows_misaligned: bool = False) -> GemmConfig:
+                   misaligned_rows: str = "") -> GemmConfig:
     """Picks a configuration for `batch` products of M x N x K.
 
     Every compiled tile with every split-K choice is scored by ``estimate_seconds`` (waves,
@@ -288,8 +296,12 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
     skinny problems); among equal scores the deeper pipeline wins, then the cluster of 2 (B
     multicast), which halves the L2 traffic of B whenever both CTAs of a cluster have a tile,
     then no split and no stream-K. Split-K runs without clusters: measured, the cluster's
-    lockstep only slows its short K ranges down.
+    lockstep only slows its short K ranges down. `misaligned_rows` names the operands, "a"
+    and/or "b", whose rows are not 32-byte multiples apart (GemmPlan.misaligned_rows).
     """
+    if not isinstance(misaligned_rows, str) or set(misaligned_rows) - {"a", "b"}:
+        raise ValueError(f'misaligned_rows must be a string of "a" and/or "b" (the operands '
+                         f"whose rows are not 32-byte multiples apart), got {misaligned_rows!r}")
     out_bytes = jnp.dtype(out_dtype).itemsize
     best, best_key = None, None
     for cfg in legal_configs(m, n, k, out_dtype, out_strides):
@@ -298,7 +310,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
         multicast = cfg.cluster_m > 1 and math.ceil(m / cfg.block_m) >= cfg.cluster_m
         key = (
             round(estimate_seconds(cfg, m, n, k, num_sms, out_bytes, batch,
-                                   rows_misaligned), 9),
+                                   misaligned_rows), 9),
             -cfg.stages,
             -int(multicast),
             cfg.split_k,

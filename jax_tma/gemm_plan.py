@@ -55,13 +55,13 @@ class GemmPlan:
     d_m_stride: int
 
     @property
-    def rows_misaligned(self) -> bool:
-        """Whether an operand with more than one row has rows that are not 32-byte multiples
-        apart (16-bit elements), which slows TMA's loads (gemm_config.estimate_seconds)."""
+    def misaligned_rows(self) -> str:
+        """The operands, "a" and/or "b", with more than one row whose rows are not 32-byte
+        multiples apart (16-bit elements): TMA loads them slower (gemm_config.estimate_seconds)."""
         def misaligned(view: OperandView, free: int) -> bool:
             pitch, rows = (view.outer_stride, free) if view.k_major else (view.k_stride, self.k)
             return rows > 1 and (2 * pitch) % 32 != 0
-        return misaligned(self.lhs, self.m) or misaligned(self.rhs, self.n)
+        return "a" * misaligned(self.lhs, self.m) + "b" * misaligned(self.rhs, self.n)
 
     @property
     def layout(self) -> str:

@@ -197,16 +197,17 @@ def test_plan_declines_what_it_cannot_read(lhs_shape, rhs_shape, dims):
 @pytest.mark.parametrize(
     "lhs_shape,rhs_shape,dims,expected",
     [
-        ((1024, 1024), (1024, 1024), MATMUL, False),
-        ((1008, 1008), (1008, 1008), MATMUL, False),  # 2016-byte rows: 32-byte multiples
-        ((1000, 1000), (1000, 1000), MATMUL, True),  # 2000-byte rows
-        ((3000, 2048), (2048, 5000), MATMUL, True),  # only B's rows
-        ((1, 1000), (1000, 1024), MATMUL, False),  # a single row of A has no pitch
-        ((64, 1000), (64, 1024), (((0,), (0,)), ((), ())), True),  # A stored [K, M]
+        ((1024, 1024), (1024, 1024), MATMUL, ""),
+        ((1008, 1008), (1008, 1008), MATMUL, ""),  # 2016-byte rows: 32-byte multiples
+        ((1000, 1000), (1000, 1000), MATMUL, "ab"),  # 2000-byte rows
+        ((3000, 2048), (2048, 5000), MATMUL, "b"),  # only B's rows
+        ((1024, 1000), (1000, 1024), MATMUL, "a"),  # only A's rows
+        ((1, 1000), (1000, 1024), MATMUL, ""),  # a single row of A has no pitch
+        ((64, 1000), (64, 1024), (((0,), (0,)), ((), ())), "a"),  # A stored [K, M]
     ],
 )
 def test_plan_flags_rows_that_slow_tma(lhs_shape, rhs_shape, dims, expected):
-    assert gemm_plan.plan(lhs_shape, rhs_shape, dims).rows_misaligned is expected
+    assert gemm_plan.plan(lhs_shape, rhs_shape, dims).misaligned_rows == expected
 
 
 # ---------------------------------------------------------------- rules (CPU)

@@ -155,6 +155,13 @@ def test_config_rejects_unaligned_output_without_direct_store():
     jax_tma.matmul(a, b, config=jax_tma.GemmConfig(64, 128, 8, 1))  # has the direct store
 
 
+def test_default_config_rejects_unknown_misaligned_operands():
+    """`misaligned_rows` names operands: anything but "a" and "b" is an error, not ignored."""
+    for bad in (True, "c", "ab ", ["a"]):
+        with pytest.raises(ValueError, match='misaligned_rows must be a string of "a" and/or "b"'):
+            gemm.default_config(1000, 1000, 1000, misaligned_rows=bad)
+
+
 def test_splits_are_never_empty():
     cfg = jax_tma.GemmConfig(128, 128, 6, 2, split_k=16)
     assert cfg.splits_for(64) == 1
@@ -438,10 +445,13 @@ def test_heuristic_follows_the_measured_sweeps():
     assert gemm.default_config(1024, 1024, 1024).tile == (64, 128, 8, 1)
     # Rows 16 but not 32 bytes apart slow the loads; pairs that multicast B halve each CTA's
     # share (1000^3: 8.4 us, against 10.1 alone and 9.7 for 128 x 128 pairs).
-    assert gemm.default_config(1000, 1000, 1000, rows_misaligned=True).tile == (64, 128, 8, 2)
+    assert gemm.default_config(1000, 1000, 1000, misaligned_rows="ab").tile == (64, 128, 8, 2)
+    # Misaligned rows of A alone cost a pair more than a CTA that loads all of B
+    # (1024 x 1024 x 1000: 6.3 us alone against 7.3 in pairs).
+    assert gemm.default_config(1024, 1024, 1000, misaligned_rows="a").tile == (64, 128, 8, 1)
     # 3.6 waves of 128 x 256 tiles become 4 of 128 x 232 ones (86.7 us, against 92.5 for
     # 128 x 256 and 89.5 for 128 x 192, 4.9 waves).
-    assert gemm.default_config(3000, 5000, 2048, rows_misaligned=True).tile == (128, 232, 4, 2)
+    assert gemm.default_config(3000, 5000, 2048, misaligned_rows="b").tile == (128, 232, 4, 2)
     # ... but not where 232 columns waste a wave (4096^3: 4.4 waves of them against 3.9).
     assert gemm.default_config(4096, 4096, 4096).block_n == 256
     # Stream-K shares a half-empty last wave after many whole ones (8192^3, 15.5 waves of
