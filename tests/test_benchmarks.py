@@ -4,8 +4,12 @@ never asserted."""
 
 from __future__ import annotations
 
+import csv
+import importlib.util
+import io
 import json
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -131,3 +135,80 @@ def test_bench_mlp_block_dry_run(tmp_path):
 def test_bench_mlp_block_rejects_bad_sizes():
     result = _run("bench_mlp_block.py", "--block", "gelu", "--tokens", "100", "--seq", "64")
     assert result.returncode == 2 and "multiple of --seq" in result.stderr
+
+
+def _profile_gemm_module():
+    spec = importlib.util.spec_from_file_location("profile_gemm",
+                                                  REPO / "benchmarks" / "profile_gemm.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_SEPARATOR_NAME = "void jax_tma::testing::(anonymous namespace)::named_barrier_ping_pong_kernel()"
+_OUR_NAME = ("void jax_tma::sm90_gemm_kernel<__nv_bfloat16, __nv_bfloat16, jax_tma::TileConfig<"
+             "64, 128, 8, 2, 0, 2>, jax_tma::OperandLayout<0, 1>>(CUtensorMap_st)")
+
+
+def _raw_page(kernels: list[tuple[str, str, str]]) -> str:
+    """An ncu raw page (base units) of kernels given as (name, duration ns, TMA bytes); the
+    grid size is a thousands-separated string, as ncu prints it, and the other metrics are
+    left out, as where a metric was not collected."""
+    buf = io.StringIO()
+    out = csv.writer(buf, quoting=csv.QUOTE_ALL)
+    out.writerow(["ID", "Kernel Name", "gpu__time_duration.sum", "launch__grid_size",
+                  "l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld.sum"])
+    out.writerow(["", "", "ns", "", "byte"])
+    for i, (name, ns, tma) in enumerate(kernels):
+        out.writerow([str(i), name, ns, "1,954", tma])
+    return buf.getvalue()
+
+
+def test_profile_gemm_summarize(tmp_path):
+    raw = tmp_path / "raw.csv"
+    raw.write_text(_raw_page([
+        (_SEPARATOR_NAME, "2000", "0"),
+        (_OUR_NAME, "9280", "61467648"),
+        ("loop_reduce_fusion", "1500", "0"),  # a second kernel of the same call
+        (_SEPARATOR_NAME, "2000", "0"),
+        ("nvjet_sm90_tst_128x72_64x8_4x2_h_bz_NNT", "8448", "58195200"),
+    ]))
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_gemm.py"),
+                             "--summarize", str(raw)], capture_output=True, text=True, cwd=REPO,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in result.stdout.splitlines() if re.match(r"\| call \d", line)]
+    assert len(rows) == 3, result.stdout  # the separators are left out
+    assert rows[0].startswith("| call 1 | jax_tma 64x128 s8 c2 | 9.28 | 1954 | – |")
+    assert "| 61.47 |" in rows[0]
+    assert rows[1].startswith("| call 1 | loop_reduce_fusion | 1.5 |")
+    assert rows[2].startswith("| call 2 | nvjet_sm90_tst_128x72_64x8_4x2_h_bz_NNT | 8.448 |")
+
+
+def test_profile_gemm_labels_calls_and_rejects_other_pages():
+    module = _profile_gemm_module()
+    kernels = module.summarize(_raw_page([(_OUR_NAME, "10", "0"), (_SEPARATOR_NAME, "1", "0"),
+                                          (_OUR_NAME, "20", "0")]))
+    rows = module.by_call(kernels, ["1000×1000×1000 jax_tma"])
+    assert [(label, k["gpu__time_duration.sum"]) for label, k in rows] == [
+        ("?", 10.0), ("1000×1000×1000 jax_tma", 20.0)]
+    with pytest.raises(ValueError, match="Kernel Name"):
+        module.summarize("a,b\n1,2\n")
+
+
+def test_profile_gemm_without_ncu(monkeypatch):
+    module = _profile_gemm_module()
+    monkeypatch.setattr(module.shutil, "which", lambda name: None)
+    monkeypatch.setattr(module.glob, "glob", lambda pattern, **kw: [])
+    with pytest.raises(SystemExit, match="Nsight Compute"):
+        module.main(["--shapes", "64,64,64"])
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--shapes", "4,4"], "M,N,K triples"),
+    (["--config", "64,128"], "BM,BN,STAGES,CLUSTER"),
+])
+def test_profile_gemm_rejects_bad_arguments(args, message):
+    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_gemm.py"), *args],
+                            capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 2 and message in result.stderr
