@@ -14,7 +14,8 @@ shape is profiled, between cudaProfilerStart and cudaProfilerStop after warm-up,
 autotuning kernels stay out of the report; a tiny test kernel of the package opens each call,
 so that every kernel a call launches (split-K, XLA's fusions) is put down to it. Durations under the profiler run longer than
 bench_gemm's: compare them with each other, not with the benchmark. The table goes to stdout
-and to benchmarks/results/<device>/profile_gemm.md, with .json and the ncu report (.ncu-rep).
+and to benchmarks/results/<device>/profile_gemm[_<config>].md, with .json and the ncu report
+(.ncu-rep, which git ignores).
 """
 
 from __future__ import annotations
@@ -226,7 +227,8 @@ def main(argv=None) -> int:
     env = environment(args.commit)
     out = (args.out or pathlib.Path("benchmarks/results")) / env["device"].lower().replace(" ", "-")
     out.mkdir(parents=True, exist_ok=True)
-    report = out / "profile_gemm"
+    stem = "profile_gemm" + (f"_{args.config.replace(',', '-')}" if args.config else "")
+    report = out / stem
     child_env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # ncu's replays
     # save and restore device memory; a preallocated pool makes each replay copy most of it
     cmd = [ncu, "--clock-control", "none", "--cache-control", "none",
@@ -254,10 +256,10 @@ def main(argv=None) -> int:
                "Nsight Compute, clocks and caches left alone")
     text = table(rows, caption)
     print(text)
-    (out / "profile_gemm.md").write_text(text + "\n")
-    (out / "profile_gemm.json").write_text(json.dumps(
+    (out / f"{stem}.md").write_text(text + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(
         {"environment": env, "kernels": [dict(k, call=label) for label, k in rows]}, indent=1))
-    print(f"wrote {out}/profile_gemm.md, .json, .ncu-rep")
+    print(f"wrote {out}/{stem}.md, .json, .ncu-rep")
     return 0
 
 
