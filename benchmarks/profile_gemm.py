@@ -220,6 +220,13 @@ def main(argv=None) -> int:
         return 0
     if args.child:
         return child(args)
+    if args.config_tuple:  # an illegal configuration fails here, not inside the profiler
+        import jax_tma
+        bm, bn, stages, cluster = args.config_tuple
+        try:
+            jax_tma.GemmConfig(block_m=bm, block_n=bn, stages=stages, cluster_m=cluster)
+        except ValueError as e:
+            raise SystemExit(f"profile_gemm: --config {args.config}: {e}") from None
     ncu = _ncu()
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     from bench_gemm import environment
@@ -229,8 +236,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     stem = "profile_gemm" + (f"_{args.config.replace(',', '-')}" if args.config else "")
     report = out / stem
-    child_env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")  # ncu's replays
-    # save and restore device memory; a preallocated pool makes each replay copy most of it
+    # ncu's kernel replays save and restore device memory: with jax's preallocated pool, each
+    # replay would copy most of the GPU's memory.
+    child_env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
     cmd = [ncu, "--clock-control", "none", "--cache-control", "none",
            "--profile-from-start", "off", "--metrics", ",".join(METRICS),
            "--export", str(report), "--force-overwrite",

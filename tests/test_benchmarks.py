@@ -196,6 +196,13 @@ def test_profile_gemm_labels_calls_and_rejects_other_pages():
         module.summarize("a,b\n1,2\n")
 
 
+def test_profile_gemm_rejects_an_uncompiled_config_before_profiling(monkeypatch):
+    module = _profile_gemm_module()
+    monkeypatch.setattr(module, "_ncu", lambda: pytest.fail("ncu started"))
+    with pytest.raises(SystemExit, match="not a compiled configuration"):
+        module.main(["--config", "64,100,8,1"])
+
+
 def test_profile_gemm_without_ncu(monkeypatch):
     module = _profile_gemm_module()
     monkeypatch.setattr(module.shutil, "which", lambda name: None)
