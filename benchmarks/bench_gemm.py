@@ -358,12 +358,18 @@ def banner(env: dict, dtype: str) -> str:
             f"{'on' if env['jax_tma_kernel'] else 'off (XLA path)'}")
 
 
+def results_dir(out_root: pathlib.Path | None, env: dict) -> pathlib.Path:
+    """`out_root` (default benchmarks/results) / the device's name, created."""
+    out = (out_root or pathlib.Path("benchmarks/results")) / env["device"].lower().replace(" ", "-")
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def write_report(out_root: pathlib.Path | None, env: dict, stem: str, payload: dict, table: str,
                  plot) -> None:
     """Writes <stem>.json (`payload`), <stem>.md (`table`) and, where `plot(path)` draws one,
-    <stem>.png under `out_root` (default benchmarks/results) / the device's name."""
-    out = (out_root or pathlib.Path("benchmarks/results")) / env["device"].lower().replace(" ", "-")
-    out.mkdir(parents=True, exist_ok=True)
+    <stem>.png under results_dir(out_root, env)."""
+    out = results_dir(out_root, env)
     (out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
     (out / f"{stem}.md").write_text(table + "\n")
     plotted = plot(out / f"{stem}.png")

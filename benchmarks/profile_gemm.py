@@ -25,7 +25,6 @@ import csv
 import ctypes
 import glob
 import io
-import json
 import os
 import pathlib
 import re
@@ -164,6 +163,14 @@ def _cudart() -> ctypes.CDLL:
     raise RuntimeError("profile_gemm: no libcudart.so found for cudaProfilerStart")
 
 
+def _bench_gemm():
+    """bench_gemm, beside this script: its operand sets, environment record and report files
+    (imported late, so that --summarize needs no jax)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import bench_gemm
+    return bench_gemm
+
+
 def child(args) -> int:
     """Runs under ncu: warms every contender up, then profiles one call of each."""
     import jax
@@ -171,12 +178,10 @@ def child(args) -> int:
 
     import jax_tma
     from jax_tma import _testing
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    from bench_gemm import _operand_sets
 
     work = []
     for shape in args.shape_list:
-        ops = _operand_sets(shape, jnp.bfloat16, jax.random.PRNGKey(sum(shape)))
+        ops = _bench_gemm()._operand_sets(shape, jnp.bfloat16, jax.random.PRNGKey(sum(shape)))
         label = "×".join(map(str, shape))
         if args.config_tuple:
             bm, bn, stages, cluster = args.config_tuple
@@ -228,12 +233,9 @@ def main(argv=None) -> int:
         except ValueError as e:
             raise SystemExit(f"profile_gemm: --config {args.config}: {e}") from None
     ncu = _ncu()
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    from bench_gemm import environment
-
-    env = environment(args.commit)
-    out = (args.out or pathlib.Path("benchmarks/results")) / env["device"].lower().replace(" ", "-")
-    out.mkdir(parents=True, exist_ok=True)
+    bench_gemm = _bench_gemm()
+    env = bench_gemm.environment(args.commit)
+    out = bench_gemm.results_dir(args.out, env)
     stem = "profile_gemm" + (f"_{args.config.replace(',', '-')}" if args.config else "")
     report = out / stem
     # ncu's kernel replays save and restore device memory: with jax's preallocated pool, each
@@ -264,10 +266,11 @@ def main(argv=None) -> int:
                "Nsight Compute, clocks and caches left alone")
     text = table(rows, caption)
     print(text)
-    (out / f"{stem}.md").write_text(text + "\n")
-    (out / f"{stem}.json").write_text(json.dumps(
-        {"environment": env, "kernels": [dict(k, call=label) for label, k in rows]}, indent=1))
-    print(f"wrote {out}/{stem}.md, .json, .ncu-rep")
+    bench_gemm.write_report(args.out, env, stem,
+                            {"environment": env,
+                             "kernels": [dict(k, call=label) for label, k in rows]},
+                            text, plot=lambda path: False)
+    print(f"and the ncu report {report}.ncu-rep")
     return 0
 
 

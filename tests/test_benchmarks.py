@@ -22,10 +22,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("script", ["bench_tma_copy.py"])
 def test_benchmark_dry_run(script, tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / script), "--dry-run", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
-    )
+    result = _run(script, "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     report = json.loads((tmp_path / script.replace(".py", ".json")).read_text())
     assert report["dry_run"] and report["results"]
@@ -33,11 +30,16 @@ def test_benchmark_dry_run(script, tmp_path):
         assert "kernel path unavailable" in result.stdout
 
 
-def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+def _script(script: str, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / script), "--dry-run", *args],
+        [sys.executable, str(REPO / "benchmarks" / script), *args],
         capture_output=True, text=True, timeout=600, cwd=REPO,
     )
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    """The script with --dry-run."""
+    return _script(script, "--dry-run", *args)
 
 
 def _written(out: pathlib.Path, stem: str) -> dict:
@@ -173,9 +175,7 @@ def test_profile_gemm_summarize(tmp_path):
         (_SEPARATOR_NAME, "2000", "0"),
         ("nvjet_sm90_tst_128x72_64x8_4x2_h_bz_NNT", "8448", "58195200"),
     ]))
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_gemm.py"),
-                             "--summarize", str(raw)], capture_output=True, text=True, cwd=REPO,
-                            timeout=120)
+    result = _script("profile_gemm.py", "--summarize", str(raw))
     assert result.returncode == 0, result.stderr
     rows = [line for line in result.stdout.splitlines() if re.match(r"\| call \d", line)]
     assert len(rows) == 3, result.stdout  # the separators are left out
@@ -216,6 +216,36 @@ def test_profile_gemm_without_ncu(monkeypatch):
     (["--config", "64,128"], "BM,BN,STAGES,CLUSTER"),
 ])
 def test_profile_gemm_rejects_bad_arguments(args, message):
-    result = subprocess.run([sys.executable, str(REPO / "benchmarks" / "profile_gemm.py"), *args],
-                            capture_output=True, text=True, cwd=REPO, timeout=120)
+    result = _script("profile_gemm.py", *args)
     assert result.returncode == 2 and message in result.stderr
+
+
+def test_profile_gemm_writes_the_calls_table(tmp_path, monkeypatch):
+    """main's wiring with ncu stood in for: the child's labels name the report's calls, and the
+    table and JSON land in <out>/<device>/."""
+    module = _profile_gemm_module()
+    page = _raw_page([(_SEPARATOR_NAME, "1", "0"), (_OUR_NAME, "9280", "61467648"),
+                      (_SEPARATOR_NAME, "1", "0"), ("nvjet_x", "8000", "58195200")])
+    child_out = module._MARK + "64×64×64 jax_tma\n" + module._MARK + "64×64×64 XLA\n"
+    commands = []
+
+    real_run = subprocess.run
+
+    def fake_run(cmd, **kw):
+        if cmd[0] != "ncu":  # the environment record's own queries (nvidia-smi, git)
+            return real_run(cmd, **kw)
+        commands.append(cmd)
+        stdout = page if "--import" in cmd else child_out
+        return subprocess.CompletedProcess(cmd, 0, stdout=stdout, stderr="")
+
+    monkeypatch.setattr(module, "_ncu", lambda: "ncu")
+    monkeypatch.setattr(module.subprocess, "run", fake_run)
+    assert module.main(["--shapes", "64,64,64", "--out", str(tmp_path), "--commit", "0123abc"]) == 0
+    assert "--child" in commands[0] and "--import" in commands[1]
+    (device_dir,) = tmp_path.iterdir()
+    table = (device_dir / "profile_gemm.md").read_text()
+    assert "| 64×64×64 jax_tma | jax_tma 64x128 s8 c2 | 9.28 |" in table
+    assert "| 64×64×64 XLA | nvjet_x | 8 |" in table
+    report = json.loads((device_dir / "profile_gemm.json").read_text())
+    assert report["environment"]["commit"] == "0123abc"
+    assert [k["call"] for k in report["kernels"]] == ["64×64×64 jax_tma", "64×64×64 XLA"]
