@@ -12,8 +12,9 @@ flush (--cache-control none); operand sets are rotated as bench_gemm rotates the
 profiled call finds its operands where a timed call would. Only one call per contender and
 shape is profiled, between cudaProfilerStart and cudaProfilerStop after warm-up, so XLA's
 autotuning kernels stay out of the report; a tiny test kernel of the package opens each call,
-so that every kernel a call launches (split-K, XLA's fusions) is put down to it. Durations under the profiler run longer than
-bench_gemm's: compare them with each other, not with the benchmark. The table goes to stdout
+so that every kernel a call launches (split-K, XLA's fusions) is put down to it. Durations
+under the profiler run longer than bench_gemm's: compare them with each other, not with the
+benchmark. The table goes to stdout
 and to benchmarks/results/<device>/profile_gemm[_<config>].md, with .json and the ncu report
 (.ncu-rep, which git ignores).
 """
@@ -171,6 +172,15 @@ def _bench_gemm():
     return bench_gemm
 
 
+def _forced_config(args):
+    """The GemmConfig that --config names, or None; ValueError where it is not compiled."""
+    if not args.config_tuple:
+        return None
+    import jax_tma
+    bm, bn, stages, cluster = args.config_tuple
+    return jax_tma.GemmConfig(block_m=bm, block_n=bn, stages=stages, cluster_m=cluster)
+
+
 def child(args) -> int:
     """Runs under ncu: warms every contender up, then profiles one call of each."""
     import jax
@@ -179,13 +189,12 @@ def child(args) -> int:
     import jax_tma
     from jax_tma import _testing
 
+    config = _forced_config(args)
     work = []
     for shape in args.shape_list:
         ops = _bench_gemm()._operand_sets(shape, jnp.bfloat16, jax.random.PRNGKey(sum(shape)))
         label = "×".join(map(str, shape))
-        if args.config_tuple:
-            bm, bn, stages, cluster = args.config_tuple
-            config = jax_tma.GemmConfig(block_m=bm, block_n=bn, stages=stages, cluster_m=cluster)
+        if config is not None:
             work.append((f"{label} jax_tma {args.config}",
                          jax.jit(lambda a, b, c=config: jax_tma.matmul(a, b, config=c)), ops))
         else:
@@ -225,13 +234,10 @@ def main(argv=None) -> int:
         return 0
     if args.child:
         return child(args)
-    if args.config_tuple:  # an illegal configuration fails here, not inside the profiler
-        import jax_tma
-        bm, bn, stages, cluster = args.config_tuple
-        try:
-            jax_tma.GemmConfig(block_m=bm, block_n=bn, stages=stages, cluster_m=cluster)
-        except ValueError as e:
-            raise SystemExit(f"profile_gemm: --config {args.config}: {e}") from None
+    try:  # an illegal configuration fails here, not inside the profiler
+        _forced_config(args)
+    except ValueError as e:
+        raise SystemExit(f"profile_gemm: --config {args.config}: {e}") from None
     ncu = _ncu()
     bench_gemm = _bench_gemm()
     env = bench_gemm.environment(args.commit)
