@@ -1,4 +1,5 @@
-// Small helpers shared by the PTX wrappers: shared-memory addresses and thread election.
+// Small helpers shared by the PTX wrappers: shared-memory addresses, thread election, and
+// computing values early.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +23,14 @@ __device__ __forceinline__ bool elect_one_sync() {
       "}\n"
       : "=r"(pred));
   return pred != 0;
+}
+
+// An empty asm that reads `values`: they are computed here, before any later volatile asm (a
+// barrier, say), instead of where they are first used. Issues loads early.
+template <class T, class... Ts>
+__device__ __forceinline__ void compute_now(const T& value, const Ts&... values) {
+  asm volatile("" ::"r"(static_cast<uint32_t>(value)));
+  if constexpr (sizeof...(values) > 0) compute_now(values...);
 }
 
 }  // namespace jax_tma::ptx
