@@ -50,7 +50,9 @@ def main() -> None:
     hlo = jax.jit(ours).lower(*sets[0]).compile().as_text()
     used_kernel = gemm.KERNEL_TARGET in hlo
     if used_kernel:
-        cfg = gemm.default_config(m, n, k, gemm._num_sms())
+        plan = gemm.kernel_plan(jax.ShapeDtypeStruct((m, k), dtype),
+                                jax.ShapeDtypeStruct((k, n), dtype), gemm.MATMUL_DIMS, dtype)
+        cfg = gemm.config_for(plan, dtype, None)
         print(f"path: jax_tma kernel ({gemm.KERNEL_TARGET}; {cfg.describe()})")
     else:
         print(f"path: XLA fallback ({status.reason})")

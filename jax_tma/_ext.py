@@ -88,6 +88,16 @@ def cuda_devices() -> list[Any]:
         return []
 
 
+def peak_dram_bytes_per_s(device: Any) -> float | None:
+    """Peak DRAM bandwidth of a CUDA device in bytes per second, from the memory clock and bus
+    width its driver reports; None without the extension or where the driver does not say."""
+    ordinal = getattr(device, "local_hardware_id", None)
+    if _C is None or ordinal is None:
+        return None
+    value = _C.peak_dram_bytes_per_s(int(ordinal))
+    return value if value > 0 else None
+
+
 def non_hopper_reason(devices: list[Any]) -> str | None:
     """None when every device is compute capability 9.0, otherwise which one is not."""
     for dev in devices:

@@ -35,6 +35,7 @@ from jax_tma import _ext, gemm_plan, gemm_sharding
 from jax_tma.gemm_config import (  # noqa: F401 - re-exported: the gemm module's public names
     BLOCK_K,
     COMPILED_CONFIGS,
+    DEFAULT_DRAM_BYTES_PER_S,
     DEFAULT_NUM_SMS,
     KERNEL_INPUT_DTYPES,
     MAX_SPLIT_K,
@@ -57,6 +58,13 @@ MATMUL_DIMS: DimensionNumbers = (((1,), (0,)), ((), ()))  # a[M, K] @ b[K, N]
 def _num_sms() -> int:
     devices = _ext.cuda_devices()
     return int(getattr(devices[0], "core_count", DEFAULT_NUM_SMS)) if devices else DEFAULT_NUM_SMS
+
+
+def _dram_bytes_per_s() -> float:
+    """Peak DRAM bandwidth of the device the kernels run on (the heuristic's memory model)."""
+    devices = _ext.cuda_devices()
+    found = _ext.peak_dram_bytes_per_s(devices[0]) if devices else None
+    return found or DEFAULT_DRAM_BYTES_PER_S
 
 
 def output_shape(lhs_shape, rhs_shape, dimension_numbers: DimensionNumbers) -> tuple[int, ...]:
@@ -96,7 +104,8 @@ def config_for(plan: GemmPlan, out_dtype, config: GemmConfig | None) -> GemmConf
     if config is None:
         return default_config(plan.m, plan.n, plan.k, _num_sms(), out_dtype, batch=plan.batch,
                               out_strides=out_strides(plan),
-                              misaligned_rows=plan.misaligned_rows)
+                              misaligned_rows=plan.misaligned_rows,
+                              dram_bytes_per_s=_dram_bytes_per_s())
     check_config(config, plan.m, plan.n, plan.k, out_dtype, out_strides(plan))
     return config
 

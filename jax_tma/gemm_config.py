@@ -192,14 +192,28 @@ _TILE_FIXED_S = 0.45e-6
 # ran in 6.2-6.4 us alone against 6.0 for 1024^3, in pairs in 7.3-7.5 against 6.3-6.4).
 # NOTE: alone, on 2.9 waves, A's misaligned rows cost more (3000 x 1024 x 3000: 64 x 128 took
 # 36.0-37.2 us against 29.4 for 3072 x 1024 x 3072; 128 x 256 alone 33.6-34.2). A factor for
-# that is left out: any below 1 moved 3000 x 1024 x 3000 to 128 x 232 pairs, which took as
-# long (36.4-36.7), and 16 x 4096 x 4100 from 64 x 64 tiles (13.4 us) to split-K.
+# that is left out: it moved 16 x 4096 x 4100 from 64 x 64 tiles (13.4 us) to split-K. The
+# per-SM load bound below moves 3000 x 1024 x 3000 to 128 x 232 pairs (36.4-36.7 us on the H200,
+# as long as the 64 x 128 tiles).
 _MISALIGNED_SMALL_TILE_EFFICIENCY = {"b": {1: 0.5, 2: 0.9}, "a": {1: 1.0, 2: 0.86}}
-# Streaming operands (decode-like shapes): about 65 GB/s per busy CTA, at most about 4 TB/s
-# in all (XLA's own kernel streamed 64 x 28672 x 4096 at 4.1 TB/s); a split-K product pays
-# about 2 us for the extra reduction kernel.
-_MEMORY_BYTES_PER_S = 4.0e12
+# Streaming operands (decode-like shapes): about 65 GB/s per busy CTA, at most 0.83 of the
+# device's peak DRAM bandwidth in all (two transfers per memory clock across the bus, as the
+# driver reports them). The share is fitted to the H200 sweeps (4.0e12 of its 4.81e12). On an
+# H100 (3.35e12 peak) it puts 128 x 4096 x 14336 on 64 x 64 tiles without split-K: 43.4 us
+# there against 46.2 for 64 x 128 tiles split in two, the choice of a fixed 4.0e12 (H100 sweep
+# of 2026-11-21; on the H200 the two ran 34.0 and 35.1 us that day). XLA's own kernel streamed
+# 64 x 28672 x 4096 at 4.1 TB/s on the H200 and 3.0 on the H100. A split-K product pays about
+# 2 us for the extra reduction kernel.
+DEFAULT_DRAM_BYTES_PER_S = 4.81e12  # an H200's, for a device that does not say
+_STREAMING_SHARE_OF_PEAK = 0.83
 _MEMORY_BYTES_PER_S_PER_CTA = 65e9
+# While every SM streams, TMA brings at most about 115 GB/s of operand tiles into one SM:
+# 512 x 512 x 65536 in 64 x 128 tiles split 4 ways loads 6 MB per CTA (against 4 MB for
+# 128 x 128 tiles split 8 ways) and took 61.2 us in all on an H100 (about 107 GB/s per CTA)
+# against 57.0 for the 128 x 128 tiles; on an H200 53.5 (about 122 GB/s) against 51.4
+# (sweeps of 2026-11-21). Without this bound, the H100's lower DRAM bandwidth made both
+# memory-bound and the cheaper reduction of 4 partial products picked the 64-row tiles.
+_SM_LOAD_BYTES_PER_S = 115e9
 _SPLIT_FIXED_S = 2e-6
 # Share of the shorter of the compute and memory times that does not hide under the longer.
 _OVERLAP_LOSS = 0.01
@@ -225,20 +239,23 @@ def stream_k_share(tiles: int, k: int, num_sms: int) -> tuple[int, int] | None:
 
 
 def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
-                     out_bytes: int = 2, batch: int = 1, misaligned_rows: str = "") -> float:
+                     out_bytes: int = 2, batch: int = 1, misaligned_rows: str = "",
+                     dram_bytes_per_s: float = DEFAULT_DRAM_BYTES_PER_S) -> float:
     """Cost model behind default_config, from two times:
 
     - compute: waves of CTA slots times the time of one tile (its K range at the tile shape's
       wgmma efficiency, plus a fixed cost per tile). A cluster of 2 takes two slots even when
       the matrix ends after its first M block;
-    - memory: the operands' traffic at the bandwidth the busy CTAs can pull.
+    - memory: the operands' traffic at the bandwidth the busy CTAs can pull, and each CTA's
+      operand tiles at the rate TMA brings them into one SM.
 
-    The estimate is the longer of the two plus a small share of the shorter (they overlap
+    The estimate is the longest of these plus a small share of the shorter (they overlap
     only in part: among memory-bound choices, the one that computes least won the sweeps),
     plus the split-K partial products' round trip through memory. Stream-K replaces the last
     wave by its share of the K slices plus a fixed cost. `batch` independent
     products of M x N x K share the grid; `misaligned_rows`: the operands, "a" and/or "b",
-    whose rows are not 32-byte multiples apart (GemmPlan.misaligned_rows)."""
+    whose rows are not 32-byte multiples apart (GemmPlan.misaligned_rows); `dram_bytes_per_s`:
+    the device's peak DRAM bandwidth."""
     splits = config.splits_for(k)
     m_blocks = math.ceil(m / config.block_m)
     tiles = batch * m_blocks * math.ceil(n / config.block_n) * splits
@@ -254,16 +271,19 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
     tile_s = (2 * config.block_m * config.block_n * k_per_split) / (
         _PEAK_FLOPS_PER_SM * efficiency
     ) + _TILE_FIXED_S
+    streaming = _STREAMING_SHARE_OF_PEAK * dram_bytes_per_s
     busy = min(slots, num_sms) * tiles / slots
-    bandwidth = min(_MEMORY_BYTES_PER_S, busy * _MEMORY_BYTES_PER_S_PER_CTA)
+    bandwidth = min(streaming, busy * _MEMORY_BYTES_PER_S_PER_CTA)
     memory_s = batch * (2 * (m * k + k * n) + out_bytes * m * n) / bandwidth
-    split_s = 0.0 if splits == 1 else _SPLIT_FIXED_S + 8 * splits * batch * m * n / _MEMORY_BYTES_PER_S
+    split_s = 0.0 if splits == 1 else _SPLIT_FIXED_S + 8 * splits * batch * m * n / streaming
     share = stream_k_share(tiles, k, num_sms) if config.stream_k else None
     if share is not None:
         left, ctas = share
         waves = tiles // num_sms + left / ctas + _STREAM_K_EXTRA_TILES
     compute_s = waves * tile_s
-    return max(compute_s, memory_s) + _OVERLAP_LOSS * min(compute_s, memory_s) + split_s
+    load_s = waves * 2 * (config.block_m + config.block_n) * k_per_split / _SM_LOAD_BYTES_PER_S
+    return (max(compute_s, load_s, memory_s) + _OVERLAP_LOSS * min(compute_s, memory_s)
+            + split_s)
 
 
 def legal_configs(m: int, n: int, k: int, out_dtype, out_strides: tuple[int, ...] | None = None,
@@ -288,7 +308,8 @@ def legal_configs(m: int, n: int, k: int, out_dtype, out_strides: tuple[int, ...
 def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
                    out_dtype=jnp.bfloat16, batch: int = 1,
                    out_strides: tuple[int, ...] | None = None,
-                   misaligned_rows: str = "") -> GemmConfig:
+                   misaligned_rows: str = "",
+                   dram_bytes_per_s: float = DEFAULT_DRAM_BYTES_PER_S) -> GemmConfig:
     """Picks a configuration for `batch` products of M x N x K.
 
     Every compiled tile with every split-K choice is scored by ``estimate_seconds`` (waves,
@@ -298,10 +319,15 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
     then no split and no stream-K. Split-K runs without clusters: measured, the cluster's
     lockstep only slows its short K ranges down. `misaligned_rows` names the operands, "a"
     and/or "b", whose rows are not 32-byte multiples apart (GemmPlan.misaligned_rows).
+    `num_sms` and `dram_bytes_per_s` (peak DRAM bandwidth) describe the device; jax_tma.matmul
+    reads both from the device it runs on.
     """
     if not isinstance(misaligned_rows, str) or set(misaligned_rows) - {"a", "b"}:
         raise ValueError(f'misaligned_rows must be a string of "a" and/or "b" (the operands '
                          f"whose rows are not 32-byte multiples apart), got {misaligned_rows!r}")
+    if not (isinstance(dram_bytes_per_s, (int, float)) and 0 < dram_bytes_per_s < math.inf):
+        raise ValueError(f"dram_bytes_per_s must be a positive number of bytes per second (the "
+                         f"device's peak DRAM bandwidth), got {dram_bytes_per_s!r}")
     out_bytes = jnp.dtype(out_dtype).itemsize
     best, best_key = None, None
     for cfg in legal_configs(m, n, k, out_dtype, out_strides):
@@ -310,7 +336,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
         multicast = cfg.cluster_m > 1 and math.ceil(m / cfg.block_m) >= cfg.cluster_m
         key = (
             round(estimate_seconds(cfg, m, n, k, num_sms, out_bytes, batch,
-                                   misaligned_rows), 9),
+                                   misaligned_rows, dram_bytes_per_s), 9),
             -cfg.stages,
             -int(multicast),
             cfg.split_k,

@@ -155,6 +155,31 @@ def test_config_rejects_unaligned_output_without_direct_store():
     jax_tma.matmul(a, b, config=jax_tma.GemmConfig(64, 128, 8, 1))  # has the direct store
 
 
+def test_heuristic_follows_the_device_bandwidth():
+    """The memory model scales with the device's peak DRAM bandwidth (H100 sweep, 2026-11-21)."""
+    h100 = 3.352e12  # 2619 MHz, two transfers per clock, 5120-bit bus
+    # Memory-bound: on an H100, 64 x 64 tiles without split-K ran 128 x 4096 x 14336 in 43.4 us,
+    # 64 x 128 tiles split in two (the H200's choice then) in 46.2.
+    cfg = gemm.default_config(128, 4096, 14336, dram_bytes_per_s=h100)
+    assert (cfg.tile[:2], cfg.split_k) == ((64, 64), 1), cfg
+    # ...but not at the price of more operand bytes per SM: 512 x 512 x 65536 keeps 128 x 128
+    # tiles split 8 ways (57.0 us there, against 61.2 for 64 x 128 tiles split 4 ways).
+    cfg = gemm.default_config(512, 512, 65536, dram_bytes_per_s=h100)
+    assert (cfg.tile[:2], cfg.split_k) == ((128, 128), 8), cfg
+    # Compute-bound products keep their configuration whatever the bandwidth.
+    for shape in [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
+                  (16384, 4096, 14336), (8192, 8192, 28672)]:
+        for bandwidth in (h100, 2 * h100):
+            assert gemm.default_config(*shape, dram_bytes_per_s=bandwidth) == gemm.default_config(*shape)
+    # Less bandwidth never makes a memory-bound estimate faster.
+    tile = jax_tma.GemmConfig(64, 64, 12, 1)
+    assert gemm.estimate_seconds(tile, 1, 4096, 4096, dram_bytes_per_s=h100) > gemm.estimate_seconds(
+        tile, 1, 4096, 4096)
+    for bad in (0, -1.0, float("inf"), float("nan"), "3e12", None):
+        with pytest.raises(ValueError, match="dram_bytes_per_s must be a positive number"):
+            gemm.default_config(128, 4096, 14336, dram_bytes_per_s=bad)
+
+
 def test_default_config_rejects_unknown_misaligned_operands():
     """`misaligned_rows` names operands: anything but "a" and "b" is an error, not ignored."""
     for bad in (True, "c", "ab ", ["a"]):
@@ -387,6 +412,21 @@ def test_kernel_fp32_output(m, n, k, dtype, config):
 
 
 @pytest.mark.gpu
+def test_heuristic_reads_the_device_bandwidth():
+    """The driver's memory clock and bus width reach the heuristic: jax_tma.matmul runs the
+    configuration that default_config picks for this device's bandwidth."""
+    bandwidth = _ext.peak_dram_bytes_per_s(jax.devices()[0])
+    assert bandwidth is not None and 1e12 < bandwidth < 2e13, bandwidth  # H100 3.35e12, H200 4.81e12
+    assert gemm._dram_bytes_per_s() == bandwidth
+    m, n, k = 128, 4096, 14336
+    cfg = gemm.default_config(m, n, k, gemm._num_sms(), BF16, dram_bytes_per_s=bandwidth)
+    hlo = jax.jit(jax_tma.matmul).lower(spec((m, k), BF16), spec((k, n), BF16)).as_text()
+    for attr in (f"block_m = {cfg.block_m}", f"block_n = {cfg.block_n}", f"stages = {cfg.stages}",
+                 f"cluster_m = {cfg.cluster_m}", f"splits = {cfg.split_k}"):
+        assert attr in hlo, (attr, cfg)
+
+
+@pytest.mark.gpu
 def test_public_matmul_runs_kernel_inside_jit(rng):
     """Two shapes through one jitted function, and a second function: all on the kernel."""
 
@@ -430,7 +470,8 @@ def test_heuristic_follows_the_measured_sweeps():
     for m, n, k in [(1, 4096, 4096), (16, 6144, 4096), (64, 4096, 4096)]:
         assert gemm.default_config(m, n, k).tile[:2] == (64, 64), (m, n, k)
     # ...or split K where the tiles alone leave SMs idle (128 x 4096 x 14336: 64 x 128 split in
-    # 2 ran in 34.2 us, 64 x 64 unsplit in 34.9 us, 64 x 128 unsplit in 39.9 us).
+    # 2 ran in 34.2 us, 64 x 64 unsplit in 34.9 us, 64 x 128 unsplit in 39.9 us; in a later
+    # sweep 35.1, 34.0 and 40.4: a tie the model may break either way on an H200).
     cfg = gemm.default_config(128, 4096, 14336)
     assert cfg.tile[:2] == (64, 64) or (cfg.tile[:2] == (64, 128) and cfg.split_k > 1), cfg
     # One wave of 112 tiles 256 wide streams B fastest (64 x 28672 x 4096: 56.9 us against

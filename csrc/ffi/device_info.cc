@@ -29,6 +29,17 @@ const DeviceInfo& device_info(int ordinal) {
   return cache.emplace(ordinal, info).first->second;
 }
 
+double peak_dram_bytes_per_s(int ordinal) {
+  int clock_khz = 0;
+  int bus_bits = 0;
+  if (cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, ordinal) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, ordinal) != cudaSuccess) {
+    cudaGetLastError();  // leave no sticky error behind for the next runtime call to report
+    return 0.0;
+  }
+  return 2.0 * 1e3 * clock_khz * (bus_bits / 8.0);
+}
+
 std::string use_device(int ordinal) {
   int current = -1;
   cudaError_t err = cudaGetDevice(&current);

@@ -16,6 +16,11 @@ struct DeviceInfo {
 
 const DeviceInfo& device_info(int ordinal);
 
+// Peak DRAM bandwidth of device `ordinal` in bytes per second: two transfers per memory clock
+// across the whole bus (3.35e12 for an H100 SXM, 4.81e12 for an H200). 0 when the driver does
+// not report the clock or the bus width. For the configuration heuristic's memory model.
+double peak_dram_bytes_per_s(int ordinal);
+
 // Makes `ordinal` the calling thread's current device for the runtime API; returns an error
 // message or an empty string.
 std::string use_device(int ordinal);

@@ -2,6 +2,7 @@
 // registered with jax.ffi.register_ffi_target(name, capsule, platform="CUDA").
 #include <nanobind/nanobind.h>
 
+#include "ffi/device_info.h"
 #include "ffi/gemm.h"
 #include "ffi/testing.h"
 #include "ffi/tma_copy.h"
@@ -51,6 +52,8 @@ NB_MODULE(_jax_tma, m) {
     targets["jax_tma_test_d2d_copy"] = handler_capsule(jax_tma::ffi_handlers::TestD2dCopy);
     return targets;
   });
+  // Device facts for the configuration heuristic (jax_tma.gemm), by CUDA ordinal.
+  m.def("peak_dram_bytes_per_s", &jax_tma::ffi_util::peak_dram_bytes_per_s, nb::arg("ordinal"));
   // The XLA FFI API version these handlers were compiled against: a jaxlib whose API is older
   // than this does not register them.
   m.attr("ffi_api_major") = XLA_FFI_API_MAJOR;
