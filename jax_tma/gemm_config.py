@@ -193,8 +193,8 @@ _TILE_FIXED_S = 0.45e-6
 # NOTE: alone, on 2.9 waves, A's misaligned rows cost more (3000 x 1024 x 3000: 64 x 128 took
 # 36.0-37.2 us against 29.4 for 3072 x 1024 x 3072; 128 x 256 alone 33.6-34.2). A factor for
 # that is left out: it moved 16 x 4096 x 4100 from 64 x 64 tiles (13.4 us) to split-K. The
-# per-SM load bound below moves 3000 x 1024 x 3000 to 128 x 232 pairs (36.4-36.7 us on the H200,
-# as long as the 64 x 128 tiles).
+# per-SM load bound below moves 3000 x 1024 x 3000 to 128 x 232 pairs: 36.4-36.7 us on the H200,
+# as long as the 64 x 128 tiles; 40.3 on the H100, where the 64 x 128 tiles took 42.8 or more.
 _MISALIGNED_SMALL_TILE_EFFICIENCY = {"b": {1: 0.5, 2: 0.9}, "a": {1: 1.0, 2: 0.86}}
 # Streaming operands (decode-like shapes): about 65 GB/s per busy CTA, at most 0.83 of the
 # device's peak DRAM bandwidth in all (two transfers per memory clock across the bus, as the
@@ -241,18 +241,18 @@ def stream_k_share(tiles: int, k: int, num_sms: int) -> tuple[int, int] | None:
 def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
                      out_bytes: int = 2, batch: int = 1, misaligned_rows: str = "",
                      dram_bytes_per_s: float = DEFAULT_DRAM_BYTES_PER_S) -> float:
-    """Cost model behind default_config, from two times:
+    """Cost model behind default_config, from three times:
 
     - compute: waves of CTA slots times the time of one tile (its K range at the tile shape's
       wgmma efficiency, plus a fixed cost per tile). A cluster of 2 takes two slots even when
       the matrix ends after its first M block;
-    - memory: the operands' traffic at the bandwidth the busy CTAs can pull, and each CTA's
-      operand tiles at the rate TMA brings them into one SM.
+    - memory: the operands' traffic at the bandwidth the busy CTAs can pull;
+    - loads: each CTA's operand tiles at the rate TMA brings them into one SM.
 
-    The estimate is the longest of these plus a small share of the shorter (they overlap
-    only in part: among memory-bound choices, the one that computes least won the sweeps),
-    plus the split-K partial products' round trip through memory. Stream-K replaces the last
-    wave by its share of the K slices plus a fixed cost. `batch` independent
+    The estimate is the longest of the three plus a small share of the shorter of compute and
+    memory (they overlap only in part: among memory-bound choices, the one that computes least
+    won the sweeps), plus the split-K partial products' round trip through memory. Stream-K
+    replaces the last wave by its share of the K slices plus a fixed cost. `batch` independent
     products of M x N x K share the grid; `misaligned_rows`: the operands, "a" and/or "b",
     whose rows are not 32-byte multiples apart (GemmPlan.misaligned_rows); `dram_bytes_per_s`:
     the device's peak DRAM bandwidth."""
