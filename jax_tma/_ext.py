@@ -98,6 +98,16 @@ def peak_dram_bytes_per_s(device: Any) -> float | None:
     return value if value > 0 else None
 
 
+def l2_cache_bytes(device: Any) -> int | None:
+    """Bytes of L2 cache of a CUDA device; None without the extension or where the driver does
+    not say."""
+    ordinal = getattr(device, "local_hardware_id", None)
+    if _C is None or ordinal is None:
+        return None
+    value = _C.l2_cache_bytes(int(ordinal))
+    return value if value > 0 else None
+
+
 def non_hopper_reason(devices: list[Any]) -> str | None:
     """None when every device is compute capability 9.0, otherwise which one is not."""
     for dev in devices:

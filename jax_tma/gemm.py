@@ -36,6 +36,7 @@ from jax_tma.gemm_config import (  # noqa: F401 - re-exported: the gemm module's
     BLOCK_K,
     COMPILED_CONFIGS,
     DEFAULT_DRAM_BYTES_PER_S,
+    DEFAULT_L2_BYTES,
     DEFAULT_NUM_SMS,
     KERNEL_INPUT_DTYPES,
     MAX_SPLIT_K,
@@ -46,6 +47,7 @@ from jax_tma.gemm_config import (  # noqa: F401 - re-exported: the gemm module's
     estimate_seconds,
     kernel_output_dtypes,
     legal_configs,
+    stream_k_shared_operand_bytes,
     tma_store_aligned,
 )
 from jax_tma.gemm_config import _EPILOGUE_DIRECT, _EPILOGUE_TMA_STORE
@@ -65,6 +67,13 @@ def _dram_bytes_per_s() -> float:
     devices = _ext.cuda_devices()
     found = _ext.peak_dram_bytes_per_s(devices[0]) if devices else None
     return found or DEFAULT_DRAM_BYTES_PER_S
+
+
+def _l2_bytes() -> int:
+    """L2 cache of the device the kernels run on (the heuristic's model of stream-K)."""
+    devices = _ext.cuda_devices()
+    found = _ext.l2_cache_bytes(devices[0]) if devices else None
+    return found or DEFAULT_L2_BYTES
 
 
 def output_shape(lhs_shape, rhs_shape, dimension_numbers: DimensionNumbers) -> tuple[int, ...]:
@@ -105,7 +114,7 @@ def config_for(plan: GemmPlan, out_dtype, config: GemmConfig | None) -> GemmConf
         return default_config(plan.m, plan.n, plan.k, _num_sms(), out_dtype, batch=plan.batch,
                               out_strides=out_strides(plan),
                               misaligned_rows=plan.misaligned_rows,
-                              dram_bytes_per_s=_dram_bytes_per_s())
+                              dram_bytes_per_s=_dram_bytes_per_s(), l2_bytes=_l2_bytes())
     check_config(config, plan.m, plan.n, plan.k, out_dtype, out_strides(plan))
     return config
 

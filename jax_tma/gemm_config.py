@@ -225,6 +225,20 @@ _SPLIT_CHOICES = (1, 2, 4, 8, 16)  # measured: split 3 lost to 4 on 1x4096x4096
 # 699.6 (15.5), 4096^3 in 184.2 against 176.7 (3.9).
 _STREAM_K_EXTRA_TILES = 0.33
 _STREAM_K_MIN_SLICES = 4  # TileScheduler::kMinStreamKSlices
+_GROUP_M = 8  # TileScheduler's kGroupM: cluster rows that sweep the N blocks together
+DEFAULT_L2_BYTES = 50 * 2**20  # an H100's or H200's, for a device that does not say
+# Stream-K's CTAs start their ranges at scattered K offsets, so the tiles left after the whole
+# waves that share a row block of A or a column block of B read it at different times: what of
+# those shared blocks L2 cannot hold is read again from memory. Charged at this many times the
+# excess at streaming bandwidth, fitted to 128 x 256 stream-K against the same tiles whole
+# (_timing.compare, 2026-11-21). H100: 4096 x 4096 x 65536 took 3978.7 us against 2721.7
+# (637 MB shared), 8192 x 8192 x 28672 5043.6 against 4852.1 (191 MB), 12288^3 4780.8 against
+# 4558.0, 8192 x 8192 x 16384 2778.9 against 2732.2, 16384 x 4096 x 14336 2430.2 against 2410.0
+# (95 MB), while with 55 MB or less stream-K kept its lead (8192^3 1368.7 against 1378.7,
+# 16384 x 4096 x 4096 698.0 against 702.0). On an H200, with 1.4x the bandwidth, stream-K still
+# led at 95-109 MB (16384 x 4096 x 14336 2396.1 against 2422.6; 8192 x 8192 x 16384 2718.0
+# against 2757.6) and tied at 191 MB (8192 x 8192 x 28672 4855.2 against 4857.6).
+_STREAM_K_REREAD = 1.5
 
 
 def stream_k_share(tiles: int, k: int, num_sms: int) -> tuple[int, int] | None:
@@ -238,9 +252,34 @@ def stream_k_share(tiles: int, k: int, num_sms: int) -> tuple[int, int] | None:
     return None
 
 
+def stream_k_shared_operand_bytes(config: GemmConfig, m: int, n: int, k: int, batch: int = 1,
+                                  num_sms: int = DEFAULT_NUM_SMS, in_bytes: int = 2) -> int:
+    """Bytes of the operand blocks that two or more of stream-K's tiles read: the row blocks of
+    A and column blocks of B shared among the tiles left after the whole waves, in the order
+    TileScheduler numbers them (0 where stream-K does not apply)."""
+    m_blocks, n_blocks = math.ceil(m / config.block_m), math.ceil(n / config.block_n)
+    per_batch = m_blocks * n_blocks
+    tiles = batch * per_batch
+    if not config.stream_k or stream_k_share(tiles, k, num_sms) is None:
+        return 0
+    row_uses: dict[tuple[int, int], int] = {}
+    col_uses: dict[tuple[int, int], int] = {}
+    for unit in range(tiles - tiles % num_sms, tiles):
+        entry, tile = divmod(unit, per_batch)
+        group, in_group = divmod(tile, _GROUP_M * n_blocks)
+        first_row = group * _GROUP_M
+        n_block, row = divmod(in_group, min(_GROUP_M, m_blocks - first_row))
+        row_uses[entry, first_row + row] = row_uses.get((entry, first_row + row), 0) + 1
+        col_uses[entry, n_block] = col_uses.get((entry, n_block), 0) + 1
+    shared_rows = sum(uses > 1 for uses in row_uses.values()) * config.block_m
+    shared_cols = sum(uses > 1 for uses in col_uses.values()) * config.block_n
+    return (shared_rows + shared_cols) * k * in_bytes
+
+
 def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
                      out_bytes: int = 2, batch: int = 1, misaligned_rows: str = "",
-                     dram_bytes_per_s: float = DEFAULT_DRAM_BYTES_PER_S) -> float:
+                     dram_bytes_per_s: float = DEFAULT_DRAM_BYTES_PER_S,
+                     l2_bytes: int = DEFAULT_L2_BYTES) -> float:
     """Cost model behind default_config, from three times:
 
     - compute: waves of CTA slots times the time of one tile (its K range at the tile shape's
@@ -252,10 +291,11 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
     The estimate is the longest of the three plus a small share of the shorter of compute and
     memory (they overlap only in part: among memory-bound choices, the one that computes least
     won the sweeps), plus the split-K partial products' round trip through memory. Stream-K
-    replaces the last wave by its share of the K slices plus a fixed cost. `batch` independent
-    products of M x N x K share the grid; `misaligned_rows`: the operands, "a" and/or "b",
-    whose rows are not 32-byte multiples apart (GemmPlan.misaligned_rows); `dram_bytes_per_s`:
-    the device's peak DRAM bandwidth."""
+    replaces the last wave by its share of the K slices plus a fixed cost, and pays for the
+    operand blocks its tiles share beyond what L2 holds (stream_k_shared_operand_bytes).
+    `batch` independent products of M x N x K share the grid; `misaligned_rows`: the operands,
+    "a" and/or "b", whose rows are not 32-byte multiples apart (GemmPlan.misaligned_rows);
+    `dram_bytes_per_s`: the device's peak DRAM bandwidth; `l2_bytes`: its L2 cache."""
     splits = config.splits_for(k)
     m_blocks = math.ceil(m / config.block_m)
     tiles = batch * m_blocks * math.ceil(n / config.block_n) * splits
@@ -277,13 +317,16 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
     memory_s = batch * (2 * (m * k + k * n) + out_bytes * m * n) / bandwidth
     split_s = 0.0 if splits == 1 else _SPLIT_FIXED_S + 8 * splits * batch * m * n / streaming
     share = stream_k_share(tiles, k, num_sms) if config.stream_k else None
+    reread_s = 0.0
     if share is not None:
         left, ctas = share
         waves = tiles // num_sms + left / ctas + _STREAM_K_EXTRA_TILES
+        shared = stream_k_shared_operand_bytes(config, m, n, k, batch, num_sms)
+        reread_s = _STREAM_K_REREAD * max(0, shared - l2_bytes) / streaming
     compute_s = waves * tile_s
     load_s = waves * 2 * (config.block_m + config.block_n) * k_per_split / _SM_LOAD_BYTES_PER_S
     return (max(compute_s, load_s, memory_s) + _OVERLAP_LOSS * min(compute_s, memory_s)
-            + split_s)
+            + split_s + reread_s)
 
 
 def legal_configs(m: int, n: int, k: int, out_dtype, out_strides: tuple[int, ...] | None = None,
@@ -309,7 +352,8 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
                    out_dtype=jnp.bfloat16, batch: int = 1,
                    out_strides: tuple[int, ...] | None = None,
                    misaligned_rows: str = "",
-                   dram_bytes_per_s: float = DEFAULT_DRAM_BYTES_PER_S) -> GemmConfig:
+                   dram_bytes_per_s: float = DEFAULT_DRAM_BYTES_PER_S,
+                   l2_bytes: int = DEFAULT_L2_BYTES) -> GemmConfig:
     """Picks a configuration for `batch` products of M x N x K.
 
     Every compiled tile with every split-K choice is scored by ``estimate_seconds`` (waves,
@@ -319,8 +363,8 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
     then no split and no stream-K. Split-K runs without clusters: measured, the cluster's
     lockstep only slows its short K ranges down. `misaligned_rows` names the operands, "a"
     and/or "b", whose rows are not 32-byte multiples apart (GemmPlan.misaligned_rows).
-    `num_sms` and `dram_bytes_per_s` (peak DRAM bandwidth) describe the device; jax_tma.matmul
-    reads both from the device it runs on.
+    `num_sms`, `dram_bytes_per_s` (peak DRAM bandwidth) and `l2_bytes` describe the device;
+    jax_tma.matmul reads them from the device it runs on.
     """
     if not isinstance(misaligned_rows, str) or set(misaligned_rows) - {"a", "b"}:
         raise ValueError(f'misaligned_rows must be a string of "a" and/or "b" (the operands '
@@ -328,6 +372,9 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
     if not (isinstance(dram_bytes_per_s, (int, float)) and 0 < dram_bytes_per_s < math.inf):
         raise ValueError(f"dram_bytes_per_s must be a positive number of bytes per second (the "
                          f"device's peak DRAM bandwidth), got {dram_bytes_per_s!r}")
+    if isinstance(l2_bytes, bool) or not isinstance(l2_bytes, int) or l2_bytes <= 0:
+        raise ValueError(f"l2_bytes must be a positive int (the device's L2 cache in bytes), "
+                         f"got {l2_bytes!r}")
     out_bytes = jnp.dtype(out_dtype).itemsize
     best, best_key = None, None
     for cfg in legal_configs(m, n, k, out_dtype, out_strides):
@@ -336,7 +383,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
         multicast = cfg.cluster_m > 1 and math.ceil(m / cfg.block_m) >= cfg.cluster_m
         key = (
             round(estimate_seconds(cfg, m, n, k, num_sms, out_bytes, batch,
-                                   misaligned_rows, dram_bytes_per_s), 9),
+                                   misaligned_rows, dram_bytes_per_s, l2_bytes), 9),
             -cfg.stages,
             -int(multicast),
             cfg.split_k,

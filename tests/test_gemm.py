@@ -168,7 +168,7 @@ def test_heuristic_follows_the_device_bandwidth():
     assert (cfg.tile[:2], cfg.split_k) == ((128, 128), 8), cfg
     # Compute-bound products keep their configuration whatever the bandwidth.
     for shape in [(1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
-                  (16384, 4096, 14336), (8192, 8192, 28672)]:
+                  (16384, 4096, 4096), (8192, 10240, 8192)]:
         for bandwidth in (h100, 2 * h100):
             assert gemm.default_config(*shape, dram_bytes_per_s=bandwidth) == gemm.default_config(*shape)
     # Less bandwidth never makes a memory-bound estimate faster.
@@ -418,6 +418,9 @@ def test_heuristic_reads_the_device_bandwidth():
     bandwidth = _ext.peak_dram_bytes_per_s(jax.devices()[0])
     assert bandwidth is not None and 1e12 < bandwidth < 2e13, bandwidth  # H100 3.35e12, H200 4.81e12
     assert gemm._dram_bytes_per_s() == bandwidth
+    l2 = _ext.l2_cache_bytes(jax.devices()[0])
+    assert l2 is not None and 2**24 <= l2 <= 2**28, l2  # 50 MiB on an H100 or H200
+    assert gemm._l2_bytes() == l2
     m, n, k = 128, 4096, 14336
     cfg = gemm.default_config(m, n, k, gemm._num_sms(), BF16, dram_bytes_per_s=bandwidth)
     hlo = jax.jit(jax_tma.matmul).lower(spec((m, k), BF16), spec((k, n), BF16)).as_text()
@@ -502,3 +505,47 @@ def test_heuristic_follows_the_measured_sweeps():
     assert gemm.default_config(16384, 4096, 4096).stream_k
     assert not gemm.default_config(4096, 4096, 4096).stream_k
     assert not gemm.default_config(2048, 2048, 2048).stream_k
+
+
+def test_stream_k_shared_operand_bytes_follow_the_scheduler():
+    """The operand blocks two or more of stream-K's tiles share, in TileScheduler's order."""
+    sk = jax_tma.GemmConfig(128, 256, 3, 1, stream_k=True)
+    # 8192 x 8192: 64 x 32 tiles, 68 left after 15 waves of 132: the last 68 of the last group
+    # of 8 row blocks, so all 8 row blocks and column blocks 23-31 (23 holds rows 4-7 only).
+    assert gemm.stream_k_shared_operand_bytes(sk, 8192, 8192, 28672) == (8 * 128 + 9 * 256) * 28672 * 2
+    # A partial last group: 1000 rows are 8 row blocks, 4096 columns 16 column blocks: 128
+    # tiles, all left (one wave); each row block is shared, each column block too.
+    assert gemm.stream_k_shared_operand_bytes(sk, 1000, 4096, 8192) == (8 * 128 + 16 * 256) * 8192 * 2
+    # One row block: its column blocks are read by one tile each, only A's rows are shared.
+    assert gemm.stream_k_shared_operand_bytes(sk, 128, 57344, 8192) == 128 * 8192 * 2
+    # Batch entries share nothing with each other: 3 entries of 1 x 64 tiles leave 60 tiles
+    # (192 - 132) in entry 2.
+    assert gemm.stream_k_shared_operand_bytes(sk, 128, 16384, 8192, batch=3) == 128 * 8192 * 2
+    # No stream-K, no stream-K share: whole waves (132 tiles) or a config without it.
+    assert gemm.stream_k_shared_operand_bytes(sk, 128 * 12, 256 * 11, 8192) == 0
+    assert gemm.stream_k_shared_operand_bytes(jax_tma.GemmConfig(128, 256, 3, 1), 8192, 8192, 28672) == 0
+
+
+def test_stream_k_pays_for_shared_operands_beyond_l2():
+    """Stream-K's ranges start at scattered K offsets, so the blocks its tiles share are read
+    again where L2 cannot hold them (H100, 2026-11-21: 4096 x 4096 x 65536 took 3978.7 us with
+    stream-K against 2721.7 for the same tiles whole; 8192 x 8192 x 28672 5043.6 against 4852.1;
+    8192^3 kept stream-K's lead, 1368.7 against 1378.7)."""
+    h100, h200 = 3.352e12, 4.8e12
+    for bandwidth in (h100, h200):
+        assert not gemm.default_config(4096, 4096, 65536, dram_bytes_per_s=bandwidth).stream_k
+        assert not gemm.default_config(8192, 8192, 28672, dram_bytes_per_s=bandwidth).stream_k
+        assert gemm.default_config(8192, 8192, 8192, dram_bytes_per_s=bandwidth).stream_k
+        assert gemm.default_config(16384, 28672, 4096, dram_bytes_per_s=bandwidth).stream_k
+    # With 1.4x the bandwidth the H200 re-reads 95-109 MB cheaply enough to keep stream-K
+    # (16384 x 4096 x 14336: 2396.1 us against 2422.6; on the H100 2430.2 against 2410.0).
+    assert not gemm.default_config(16384, 4096, 14336, dram_bytes_per_s=h100).stream_k
+    assert gemm.default_config(16384, 4096, 14336, dram_bytes_per_s=h200).stream_k
+    # A larger L2 holds the shared blocks.
+    assert gemm.default_config(16384, 4096, 14336, dram_bytes_per_s=h100, l2_bytes=2**27).stream_k
+    sk = jax_tma.GemmConfig(128, 256, 3, 1, stream_k=True)
+    assert gemm.estimate_seconds(sk, 8192, 8192, 28672, l2_bytes=2**20) > gemm.estimate_seconds(
+        sk, 8192, 8192, 28672)
+    for bad in (0, -1, 5e7, True, None, "50MB"):
+        with pytest.raises(ValueError, match="l2_bytes must be a positive int"):
+            gemm.default_config(8192, 8192, 8192, l2_bytes=bad)

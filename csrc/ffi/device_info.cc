@@ -40,6 +40,15 @@ double peak_dram_bytes_per_s(int ordinal) {
   return 2.0 * 1e3 * clock_khz * (bus_bits / 8.0);
 }
 
+long long l2_cache_bytes(int ordinal) {
+  int bytes = 0;
+  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, ordinal) != cudaSuccess) {
+    cudaGetLastError();  // as above
+    return 0;
+  }
+  return bytes;
+}
+
 std::string use_device(int ordinal) {
   int current = -1;
   cudaError_t err = cudaGetDevice(&current);

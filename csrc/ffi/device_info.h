@@ -21,6 +21,10 @@ const DeviceInfo& device_info(int ordinal);
 // not report the clock or the bus width. For the configuration heuristic's memory model.
 double peak_dram_bytes_per_s(int ordinal);
 
+// Bytes of L2 cache of device `ordinal` (50 MiB on an H100 SXM and an H200); 0 when the driver
+// does not say. For the heuristic's model of stream-K's operand reuse.
+long long l2_cache_bytes(int ordinal);
+
 // Makes `ordinal` the calling thread's current device for the runtime API; returns an error
 // message or an empty string.
 std::string use_device(int ordinal);

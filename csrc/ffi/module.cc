@@ -54,6 +54,7 @@ NB_MODULE(_jax_tma, m) {
   });
   // Device facts for the configuration heuristic (jax_tma.gemm), by CUDA ordinal.
   m.def("peak_dram_bytes_per_s", &jax_tma::ffi_util::peak_dram_bytes_per_s, nb::arg("ordinal"));
+  m.def("l2_cache_bytes", &jax_tma::ffi_util::l2_cache_bytes, nb::arg("ordinal"));
   // The XLA FFI API version these handlers were compiled against: a jaxlib whose API is older
   // than this does not register them.
   m.attr("ffi_api_major") = XLA_FFI_API_MAJOR;
