@@ -88,24 +88,26 @@ def cuda_devices() -> list[Any]:
         return []
 
 
-def peak_dram_bytes_per_s(device: Any) -> float | None:
-    """Peak DRAM bandwidth of a CUDA device in bytes per second, from the memory clock and bus
-    width its driver reports; None without the extension or where the driver does not say."""
+def _device_attribute(device: Any, query: str):
+    """The extension's `query` for a CUDA device by ordinal; None without the extension or
+    where the driver does not say (the query returns 0)."""
     ordinal = getattr(device, "local_hardware_id", None)
     if _C is None or ordinal is None:
         return None
-    value = _C.peak_dram_bytes_per_s(int(ordinal))
+    value = getattr(_C, query)(int(ordinal))
     return value if value > 0 else None
+
+
+def peak_dram_bytes_per_s(device: Any) -> float | None:
+    """Peak DRAM bandwidth of a CUDA device in bytes per second, from the memory clock and bus
+    width its driver reports; None without the extension or where the driver does not say."""
+    return _device_attribute(device, "peak_dram_bytes_per_s")
 
 
 def l2_cache_bytes(device: Any) -> int | None:
     """Bytes of L2 cache of a CUDA device; None without the extension or where the driver does
     not say."""
-    ordinal = getattr(device, "local_hardware_id", None)
-    if _C is None or ordinal is None:
-        return None
-    value = _C.l2_cache_bytes(int(ordinal))
-    return value if value > 0 else None
+    return _device_attribute(device, "l2_cache_bytes")
 
 
 def non_hopper_reason(devices: list[Any]) -> str | None:

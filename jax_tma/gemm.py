@@ -62,18 +62,22 @@ def _num_sms() -> int:
     return int(getattr(devices[0], "core_count", DEFAULT_NUM_SMS)) if devices else DEFAULT_NUM_SMS
 
 
+def _device_fact(query, default):
+    """`query` (an _ext device query) of the device the kernels run on, or `default` where
+    there is none or the driver does not say."""
+    devices = _ext.cuda_devices()
+    found = query(devices[0]) if devices else None
+    return found or default
+
+
 def _dram_bytes_per_s() -> float:
     """Peak DRAM bandwidth of the device the kernels run on (the heuristic's memory model)."""
-    devices = _ext.cuda_devices()
-    found = _ext.peak_dram_bytes_per_s(devices[0]) if devices else None
-    return found or DEFAULT_DRAM_BYTES_PER_S
+    return _device_fact(_ext.peak_dram_bytes_per_s, DEFAULT_DRAM_BYTES_PER_S)
 
 
 def _l2_bytes() -> int:
     """L2 cache of the device the kernels run on (the heuristic's model of stream-K)."""
-    devices = _ext.cuda_devices()
-    found = _ext.l2_cache_bytes(devices[0]) if devices else None
-    return found or DEFAULT_L2_BYTES
+    return _device_fact(_ext.l2_cache_bytes, DEFAULT_L2_BYTES)
 
 
 def output_shape(lhs_shape, rhs_shape, dimension_numbers: DimensionNumbers) -> tuple[int, ...]:

@@ -7,6 +7,7 @@ every legal configuration with a cost model fitted to measurements (``estimate_s
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 
@@ -262,15 +263,15 @@ def stream_k_shared_operand_bytes(config: GemmConfig, m: int, n: int, k: int, ba
     tiles = batch * per_batch
     if not config.stream_k or stream_k_share(tiles, k, num_sms) is None:
         return 0
-    row_uses: dict[tuple[int, int], int] = {}
-    col_uses: dict[tuple[int, int], int] = {}
+    row_uses: collections.Counter = collections.Counter()  # (batch entry, block) -> tiles
+    col_uses: collections.Counter = collections.Counter()
     for unit in range(tiles - tiles % num_sms, tiles):
         entry, tile = divmod(unit, per_batch)
         group, in_group = divmod(tile, _GROUP_M * n_blocks)
         first_row = group * _GROUP_M
         n_block, row = divmod(in_group, min(_GROUP_M, m_blocks - first_row))
-        row_uses[entry, first_row + row] = row_uses.get((entry, first_row + row), 0) + 1
-        col_uses[entry, n_block] = col_uses.get((entry, n_block), 0) + 1
+        row_uses[entry, first_row + row] += 1
+        col_uses[entry, n_block] += 1
     shared_rows = sum(uses > 1 for uses in row_uses.values()) * config.block_m
     shared_cols = sum(uses > 1 for uses in col_uses.values()) * config.block_n
     return (shared_rows + shared_cols) * k * in_bytes
