@@ -17,6 +17,9 @@ KERNEL_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # TMA needs 16-byte global strides: every stride of an operand except its unit one is a
 # multiple of this many 16-bit elements (the lowering pads an operand's rows when not).
 STRIDE_ELEMS = 8
+# Rows that the lowering pads anyway it pads to 32-byte multiples: rows 16 but not 32 bytes
+# apart load at about half speed (see _MISALIGNED_ISSUE_BYTES_PER_S).
+PAD_ELEMS = 16
 BLOCK_K = 64
 DEFAULT_NUM_SMS = 132
 # (block_m, block_n, stages, cluster_m, has a direct-store variant) of the TileConfig
@@ -197,6 +200,14 @@ _TILE_FIXED_S = 0.45e-6
 # per-SM load bound below moves 3000 x 1024 x 3000 to 128 x 232 pairs: 36.4-36.7 us on the H200,
 # as long as the 64 x 128 tiles; 40.3 on the H100, where the 64 x 128 tiles took 42.8 or more.
 _MISALIGNED_SMALL_TILE_EFFICIENCY = {"b": {1: 0.5, 2: 0.9}, "a": {1: 1.0, 2: 0.86}}
+# Whatever the tile, a CTA issues TMA loads of misaligned rows at about 46 GB/s (a block that
+# a cluster multicasts counted once, B in whole 64-column boxes): on an H100 (2026-11-21),
+# 5000^3, both operands misaligned, ran 11 configurations from 64 x 64 alone (1354.0 us) to
+# 128 x 232 in pairs (394.8) at 45-48 GB/s per CTA. Without this bound the model took 128 x 256
+# stream-K (525.4 us) there and 128 x 128 stream-K (141.9) on 1000 x 5000 x 5000, where the
+# 128 x 192 pairs took 95.6.
+_MISALIGNED_ISSUE_BYTES_PER_S = 46e9
+_BOX_COLS = 64  # a TMA box's row: 128 swizzled bytes of 16-bit elements
 # Streaming operands (decode-like shapes): about 65 GB/s per busy CTA, at most 0.83 of the
 # device's peak DRAM bandwidth in all (two transfers per memory clock across the bus, as the
 # driver reports them). The share is fitted to the H200 sweeps (4.0e12 of its 4.81e12). On an
@@ -287,7 +298,8 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
       wgmma efficiency, plus a fixed cost per tile). A cluster of 2 takes two slots even when
       the matrix ends after its first M block;
     - memory: the operands' traffic at the bandwidth the busy CTAs can pull;
-    - loads: each CTA's operand tiles at the rate TMA brings them into one SM.
+    - loads: each CTA's operand tiles at the rate TMA brings them into one SM, and the
+      misaligned rows among them at the slower rate TMA issues those.
 
     The estimate is the longest of the three plus a small share of the shorter of compute and
     memory (they overlap only in part: among memory-bound choices, the one that computes least
@@ -326,8 +338,16 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
         reread_s = _STREAM_K_REREAD * max(0, shared - l2_bytes) / streaming
     compute_s = waves * tile_s
     load_s = waves * 2 * (config.block_m + config.block_n) * k_per_split / _SM_LOAD_BYTES_PER_S
-    return (max(compute_s, load_s, memory_s) + _OVERLAP_LOSS * min(compute_s, memory_s)
-            + split_s + reread_s)
+    # The misaligned rows each CTA issues per K range: its A block, and its share of B's boxes.
+    sharing = config.cluster_m if m_blocks >= config.cluster_m else 1
+    # (Rows past the matrix are not read.)
+    misaligned = (("a" in misaligned_rows) * min(config.block_m, m)
+                  + ("b" in misaligned_rows)
+                  * min(math.ceil(config.block_n / _BOX_COLS), math.ceil(n / _BOX_COLS))
+                  * _BOX_COLS / sharing)
+    misaligned_s = waves * 2 * misaligned * k_per_split / _MISALIGNED_ISSUE_BYTES_PER_S
+    return (max(compute_s, load_s, memory_s, misaligned_s)
+            + _OVERLAP_LOSS * min(compute_s, memory_s) + split_s + reread_s)
 
 
 def legal_configs(m: int, n: int, k: int, out_dtype, out_strides: tuple[int, ...] | None = None,
@@ -362,7 +382,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
     skinny problems); among equal scores the deeper pipeline wins, then the cluster of 2 (B
     multicast), which halves the L2 traffic of B whenever both CTAs of a cluster have a tile,
     then no split and no stream-K. Split-K runs without clusters: measured, the cluster's
-    lockstep only slows its short K ranges down. `misaligned_rows` names the operands, "a"
+    lockstep only slows its short K ranges down; stream-K runs where M fills the tile. `misaligned_rows` names the operands, "a"
     and/or "b", whose rows are not 32-byte multiples apart (GemmPlan.misaligned_rows).
     `num_sms`, `dram_bytes_per_s` (peak DRAM bandwidth) and `l2_bytes` describe the device;
     jax_tma.matmul reads them from the device it runs on.
@@ -379,7 +399,10 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
     out_bytes = jnp.dtype(out_dtype).itemsize
     best, best_key = None, None
     for cfg in legal_configs(m, n, k, out_dtype, out_strides):
-        if cfg.split_k > 1 and cfg.cluster_m > 1:
+        # Stream-K only where the matrix fills the tile's rows: on 64 rows, 128-row stream-K
+        # took 35.2 us against 23.4 for 64 x 128 tiles (64 x 7000 x 4096, H100, B misaligned),
+        # 8.8 against 5.3 for 64 x 64 tiles split 4 ways on 64 x 1000 x 1000.
+        if cfg.split_k > 1 and cfg.cluster_m > 1 or cfg.stream_k and m < cfg.block_m:
             continue
         multicast = cfg.cluster_m > 1 and math.ceil(m / cfg.block_m) >= cfg.cluster_m
         key = (

@@ -22,7 +22,7 @@ import dataclasses
 import math
 from typing import Sequence
 
-from jax_tma.gemm_config import STRIDE_ELEMS
+from jax_tma.gemm_config import PAD_ELEMS, STRIDE_ELEMS
 
 DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
 
@@ -30,7 +30,8 @@ DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[in
 @dataclasses.dataclass(frozen=True)
 class OperandView:
     """One operand as the kernel reads it. `pad` > 0: first pad axis `pad_axis` by that many
-    elements (rows whose length is not a 16-byte multiple); the strides count the pad."""
+    elements (rows whose length is not a 16-byte multiple, padded to a 32-byte one); the
+    strides count the pad."""
 
     batch_stride: int  # 0: broadcast over the batch
     outer_stride: int  # stride of the free index (M of A, N of B)
@@ -128,10 +129,11 @@ def _operand(shape: Sequence[int], batch_group, free_group, contract_group,
         return OperandView(batch, free, contract, pad, inner if pad else -1)
 
     # Rows whose length is not a 16-byte multiple (TMA steps through global memory in 16-byte
-    # units) are padded when the unit-stride index is that one axis; strides count the pad.
+    # units) are padded when the unit-stride index is that one axis, to a 32-byte multiple (TMA
+    # loads rows an odd number of 16 bytes apart slower); strides count the pad.
     found = view(0)
     if found is None and [a for a in owner if shape[a] != 1] == [inner]:
-        found = view(-shape[inner] % STRIDE_ELEMS)
+        found = view(-shape[inner] % PAD_ELEMS)
     return found
 
 

@@ -204,6 +204,8 @@ def test_plan_declines_what_it_cannot_read(lhs_shape, rhs_shape, dims):
         ((1024, 1000), (1000, 1024), MATMUL, "a"),  # only A's rows
         ((1, 1000), (1000, 1024), MATMUL, ""),  # a single row of A has no pitch
         ((64, 1000), (64, 1024), (((0,), (0,)), ((), ())), "a"),  # A stored [K, M]
+        ((2500, 2500), (2500, 2500), MATMUL, ""),  # padded rows: to 2512 elements, not 2504
+        ((3000, 4097), (4097, 4097), MATMUL, ""),
     ],
 )
 def test_plan_flags_rows_that_slow_tma(lhs_shape, rhs_shape, dims, expected):

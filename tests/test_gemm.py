@@ -496,6 +496,20 @@ def test_heuristic_follows_the_measured_sweeps():
     # 3.6 waves of 128 x 256 tiles become 4 of 128 x 232 ones (86.7 us, against 92.5 for
     # 128 x 256 and 89.5 for 128 x 192, 4.9 waves).
     assert gemm.default_config(3000, 5000, 2048, misaligned_rows="b").tile == (128, 232, 4, 2)
+    # A CTA issues misaligned rows at about 46 GB/s whatever its tile, so where both operands'
+    # rows are misaligned, pairs that multicast B win over stream-K alone (H100, 5000^3:
+    # 128 x 232 pairs 394.8 us against 525.4 for 128 x 256 stream-K; 1000 x 5000 x 5000:
+    # 128 x 192 pairs 95.6 against 141.9 for 128 x 128 stream-K).
+    assert gemm.default_config(5000, 5000, 5000, misaligned_rows="ab").tile == (128, 232, 4, 2)
+    assert gemm.default_config(1000, 5000, 5000, misaligned_rows="ab").tile == (128, 192, 4, 2)
+    # The same products with aligned rows keep stream-K where it shares the last wave.
+    assert gemm.default_config(5000, 5000, 5000).stream_k
+    # Stream-K needs M to fill the tile's rows (64 x 7000 x 4096: 128 x 128 stream-K 35.2 us
+    # against 23.4 for 64 x 128 tiles; 64 x 1000 x 1000: 8.8 against 5.3 for 64 x 64 split 4).
+    for shape, misaligned in (((64, 7000, 4096), "b"), ((64, 1000, 1000), "ab"),
+                              ((64, 1000, 1000), "")):
+        picked = gemm.default_config(*shape, misaligned_rows=misaligned)
+        assert not picked.stream_k or shape[0] >= picked.block_m, (shape, picked)
     # ... but not where 232 columns waste a wave (4096^3: 4.4 waves of them against 3.9).
     assert gemm.default_config(4096, 4096, 4096).block_n == 256
     # Stream-K shares a half-empty last wave after many whole ones (8192^3, 15.5 waves of
