@@ -106,6 +106,11 @@ class GemmConfig:
     def tile(self) -> tuple[int, int, int, int]:
         return (self.block_m, self.block_n, self.stages, self.cluster_m)
 
+    def multicasts(self, m: int) -> bool:
+        """Whether the CTAs of a cluster share B's loads (multicast) on M = m: a cluster row
+        whose second M block lies past the matrix loads B alone."""
+        return self.cluster_m > 1 and math.ceil(m / self.block_m) >= self.cluster_m
+
     @property
     def takes_stream_k(self) -> bool:
         """Whether this tile can run stream-K (TileConfig::kStreamK: 128 rows, no cluster)."""
@@ -338,9 +343,9 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
         reread_s = _STREAM_K_REREAD * max(0, shared - l2_bytes) / streaming
     compute_s = waves * tile_s
     load_s = waves * 2 * (config.block_m + config.block_n) * k_per_split / _SM_LOAD_BYTES_PER_S
-    # The misaligned rows each CTA issues per K range: its A block, and its share of B's boxes.
-    sharing = config.cluster_m if m_blocks >= config.cluster_m else 1
-    # (Rows past the matrix are not read.)
+    # The misaligned rows each CTA issues per K range (none past the matrix): its A block, and
+    # its share of B's boxes.
+    sharing = config.cluster_m if config.multicasts(m) else 1
     misaligned = (("a" in misaligned_rows) * min(config.block_m, m)
                   + ("b" in misaligned_rows)
                   * min(math.ceil(config.block_n / _BOX_COLS), math.ceil(n / _BOX_COLS))
@@ -382,8 +387,9 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
     skinny problems); among equal scores the deeper pipeline wins, then the cluster of 2 (B
     multicast), which halves the L2 traffic of B whenever both CTAs of a cluster have a tile,
     then no split and no stream-K. Split-K runs without clusters: measured, the cluster's
-    lockstep only slows its short K ranges down; stream-K runs where M fills the tile. `misaligned_rows` names the operands, "a"
-    and/or "b", whose rows are not 32-byte multiples apart (GemmPlan.misaligned_rows).
+    lockstep only slows its short K ranges down; stream-K runs where M fills the tile.
+    `misaligned_rows` names the operands, "a" and/or "b", whose rows are not 32-byte multiples
+    apart (GemmPlan.misaligned_rows).
     `num_sms`, `dram_bytes_per_s` (peak DRAM bandwidth) and `l2_bytes` describe the device;
     jax_tma.matmul reads them from the device it runs on.
     """
@@ -404,7 +410,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
         # 8.8 against 5.3 for 64 x 64 tiles split 4 ways on 64 x 1000 x 1000.
         if cfg.split_k > 1 and cfg.cluster_m > 1 or cfg.stream_k and m < cfg.block_m:
             continue
-        multicast = cfg.cluster_m > 1 and math.ceil(m / cfg.block_m) >= cfg.cluster_m
+        multicast = cfg.multicasts(m)
         key = (
             round(estimate_seconds(cfg, m, n, k, num_sms, out_bytes, batch,
                                    misaligned_rows, dram_bytes_per_s, l2_bytes), 9),
