@@ -25,28 +25,22 @@ const DeviceInfo& device_info(int ordinal) {
   if (err != cudaSuccess) {
     info.error = std::string("querying CUDA device ") + std::to_string(ordinal) + " failed: " +
                  cudaGetErrorString(err);
+    return cache.emplace(ordinal, info).first->second;
   }
-  return cache.emplace(ordinal, info).first->second;
-}
-
-double peak_dram_bytes_per_s(int ordinal) {
+  // The cost model's facts are optional: where the driver does not report one it stays 0 and
+  // the heuristic uses a default.
   int clock_khz = 0;
   int bus_bits = 0;
-  if (cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, ordinal) != cudaSuccess ||
-      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, ordinal) != cudaSuccess) {
-    cudaGetLastError();  // leave no sticky error behind for the next runtime call to report
-    return 0.0;
+  int l2_bytes = 0;
+  if (cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, ordinal) == cudaSuccess &&
+      cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, ordinal) == cudaSuccess) {
+    info.peak_dram_bytes_per_s = 2.0 * 1e3 * clock_khz * (bus_bits / 8.0);
   }
-  return 2.0 * 1e3 * clock_khz * (bus_bits / 8.0);
-}
-
-long long l2_cache_bytes(int ordinal) {
-  int bytes = 0;
-  if (cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, ordinal) != cudaSuccess) {
-    cudaGetLastError();  // as above
-    return 0;
+  if (cudaDeviceGetAttribute(&l2_bytes, cudaDevAttrL2CacheSize, ordinal) == cudaSuccess) {
+    info.l2_cache_bytes = l2_bytes;
   }
-  return bytes;
+  cudaGetLastError();  // leave no sticky error behind for the next runtime call to report
+  return cache.emplace(ordinal, info).first->second;
 }
 
 std::string use_device(int ordinal) {

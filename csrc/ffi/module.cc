@@ -52,9 +52,16 @@ NB_MODULE(_jax_tma, m) {
     targets["jax_tma_test_d2d_copy"] = handler_capsule(jax_tma::ffi_handlers::TestD2dCopy);
     return targets;
   });
-  // Device facts for the configuration heuristic (jax_tma.gemm), by CUDA ordinal.
-  m.def("peak_dram_bytes_per_s", &jax_tma::ffi_util::peak_dram_bytes_per_s, nb::arg("ordinal"));
-  m.def("l2_cache_bytes", &jax_tma::ffi_util::l2_cache_bytes, nb::arg("ordinal"));
+  // Device facts for the configuration heuristic (jax_tma.gemm), by CUDA ordinal: 0 where the
+  // driver does not say (ffi_util::DeviceInfo).
+  m.def(
+      "peak_dram_bytes_per_s",
+      [](int ordinal) { return jax_tma::ffi_util::device_info(ordinal).peak_dram_bytes_per_s; },
+      nb::arg("ordinal"));
+  m.def(
+      "l2_cache_bytes",
+      [](int ordinal) { return jax_tma::ffi_util::device_info(ordinal).l2_cache_bytes; },
+      nb::arg("ordinal"));
   // The XLA FFI API version these handlers were compiled against: a jaxlib whose API is older
   // than this does not register them.
   m.attr("ffi_api_major") = XLA_FFI_API_MAJOR;
