@@ -180,14 +180,31 @@ def check_config(config: GemmConfig, m: int, n: int, k: int, out_dtype,
 # Constants of the cost model, fitted to sweeps of every configuration on an H200
 # (benchmarks/bench_gemm.py --sweep, 2026-11-21). Relative wgmma throughput of one CTA per tile
 # shape and cluster size, from 8192^3 with each tile's wave quantisation taken out: two consumer
-# warpgroups on a wide tile keep the tensor cores busiest; 64-row tiles in clusters lose to
-# their lockstep (64 x 128: 1988 us in pairs against 1611 us alone). 128 x 232 loads B's last
+# warpgroups on a wide tile keep the tensor cores busiest; 64-row and 128 x 128 tiles in
+# clusters lose to their lockstep (see _CLUSTER_EFFICIENCY). 128 x 232 loads B's last
 # 64-wide block whole for 40 columns of it: per FLOP, 0.969 of 128 x 256 pairs on 4096^3
 # (202.1 us for 5 waves against 172.9 for 4) and 0.958 on 8192^3 (1441.1 for 18 against 1355.1
 # for 16), in one sweep at a68b276.
 _TILE_EFFICIENCY = {(128, 256): 1.0, (128, 232): 0.96, (128, 192): 0.97, (128, 128): 0.93,
                     (64, 256): 0.88, (64, 128): 0.84, (64, 64): 0.46}
-_SMALL_TILE_CLUSTER_EFFICIENCY = {(64, 256): 0.97, (64, 128): 0.83}
+# Relative throughput of a tile in clusters of 2 against the same tile alone, where rows are
+# aligned: 64 x 128 ran 8192^3 in 1988 us in pairs against 1611 alone (H200). In an H100 sweep
+# (2026-11-21) of 23 products with aligned rows, 128 x 128 pairs took 2-26 % longer than
+# 128 x 128 alone on 16 (median 8 %; 4096 x 6144 x 4096 306.1 us against 275.2, 1024 x 10240 x
+# 8192 241.7 against 222.9), were within 2 % on 4 and faster on 3 (4000^3 by 14 %, 768 x 3072 x
+# 768 and 1024 x 57344 x 8192 by 2.5 %); 128 x 192 and 128 x 256 pairs ran level with their
+# tiles alone. Misaligned rows favour the pairs whatever the tile (128 x 128: 8-24 % faster than
+# alone on 11 such products), and so do some narrow ones. The factor on 128 x 128 moved 20
+# products to tiles alone, timed against the pairs on an H100 (2026-11-21). The 15 with 8 or
+# more tiles across N ran level (within 1 %) or faster alone, up to 27 % (2000 x 1024 x 14336
+# 77.4 us against 98.0, 1024 x 10240 x 8192 218.6 against 240.0, 5000 x 2048 x 4096 117.1
+# against 131.8). Of the 5 with 2 or 4, three ran slower alone (8192 x 256 x 4096 32.9 against
+# 30.5, 6144 x 256 x 8192 50.0 against 47.3, 3000 x 512 x 4096 25.4 against 23.3) and two
+# 1-3 % faster. So 128-row tiles take the factor only on aligned rows and more than
+# _NARROW_COLUMN_BLOCKS tiles across N; 64-row ones always, with
+# _MISALIGNED_SMALL_TILE_EFFICIENCY on top.
+_CLUSTER_EFFICIENCY = {(64, 256): 0.97, (64, 128): 0.83, (128, 128): 0.93}
+_NARROW_COLUMN_BLOCKS = 4
 _PEAK_FLOPS_PER_SM = 989e12 / 132
 # Every tile also pays for its epilogue and the refill of the ring behind it: about 0.45 us,
 # from 64 batches of 1024 x 1024 x 64 (one K slice per tile) in 64 x 64 and 64 x 128 tiles.
@@ -321,8 +338,9 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
     waves = math.ceil(slots / num_sms)
     k_per_split = math.ceil(math.ceil(k / BLOCK_K) / splits) * BLOCK_K
     efficiency = _TILE_EFFICIENCY[(config.block_m, config.block_n)]
-    if config.block_m == 64 and config.cluster_m > 1:
-        efficiency *= _SMALL_TILE_CLUSTER_EFFICIENCY[(config.block_m, config.block_n)]
+    if config.cluster_m > 1 and (config.block_m == 64 or not misaligned_rows
+                                 and math.ceil(n / config.block_n) > _NARROW_COLUMN_BLOCKS):
+        efficiency *= _CLUSTER_EFFICIENCY.get((config.block_m, config.block_n), 1.0)
     if misaligned_rows and config.block_m == 64:
         worst = "b" if "b" in misaligned_rows else "a"
         efficiency *= _MISALIGNED_SMALL_TILE_EFFICIENCY[worst][config.cluster_m]

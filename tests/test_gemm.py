@@ -504,6 +504,14 @@ def test_heuristic_follows_the_measured_sweeps():
     assert gemm.default_config(1000, 5000, 5000, misaligned_rows="ab").tile == (128, 192, 4, 2)
     # The same products with aligned rows keep stream-K where it shares the last wave.
     assert gemm.default_config(5000, 5000, 5000).stream_k
+    # 128 x 128 tiles in pairs lose to the same tiles alone where rows are aligned and N spans
+    # more than four of them (H100: 1024 x 10240 x 8192 218.6 us alone against 240.0 in pairs,
+    # 2000 x 1024 x 14336 77.4 against 98.0), but win on misaligned rows (8-24 % faster than
+    # alone on 11 products) and on narrow N (8192 x 256 x 4096: 30.5 in pairs against 32.9).
+    assert gemm.default_config(1024, 10240, 8192).tile == (128, 128, 6, 1)
+    assert gemm.default_config(2000, 1024, 14336).tile == (128, 128, 6, 1)
+    assert gemm.default_config(2000, 5000, 4096, misaligned_rows="b").tile == (128, 128, 6, 2)
+    assert gemm.default_config(8192, 256, 4096).tile == (128, 128, 6, 2)
     # Stream-K needs M to fill the tile's rows (64 x 7000 x 4096: 128 x 128 stream-K 35.2 us
     # against 23.4 for 64 x 128 tiles; 64 x 1000 x 1000: 8.8 against 5.3 for 64 x 64 split 4).
     for shape, misaligned in (((64, 7000, 4096), "b"), ((64, 1000, 1000), "ab"),
