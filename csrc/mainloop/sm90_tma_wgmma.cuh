@@ -76,13 +76,24 @@ struct MainloopSm90TmaWgmma {
                 "an M-major A box is one warpgroup's share");
   static_assert(Boxes::kBBoxMN == 64 && kBBoxElems == 64 * kBlockK);
 
+  // B's 64-wide blocks of a tile at column n0 that hold columns of an n-column matrix. The
+  // rest lie wholly past the matrix: they are not loaded, and the stale columns wgmma reads in
+  // their place reach only output columns >= n, which no epilogue stores. TMA's zero fill of
+  // such boxes cost whole microseconds: on an H100, 128 x 232 pairs ran 3072 x 1024 x 3072
+  // (two of the last column's four blocks past the matrix) in 39.0 us with them, 33.1 without.
+  __device__ static int b_blocks(int n, int n0) {
+    return min(Boxes::kBLoads, (n - n0 + Boxes::kBBoxMN - 1) / Boxes::kBBoxMN);
+  }
+
   // Producer (one thread): stream K slices [kb_begin, kb_end) of one output tile into the ring.
   // `rank` is this CTA's rank in its cluster; `a_stage_bytes` what A's boxes bring per stage
-  // (GemmShape::a_stage_bytes).
+  // (GemmShape::a_stage_bytes); `n` the product's columns.
   __device__ static void load(Pipeline& pipeline, State& write, SharedStorage& smem,
                               const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
                               const TileOrigin& at, int kb_begin, int kb_end, LoadMode mode,
-                              int rank, uint32_t a_stage_bytes) {
+                              int rank, uint32_t a_stage_bytes, int n) {
+    const int b_loads = b_blocks(n, at.n0);
+    const uint32_t stage_bytes = a_stage_bytes + b_loads * Boxes::kBBoxBytes;
 #pragma unroll 1
     for (int kb = kb_begin; kb < kb_end; ++kb) {
       pipeline.producer_acquire(write);
@@ -92,7 +103,7 @@ struct MainloopSm90TmaWgmma {
         continue;
       }
       // Whoever issues them, every byte of A and B lands in this CTA's stage.
-      uint64_t* full = pipeline.producer_expect_tx(write, a_stage_bytes + Tile::kTileBBytes);
+      uint64_t* full = pipeline.producer_expect_tx(write, stage_bytes);
       const int k0 = kb * kBlockK;
 #pragma unroll
       for (int i = 0; i < Boxes::kALoads; ++i) {
@@ -102,6 +113,7 @@ struct MainloopSm90TmaWgmma {
       }
 #pragma unroll
       for (int j = 0; j < Boxes::kBLoads; ++j) {
+        if (j >= b_loads) break;
         T* dst = smem.b[write.index] + j * kBBoxElems;
         const auto c = sm90_gemm::inner_outer<kMajorB>(at.n0 + j * Boxes::kBBoxMN, k0);
         const ptx::TmaCoord<3> coord{{c.inner, c.outer, at.batch_b}};
