@@ -115,16 +115,17 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   const typename K::Scheduler scheduler(tiles);
   WorkTile first{};
   uint32_t a_stage_bytes = 0;
-  int n = 0;
+  int m = 0, n = 0;
   bool a_batched = false, b_batched = false;
   if (role == WarpGroupRole::Producer) {
     first = scheduler.first();
     a_stage_bytes = shape.a_stage_bytes;
+    m = shape.m;
     n = shape.n;
     a_batched = shape.a_batched;
     b_batched = shape.b_batched;
     ptx::compute_now(first.linear, first.m_block, first.n_block, first.batch, first.k_begin,
-                     first.k_end, first.self_valid, first.cluster_full, a_stage_bytes, n,
+                     first.k_end, first.self_valid, first.cluster_full, a_stage_bytes, m, n,
                      a_batched, b_batched);
   }
   // Peers multicast into this CTA's ring and arrive on its barriers: none may use them before
@@ -154,7 +155,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         const TileOrigin at{w.m_block * Tile::kBlockM, w.n_block * Tile::kBlockN,
                             a_batched ? w.batch : 0, b_batched ? w.batch : 0};
         K::Mainloop::load(pipeline, write, smem.operands, &tmap_a, &tmap_b, at, w.k_begin,
-                          w.k_end, mode, scheduler.rank, a_stage_bytes, n);
+                          w.k_end, mode, scheduler.rank, a_stage_bytes, m, n);
       }
       pipeline.producer_tail(write);
     }

@@ -156,16 +156,16 @@ __host__ __device__ constexpr InnerOuter<T> inner_outer(T mn, T k) {
 }
 
 // TMA boxes of one (tile, layout) pair, innermost dimension first. Every box is one 128-byte
-// swizzle row wide. A: K-major, one box of kBlockM rows; M-major, kBlockM / 64 boxes of 64 K
-// rows x 64 M. B: kBlockN / 64 boxes of 64 N indices, as 64 K rows x 64 N (N-major) or 64 N
-// rows x 64 K (K-major).
+// swizzle row wide and covers 64 M or N indices, so that a tile's boxes wholly past the matrix
+// can be left out (MainloopSm90TmaWgmma::load). A: kBlockM / 64 boxes, as 64 M rows x 64 K
+// (K-major) or 64 K rows x 64 M (M-major). B: kBlockN / 64 boxes (rounded up), as 64 K rows x
+// 64 N (N-major) or 64 N rows x 64 K (K-major).
 template <class Tile, class Layout>
 struct OperandBoxes {
   static constexpr bool kAKMajor = Layout::kA == Major::kK;
   static constexpr bool kBKMajor = Layout::kB == Major::kK;
-  static constexpr int kABoxMN = kAKMajor ? Tile::kBlockM : Tile::kSwizzleElems;
-  static constexpr int kBoxA[3] = {Tile::kSwizzleElems, kAKMajor ? Tile::kBlockM : Tile::kBlockK,
-                                   1};
+  static constexpr int kABoxMN = 64;
+  static constexpr int kBoxA[3] = {Tile::kSwizzleElems, 64, 1};
   static constexpr int kALoads = Tile::kBlockM / kABoxMN;
   static constexpr int kBBoxMN = 64;
   static constexpr int kBoxB[3] = {Tile::kSwizzleElems, kBKMajor ? kBBoxMN : Tile::kBlockK, 1};
@@ -179,14 +179,14 @@ struct OperandBoxes {
 
   // Rows of A's box for a product of `m` rows. NOTE: TMA zero-fills the rows of a box that lie
   // past the matrix, but slowly: a decode-like product (M = 1, 64-row box) ran 1.7x longer
-  // than with 64 real rows. So a K-major A shorter than one tile is loaded as a box of its own
+  // than with 64 real rows. So a K-major A shorter than one box is loaded as a box of its own
   // rows; the stage's remaining rows keep stale data, which only reaches output rows >= m,
   // and the epilogue never stores those.
   static constexpr int a_rows(int64_t m) {
     return kAKMajor && m < kABoxMN ? static_cast<int>(m) : kABoxMN;
   }
-  // Bytes A's boxes bring into one stage for a product of `m` rows (GemmShape::a_stage_bytes):
-  // Tile::kTileABytes unless a_rows(m) shortens the box.
+  // Bytes all of A's boxes bring into one stage for a product of `m` rows
+  // (GemmShape::a_stage_bytes): Tile::kTileABytes unless a_rows(m) shortens the box.
   static constexpr uint32_t a_stage_bytes(int64_t m) {
     return kALoads * static_cast<uint32_t>(a_rows(m)) * Tile::kSwizzleElems * Tile::kElementBytes;
   }
@@ -226,8 +226,8 @@ struct GemmShape {
   int k_blocks_per_split;   // kBlockK slices per K range; the last range may be shorter
   bool a_batched;           // false: A is one matrix for every batch entry (coordinate 0)
   bool b_batched;
-  // Bytes of A that one stage receives: Tile::kTileABytes, or less when A is K-major and has
-  // fewer rows than one tile (its box then holds only those rows: see OperandBoxes::a_rows).
+  // Bytes of A that one stage receives when all of A's boxes load: Tile::kTileABytes, or less
+  // when A is K-major and has fewer rows than one box (see OperandBoxes::a_rows).
   uint32_t a_stage_bytes;
   // Element strides of D (its N stride is 1); the direct-store epilogue addresses D with them.
   int64_t d_m_stride, d_batch_stride, d_split_stride;

@@ -4,7 +4,7 @@
 // immediates at compile time, so no layout test runs per K slice.
 //
 // Shared-memory layouts (all 128-byte swizzled, each stage and box 1024-byte aligned):
-//   A stage, K-major: kBlockM rows x 64 K (one 128-byte row per M index).
+//   A stage, K-major: kBlockM rows x 64 K (one 128-byte row per M index), in boxes of 64 rows.
 //            M-major: kBlockM / 64 blocks, each 64 K-rows x 64 M.
 //   B stage, N-major: kBlockN / 64 blocks (rounded up), each 64 K-rows x 64 N.
 //            K-major: kBlockN rows x 64 K (one 128-byte row per N index), in blocks of 64 rows
@@ -72,28 +72,30 @@ struct MainloopSm90TmaWgmma {
   static_assert(sizeof(T) == Tile::kElementBytes);
   static_assert(sizeof(SharedStorage::a[0]) == Tile::kTileABytes);
   static_assert(sizeof(SharedStorage::b[0]) == Tile::kTileBBytes);
-  static_assert(Boxes::kAKMajor || kABoxElems == kAWarpgroupElems,
-                "an M-major A box is one warpgroup's share");
+  static_assert(kABoxElems == kAWarpgroupElems, "an A box is one warpgroup's share");
   static_assert(Boxes::kBBoxMN == 64 && kBBoxElems == 64 * kBlockK);
 
-  // B's 64-wide blocks of a tile at column n0 that hold columns of an n-column matrix. The
-  // rest lie wholly past the matrix: they are not loaded, and the stale columns wgmma reads in
-  // their place reach only output columns >= n, which no epilogue stores. TMA's zero fill of
-  // such boxes cost whole microseconds: on an H100, 128 x 232 pairs ran 3072 x 1024 x 3072
-  // (two of the last column's four blocks past the matrix) in 39.0 us with them, 33.1 without.
-  __device__ static int b_blocks(int n, int n0) {
-    return min(Boxes::kBLoads, (n - n0 + Boxes::kBBoxMN - 1) / Boxes::kBBoxMN);
+  // An operand's boxes (`boxes` of 64 M or N indices from index `from`) that hold indices of
+  // a matrix of `extent`. The rest lie wholly past the matrix: they are not loaded, and the
+  // stale rows or columns wgmma reads in their place reach only outputs past the matrix,
+  // which no epilogue stores. TMA's zero fill of such boxes cost whole microseconds: on an
+  // H100, 128 x 232 pairs ran 3072 x 1024 x 3072 (two of the last column's four B blocks past
+  // the matrix) in 39.0 us with them, 33.1 without.
+  __device__ static int boxes_within(int boxes, int extent, int from) {
+    return min(boxes, (extent - from + 63) / 64);
   }
 
   // Producer (one thread): stream K slices [kb_begin, kb_end) of one output tile into the ring.
-  // `rank` is this CTA's rank in its cluster; `a_stage_bytes` what A's boxes bring per stage
-  // (GemmShape::a_stage_bytes); `n` the product's columns.
+  // `rank` is this CTA's rank in its cluster; `a_stage_bytes` what all of A's boxes bring per
+  // stage (GemmShape::a_stage_bytes); `m`, `n` the product's rows and columns.
   __device__ static void load(Pipeline& pipeline, State& write, SharedStorage& smem,
                               const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
                               const TileOrigin& at, int kb_begin, int kb_end, LoadMode mode,
-                              int rank, uint32_t a_stage_bytes, int n) {
-    const int b_loads = b_blocks(n, at.n0);
-    const uint32_t stage_bytes = a_stage_bytes + b_loads * Boxes::kBBoxBytes;
+                              int rank, uint32_t a_stage_bytes, int m, int n) {
+    const int a_loads = boxes_within(Boxes::kALoads, m, at.m0);
+    const int b_loads = boxes_within(Boxes::kBLoads, n, at.n0);
+    const uint32_t stage_bytes =
+        a_stage_bytes / Boxes::kALoads * a_loads + b_loads * Boxes::kBBoxBytes;
 #pragma unroll 1
     for (int kb = kb_begin; kb < kb_end; ++kb) {
       pipeline.producer_acquire(write);
@@ -107,6 +109,7 @@ struct MainloopSm90TmaWgmma {
       const int k0 = kb * kBlockK;
 #pragma unroll
       for (int i = 0; i < Boxes::kALoads; ++i) {
+        if (i >= a_loads) break;
         const auto c = sm90_gemm::inner_outer<kMajorA>(at.m0 + i * Boxes::kABoxMN, k0);
         ptx::tma_load(smem.a[write.index] + i * kABoxElems, tmap_a, full,
                       ptx::TmaCoord<3>{{c.inner, c.outer, at.batch_a}});
