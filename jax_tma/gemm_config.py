@@ -220,7 +220,8 @@ _TILE_FIXED_S = 0.45e-6
 # 36.0-37.2 us against 29.4 for 3072 x 1024 x 3072; 128 x 256 alone 33.6-34.2). A factor for
 # that is left out: it moved 16 x 4096 x 4100 from 64 x 64 tiles (13.4 us) to split-K. The
 # per-SM load bound below moves 3000 x 1024 x 3000 to 128 x 232 pairs: 36.4-36.7 us on the H200,
-# as long as the 64 x 128 tiles; 40.3 on the H100, where the 64 x 128 tiles took 42.8 or more.
+# as long as the 64 x 128 tiles; 40.3 on the H100, where the 64 x 128 tiles took 42.8 or more
+# (34.4-35.0 since boxes wholly past the matrix are not loaded, against 34.0 for 128 x 256 alone).
 _MISALIGNED_SMALL_TILE_EFFICIENCY = {"b": {1: 0.5, 2: 0.9}, "a": {1: 1.0, 2: 0.86}}
 # Whatever the tile, a CTA issues TMA loads of misaligned rows at about 46 GB/s (a block that
 # a cluster multicasts counted once, B in whole 64-column boxes): on an H100 (2026-11-21),
@@ -338,8 +339,9 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
     waves = math.ceil(slots / num_sms)
     k_per_split = math.ceil(math.ceil(k / BLOCK_K) / splits) * BLOCK_K
     efficiency = _TILE_EFFICIENCY[(config.block_m, config.block_n)]
-    if config.cluster_m > 1 and (config.block_m == 64 or not misaligned_rows
-                                 and math.ceil(n / config.block_n) > _NARROW_COLUMN_BLOCKS):
+    wide_aligned = (not misaligned_rows
+                    and math.ceil(n / config.block_n) > _NARROW_COLUMN_BLOCKS)
+    if config.cluster_m > 1 and (config.block_m == 64 or wide_aligned):
         efficiency *= _CLUSTER_EFFICIENCY.get((config.block_m, config.block_n), 1.0)
     if misaligned_rows and config.block_m == 64:
         worst = "b" if "b" in misaligned_rows else "a"

@@ -56,7 +56,7 @@ struct TileConfig {
   // A tile whose width is not a multiple of 64 loads its last block whole: wgmma reads only
   // the tile's columns of it, and the rest (the next tile's, or TMA's zero fill) goes unused.
   // Blocks wholly past the matrix's last column are not loaded at all: TMA zero-fills a whole
-  // box slowly (MainloopSm90TmaWgmma::b_blocks).
+  // box slowly (MainloopSm90TmaWgmma::boxes_within).
   static constexpr int kBColumnBlocks = (kBlockN + 63) / 64;
 
   static constexpr uint32_t kTileABytes = kBlockM * kBlockK * kElementBytes;
