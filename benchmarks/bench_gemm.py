@@ -14,8 +14,13 @@ min-max spread. Outputs are checked against XLA before timing.
     python benchmarks/bench_gemm.py --sweep --shapes 8192,8192,8192   # every legal config
     python benchmarks/bench_gemm.py --quick --layout NT   # b stored [N, K] (dot_general)
     python benchmarks/bench_gemm.py --breakdown --shapes 1,4096,4096  # kernels and durations
+    python benchmarks/bench_gemm.py --read-floor     # also time reading the operands once
     python benchmarks/bench_gemm.py --dry-run        # tiny shapes; runs without a GPU (CI)
     python benchmarks/bench_gemm.py --commit abc1234 # the commit that ran, if .git is stale
+
+--read-floor adds a contender that only reads both operands once (XLA's fp32 row sums of
+each): for products bound by memory (decode-like M) its time is about the least any kernel
+reading those bytes takes; it is listed in GB/s of operand bytes, outside the ratio.
 
 A shape is M,N,K (a[M,K] @ b[K,N]) or B,M,N,K (a[B,M,K] @ b[B,K,N]); every suite runs in bf16
 or fp16. --layout NT/TN/TT stores b as [N, K] and/or a as [K, M] and times
@@ -76,6 +81,7 @@ BATCHED_DRY_RUN = [(2, 64, 64, 64), (3, 7, 129, 72)]
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 LAYOUTS = ("NN", "NT", "TN", "TT")  # a then b: N as in a[M, K] @ b[K, N], T stored transposed
 L2_BYTES = 50 * 2**20
+READ_FLOOR = "read_once"  # the --read-floor contender
 BUFFER_BUDGET = 4 * 2**30  # operand bytes allotted per shape
 
 
@@ -88,7 +94,9 @@ class Row:
     note: str = ""
 
     def tflops(self) -> float | None:
-        return None if self.seconds is None else 2.0 * math.prod(self.shape) / self.seconds / 1e12
+        if self.seconds is None or self.contender == READ_FLOOR:
+            return None
+        return 2.0 * math.prod(self.shape) / self.seconds / 1e12
 
 
 def _split(shape: tuple[int, ...]) -> tuple[tuple[int, ...], int, int, int]:
@@ -116,6 +124,9 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--breakdown", action="store_true",
                    help="also print the kernels each contender launches, with their durations")
     p.add_argument("--no-pallas", action="store_true", help="skip the Pallas Mosaic-GPU matmul")
+    p.add_argument("--read-floor", action="store_true",
+                   help="also time reading both operands once (XLA row sums): a floor for "
+                        "products bound by memory")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iterations", type=int, default=3, help="timed calls per round")
     p.add_argument("--out", type=pathlib.Path, default=None,
@@ -173,9 +184,15 @@ def _pallas_contender(dtype):
     return run, fits
 
 
+def operand_bytes(shape: tuple[int, ...], itemsize: int) -> int:
+    """Bytes of both operands of a [B,]M,N,K product."""
+    batch, m, n, k = _split(shape)
+    return math.prod(batch) * (m * k + k * n) * itemsize
+
+
 def _operand_sets(shape, dtype, key, layout="NN"):
     batch, m, n, k = _split(shape)
-    per_set = math.prod(batch) * (m * k + k * n) * jnp.dtype(dtype).itemsize
+    per_set = operand_bytes(shape, jnp.dtype(dtype).itemsize)
     count = max(2, math.ceil(2 * L2_BYTES / per_set))
     count = int(min(count, 16, max(2, BUFFER_BUDGET // per_set)))
     a_shape = (k, m) if layout[0] == "T" else (m, k)
@@ -193,6 +210,11 @@ def _products(layout: str):
     return (lambda a, b: jax_tma.dot_general(a, b, dims),
             lambda a, b: lax.dot_general(a, b, dims),
             lambda cfg: lambda a, b: jax_tma.dot_general(a, b, dims, config=cfg))
+
+
+def _read_once(a, b):
+    """Reads every element of both operands once (fp32 sums of each row) and nothing else."""
+    return jnp.sum(a, axis=-1, dtype=jnp.float32), jnp.sum(b, axis=-1, dtype=jnp.float32)
 
 
 def _check(name, fn, ops, ref) -> str:
@@ -214,7 +236,7 @@ def bench_shape(shape, dtype, args, pallas) -> list[Row]:
     if pallas is not None and not batch and args.layout == "NN" and pallas[1](m, n, k):
         contenders["pallas_mgpu"] = pallas[0]
     notes = {}
-    for name in list(contenders):
+    for name in list(contenders):  # the products only: the read floor computes something else
         try:
             problem = _check(name, contenders[name], sets[0], ref)
         except Exception as e:  # noqa: BLE001 - a contender that cannot run this shape
@@ -225,6 +247,8 @@ def bench_shape(shape, dtype, args, pallas) -> list[Row]:
                 del contenders[name]
     if "jax_tma" in notes:
         raise RuntimeError(notes["jax_tma"])
+    if args.read_floor:
+        contenders[READ_FLOOR] = _read_once
     timings = _timing.compare(contenders, sets, rounds=args.rounds, iterations=args.iterations)
     if args.breakdown:
         _print_breakdown(shape, {n: contenders[n] for n in ("jax_tma", "xla")}, sets[0])
@@ -313,7 +337,7 @@ def jaxlib_version() -> str | None:
 
 
 def _table(rows: list[Row], env: dict, dtype: str) -> str:
-    peak = max((r.tflops() for r in rows if r.seconds), default=0.0)
+    peak = max((r.tflops() for r in rows if r.tflops()), default=0.0)
     by_shape: dict = {}
     for r in rows:
         by_shape.setdefault(r.shape, {})[r.contender] = r
@@ -346,7 +370,16 @@ def _table(rows: list[Row], env: dict, dtype: str) -> str:
         lines += ["", f"{name}:"]
         for r in rows:
             if r.contender == name:
-                what = f"{r.seconds * 1e6:.1f} µs, {r.tflops():.1f} TFLOP/s" if r.seconds else r.note
+                if not r.seconds:
+                    what = r.note
+                elif name == READ_FLOOR:  # both suites' dtypes take 2 bytes an element
+                    ours, size = by_shape[r.shape].get("jax_tma"), operand_bytes(r.shape, 2)
+                    what = f"{r.seconds * 1e6:.1f} µs, {size / r.seconds / 1e9:.0f} GB/s of operands"
+                    if ours and ours.seconds:
+                        what += (f"; jax_tma reads them at {size / ours.seconds / 1e9:.0f} GB/s "
+                                 f"({r.seconds / ours.seconds:.2f}× this speed)")
+                else:
+                    what = f"{r.seconds * 1e6:.1f} µs, {r.tflops():.1f} TFLOP/s"
                 lines.append(f"- {_label(r.shape)}: {what}")
     return "\n".join(lines)
 
@@ -444,7 +477,8 @@ def main(argv=None) -> int:
         print(f" jax_tma {ours.tflops():.1f} vs XLA {xla.tflops():.1f} TFLOP/s",
               file=sys.stderr, flush=True)
         if args.sweep:
-            for r in sorted((r for r in new if r.seconds), key=lambda r: r.seconds):
+            for r in sorted((r for r in new if r.seconds and r.contender != READ_FLOOR),
+                            key=lambda r: r.seconds):
                 print(f"    {r.seconds * 1e6:10.1f} us {r.tflops():7.1f} TFLOP/s  {r.contender}")
     what = args.dtype if args.layout == "NN" else f"{args.dtype}, layout {args.layout}"
     table = _table(rows, env, what)
