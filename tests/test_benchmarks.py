@@ -110,15 +110,15 @@ def test_bench_gemm_mixed_shapes_without_files():
     assert "wrote" not in result.stdout  # a dry run without --out writes nothing
 
 
-def test_bench_gemm_read_floor_is_listed_apart(tmp_path):
-    result = _run("bench_gemm.py", "--read-floor", "--out", str(tmp_path))
+def test_bench_gemm_read_once_is_listed_apart(tmp_path):
+    result = _run("bench_gemm.py", "--read-once", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
-    floor = result.stdout.split("read_once:")[1].splitlines()
-    assert floor[1].startswith("- 64×64×64: ") and "GB/s of operands; jax_tma reads" in floor[1]
+    listed = result.stdout.split("read_once:")[1].splitlines()
+    assert listed[1].startswith("- 64×64×64: ") and "GB/s of operands; jax_tma reads" in listed[1]
     report = _written(tmp_path, "bench_gemm")
     rows = [r for r in report["rows"] if r["contender"] == "read_once"]
     assert len(rows) == 2 and all(r["seconds"] > 0 and r["tflops"] is None for r in rows)
-    assert "over 2 shapes" in result.stdout  # the floor is no product: not in the ratio
+    assert "over 2 shapes" in result.stdout  # read_once is no product: not in the ratio
 
 
 @pytest.mark.parametrize("shapes", [["4,4"], ["1,2,3,4,5"], ["0,8,8"], ["a,b,c"]])
