@@ -478,8 +478,7 @@ def main(argv=None) -> int:
         print(f" jax_tma {ours.tflops():.1f} vs XLA {xla.tflops():.1f} TFLOP/s",
               file=sys.stderr, flush=True)
         if args.sweep:
-            for r in sorted((r for r in new if r.seconds and r.contender != READ_ONCE),
-                            key=lambda r: r.seconds):
+            for r in sorted((r for r in new if r.tflops()), key=lambda r: r.seconds):
                 print(f"    {r.seconds * 1e6:10.1f} us {r.tflops():7.1f} TFLOP/s  {r.contender}")
     what = args.dtype if args.layout == "NN" else f"{args.dtype}, layout {args.layout}"
     table = _table(rows, env, what)
