@@ -7,12 +7,15 @@ Public API:
     out_sharding=None): ``lax.dot_general`` on the TMA/wgmma kernel, with jvp, transpose,
     vmap and sharding rules (a drop-in ``dot_general=`` for Flax layers).
   matmul(a, b, *, out_dtype=None, config=None): ``jnp.matmul`` on the same kernel.
+  ragged_dot(lhs, rhs, group_sizes, ...), ragged_dot_general(...): ``lax.ragged_dot`` and
+    ``lax.ragged_dot_general`` on the grouped (MoE) kernel, group sizes read on the device.
   GemmConfig: a compiled tile configuration to pass as ``config=``.
   kernel_status(): whether the kernels run on the default backend, and why not.
 """
 
 from jax_tma._ext import KernelStatus, kernel_status
 from jax_tma.gemm import COMPILED_CONFIGS, GemmConfig, default_config, dot_general, matmul
+from jax_tma.ragged import RAGGED_CONFIGS, ragged_dot, ragged_dot_general
 
 __version__ = "0.1.0"
 
@@ -24,4 +27,7 @@ __all__ = [
     "dot_general",
     "kernel_status",
     "matmul",
+    "ragged_dot",
+    "ragged_dot_general",
+    "RAGGED_CONFIGS",
 ]
