@@ -1,15 +1,16 @@
 """ptxas resource report of the GEMM kernels: no spills, no local memory, and no serialized
 wgmma ("Potential Performance Loss", C7510/C7511), which ptxas reports as information, not as
 a warning, so the build's -Werror cannot catch it. Compiles each instantiation file (7 tile
-configurations x 4 operand layouts) with nvcc -Xptxas=-v and the build's ptxas flags.
+configurations x 4 operand layouts) with nvcc -Xptxas=-v and the build's ptxas flags; nvcc is
+found by tools/find_nvcc.py, the rule the build uses.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 
 import pytest
@@ -17,15 +18,28 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNEL_FILES = sorted((ROOT / "csrc" / "kernels").glob("sm90_gemm_*.cu"))
 
+# The build's flags for the kernels (cmake/kernels/CMakeLists.txt; tests/test_packaging.py checks
+# that they agree), less -lineinfo, plus -v for ptxas's resource report.
+NVCC_FLAGS = [
+    "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
+    "-Xptxas=-v,-warn-spills,-warn-lmem-usage,-Werror",
+]
+
+
+def load_find_nvcc():
+    """tools/find_nvcc.py as a module: the build's rule for where nvcc is."""
+    spec = importlib.util.spec_from_file_location("find_nvcc", ROOT / "tools" / "find_nvcc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 def _nvcc() -> str:
-    found = shutil.which("nvcc") or (
-        "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
-    )
+    found, how = load_find_nvcc().find_nvcc()
     if found is None:
         if os.environ.get("JAX_TMA_REQUIRE_EXTENSION") == "1":
-            pytest.fail("nvcc not found")
-        pytest.skip("nvcc not found")
+            pytest.fail(f"nvcc not found: {how}")
+        pytest.skip(f"nvcc not found: {how}")
     return found
 
 
@@ -36,11 +50,7 @@ def test_instantiation_files_found():
 @pytest.mark.parametrize("source", KERNEL_FILES, ids=lambda p: p.name)
 def test_gemm_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_path):
     result = subprocess.run(
-        [
-            _nvcc(), "-c", str(source), "-o", str(tmp_path / "k.o"), f"-I{ROOT / 'csrc'}",
-            "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
-            "-Xptxas=-v,-warn-spills,-warn-lmem-usage,-Werror",
-        ],
+        [_nvcc(), "-c", str(source), "-o", str(tmp_path / "k.o"), f"-I{ROOT / 'csrc'}", *NVCC_FLAGS],
         capture_output=True, text=True, check=False,
     )
     report = result.stdout + result.stderr
