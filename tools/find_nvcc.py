@@ -10,7 +10,9 @@ One rule, used by CMakeLists.txt (run as a script), tests/test_ptxas.py and test
    ``PATH``, then the newest ``/usr/local/cuda-<version>/bin/nvcc``.
 
 As a script it prints the compiler's path and exits 0, or prints where it looked to stderr and
-exits 1; ``--explain`` prints the rule that found it (or every place tried) to stderr as well.
+exits 1; ``--explain`` prints the rule that found it (or every place tried) to stderr as well,
+``--root`` prints the toolkit's root directory instead (what nvcc itself reports, so a wrapper
+script such as /usr/local/bin/nvcc leads to the real toolkit).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import glob
 import os
 import re
 import shutil
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
@@ -83,6 +86,18 @@ def find_nvcc(
     return None, "no nvcc in CUDACXX, " + ", ".join(tried)
 
 
+def toolkit_root(nvcc: str) -> str:
+    """The CUDA toolkit directory nvcc belongs to (include/, lib64/), from its dry run."""
+    result = subprocess.run(
+        [nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+        capture_output=True, text=True, check=False,
+    )
+    match = re.search(r"^#\$ TOP=(.*)$", result.stdout + result.stderr, re.MULTILINE)
+    if match is None:
+        raise NvccError(f"{nvcc} --dryrun did not report its toolkit directory (TOP=)")
+    return os.path.realpath(match.group(1).strip())
+
+
 def main(argv: Sequence[str]) -> int:
     explain = "--explain" in argv
     try:
@@ -94,6 +109,13 @@ def main(argv: Sequence[str]) -> int:
         print(f"find_nvcc: {how}", file=sys.stderr)
     if path is None:
         return 1
+    if "--root" in argv:
+        try:
+            print(toolkit_root(path))
+        except NvccError as err:
+            print(f"find_nvcc: {err}", file=sys.stderr)
+            return 2
+        return 0
     print(path)
     return 0
 
