@@ -148,6 +148,33 @@ def test_cmake_bad_cudacxx_fails_the_build(tmp_path):
     assert "is not an executable CUDA compiler" in _words(result.stderr)
 
 
+def test_cmake_refuses_cuda_older_than_12_8(tmp_path):
+    """The real nvcc behind a wrapper that makes CMake's compiler identification read 12.4."""
+    real, _ = find_nvcc.find_nvcc()
+    if real is None:
+        pytest.skip("no nvcc to wrap")
+    wrapper = tmp_path / "old" / "bin" / "nvcc"
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text(f"""#!/bin/bash
+args=()
+for arg in "$@"; do
+  if [[ "$arg" == *CMakeCUDACompilerId.cu ]]; then
+    fake="$(dirname "$arg")/Old.cu"
+    printf '#undef __CUDACC_VER_MAJOR__\\n#define __CUDACC_VER_MAJOR__ 12\\n' > "$fake"
+    printf '#undef __CUDACC_VER_MINOR__\\n#define __CUDACC_VER_MINOR__ 4\\n' >> "$fake"
+    cat "$arg" >> "$fake"
+    arg="$fake"
+  fi
+  args+=("$arg")
+done
+exec {real} "${{args[@]}}"
+""")
+    wrapper.chmod(0o755)
+    result = _configure(tmp_path, CUDACXX=str(wrapper))
+    assert result.returncode != 0, result.stdout[-3000:]
+    assert "is CUDA 12.4" in _words(result.stderr) and "need CUDA >= 12.8" in _words(result.stderr)
+
+
 def test_cmake_without_cuda_warns_and_installs_pure_python(tmp_path):
     result = _configure(tmp_path, JAX_TMA_BUILD_CUDA="0")
     assert result.returncode == 0, result.stderr[-3000:]

@@ -26,7 +26,8 @@ def _local_config_impl(ctx):
     if not python:
         fail("jax_tma: no python3 on PATH and JAX_TMA_PYTHON is not set; Bazel needs the " +
              "Python that has jax and nanobind installed")
-    python = str(python)
+    # The interpreter itself, not a wrapper (pyenv shims, venv links), for the test target.
+    python = _python_value(ctx, str(python), "__import__('sys').executable", "running " + str(python))
     find_nvcc = str(ctx.path(Label("//tools:find_nvcc.py")))
     nvcc = _run(ctx, [python, find_nvcc, "--explain"], "looking for nvcc (tools/find_nvcc.py)")
     cuda_root = _run(ctx, [python, find_nvcc, "--root"], "locating the CUDA toolkit of " + nvcc)
