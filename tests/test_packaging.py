@@ -126,7 +126,10 @@ def _configure(tmp_path, **env_overrides) -> subprocess.CompletedProcess:
     cmake = shutil.which("cmake")
     if cmake is None:
         pytest.skip("cmake not found")
-    env = {k: v for k, v in os.environ.items() if k not in ("CUDACXX", "CUDA_HOME", "CUDA_PATH")}
+    # Only what the test names: CI exports JAX_TMA_REQUIRE_KERNELS=1, and a developer may have
+    # CUDACXX or CUDA_HOME set.
+    ignored = ("CUDACXX", "CUDA_HOME", "CUDA_PATH", "JAX_TMA_BUILD_CUDA", "JAX_TMA_REQUIRE_KERNELS")
+    env = {k: v for k, v in os.environ.items() if k not in ignored}
     env.update(env_overrides)
     return subprocess.run(
         [cmake, "-S", str(ROOT), "-B", str(tmp_path / "build"), f"-DPython_EXECUTABLE={sys.executable}"],
