@@ -3,7 +3,8 @@ scripts/sanitize.sh (compute-sanitizer runs this process).
 
 Dense GEMM: every tile of jax_tma.COMPILED_CONFIGS in the four operand layouts (NN, NT, TN,
 TT), split-K and stream-K, and the direct-store epilogue (output rows that are not 16-byte
-multiples). Ragged: every tile of jax_tma.RAGGED_CONFIGS in the rows mode (weights N- and
+multiples). Fused epilogues: every compiled (tile, fusion) of jax_tma.DENSE_CONFIGS (bias,
+activation, residual and pre-activation output; activation gradients; gated pairs). Ragged: every tile of jax_tma.RAGGED_CONFIGS in the rows mode (weights N- and
 K-major) and the contraction mode, with an empty group and rows past the last group. All cases
 run in one jitted function (one XLA compile), on operands made by numpy and copied to the device
 (no jax.random kernels: initcheck reports uninitialised reads there that are not jax_tma's), over
@@ -24,6 +25,7 @@ import numpy as np
 
 import jax_tma
 from jax_tma import _testing, gemm
+from jax_tma import epilogues as ep
 from jax_tma import ragged as rd
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -75,6 +77,47 @@ def _dense_cases(rng, m, n, k) -> list[Case]:
     return cases
 
 
+def _fused_cases(rng, m, n, k) -> list[Case]:
+    x = rng.standard_normal((m, k)).astype(BF16)
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(BF16)
+    w2 = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(BF16)
+    bias = rng.standard_normal(n).astype(np.float32)
+    aux = rng.standard_normal((m, n)).astype(BF16)
+    wt = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(BF16)  # gradient: [n, k] read K-major
+    z = rng.standard_normal((m, n)).astype(BF16)
+    x64 = _f64(x)
+    cases = []
+    for cfg in ep.DENSE_CONFIGS:
+        for act in ("none", "relu", "gelu_tanh", "gelu_erf", "silu"):
+            activation = None if act == "none" else act
+            if act == "gelu_erf" and cfg.tile not in ep._NARROW_TILES:
+                continue
+            ref = _f64(ep.activate(activation, jnp.asarray(x64 @ _f64(w) + bias, jnp.float32)))
+            ref = ref + _f64(aux)
+            run = (lambda cfg=cfg, activation=activation: ep._kernel_call(
+                jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), jnp.asarray(aux),
+                kind=ep.FORWARD, activation=activation, has_bias=True, has_aux=True,
+                save_pre=True, b_k_major=False, out_dtype=BF16, config=cfg, poison=True)[0])
+            cases.append(Case(f"dense forward {act} {cfg.describe()}", run, ref, 1e-2))
+        for act in ("relu", "gelu_tanh", "gelu_erf", "silu"):
+            slope = _f64(ep.activation_grad(act, jnp.asarray(z, jnp.float32)))
+            ref = (x64 @ _f64(wt).T) * slope
+            run = (lambda cfg=cfg, act=act: ep._kernel_call(
+                jnp.asarray(x), jnp.asarray(wt), jnp.asarray(z), kind=ep.GRADIENT,
+                activation=act, has_bias=False, has_aux=True, save_pre=False, b_k_major=True,
+                out_dtype=BF16, config=cfg, poison=True)[0])
+            cases.append(Case(f"dense gradient {act} {cfg.describe()}", run, ref, 1e-2))
+        for act in ("silu", "gelu_tanh", "gelu_erf"):
+            g = jnp.asarray(x64 @ _f64(w), jnp.float32)
+            ref = _f64(ep.activate(act, g)) * (x64 @ _f64(w2))
+            run = (lambda cfg=cfg, act=act: ep._kernel_call(
+                jnp.asarray(x), jnp.asarray(w), jnp.asarray(w2), kind=ep.GATED, activation=act,
+                has_bias=False, has_aux=False, save_pre=True, b_k_major=False, out_dtype=BF16,
+                config=cfg, poison=True)[0])
+            cases.append(Case(f"dense gated {act} {cfg.describe()}", run, ref, 1e-2))
+    return cases
+
+
 def _ragged_cases(rng, m, n, k, g) -> list[Case]:
     sizes = rng.multinomial(m - m // 5, np.ones(g) / g).astype(np.int32)
     sizes[1] = 0  # an empty group; rows past the last group stay zero
@@ -114,7 +157,8 @@ def main(argv=None) -> int:
         print(f"jax_tma kernels unavailable here: {status.reason}")
         return 1
     rng = np.random.default_rng(args.seed)
-    cases = _dense_cases(rng, 200, 320, 264) + _ragged_cases(rng, 500, 192, 136, 6)
+    cases = (_dense_cases(rng, 200, 320, 264) + _fused_cases(rng, 300, 328, 200)
+             + _ragged_cases(rng, 500, 192, 136, 6))
     outputs = jax.jit(lambda: [c.run() for c in cases])()
     failed = 0
     for case, out in zip(cases, outputs):

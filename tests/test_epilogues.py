@@ -353,3 +353,63 @@ def test_kernel_decode_rows(rng):
         b = rng.standard_normal(2048).astype(BF16)
         out = jax.jit(lambda x, w, b: jax_tma.dense(x, w, b, "silu"))(x, w, b)
         assert rel_error(out, f64_dense(x, w, b, "silu")) <= TOL[BF16]
+
+
+# ---------------------------------------------------------------- Flax layers (CPU)
+
+
+def test_flax_linen_layers_match_their_definitions(rng):
+    import flax.linen as nn
+    import jax_tma.flax as tflax
+
+    x = random_array(rng, (4, 6, 32), BF16)
+    dense = tflax.Dense(48, activation="gelu", dtype=jnp.bfloat16)
+    params = dense.init(jax.random.key(0), x)
+    ref = nn.Dense(48, dtype=jnp.bfloat16)  # same parameter names and layout
+    want = jax.nn.gelu(ref.apply(params, x).astype(F32))
+    assert rel_error(dense.apply(params, x), want) <= 2 * TOL[BF16]
+
+    mlp = tflax.MLP(64, activation="silu", dtype=jnp.bfloat16)
+    params = mlp.init(jax.random.key(1), x)["params"]
+    h = jax.nn.silu(x.astype(F32) @ params["up_kernel"] + params["up_bias"])
+    want = h.astype(BF16).astype(F32) @ params["down_kernel"] + params["down_bias"] + x.astype(F32)
+    got = mlp.apply({"params": params}, x, x)
+    assert rel_error(got, want) <= 3 * TOL[BF16]
+
+    gated = tflax.GatedMLP(64, dtype=jnp.bfloat16)
+    params = gated.init(jax.random.key(2), x)["params"]
+    h = jax.nn.silu(x.astype(F32) @ params["gate_kernel"]) * (x.astype(F32) @ params["up_kernel"])
+    want = h.astype(BF16).astype(F32) @ params["down_kernel"]
+    assert rel_error(gated.apply({"params": params}, x), want) <= 3 * TOL[BF16]
+    grads = jax.grad(lambda p: jnp.sum(gated.apply({"params": p}, x).astype(F32) ** 2))(params)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+def test_flax_nnx_layers_train(rng):
+    from flax import nnx
+    import optax
+    import jax_tma.flax as tflax
+
+    x = random_array(rng, (64, 32), BF16)
+    y = random_array(rng, (64, 32), F32)
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.mlp = tflax.NnxMLP(32, 64, dtype=jnp.bfloat16, rngs=rngs)
+            self.gated = tflax.NnxGatedMLP(32, 48, dtype=jnp.bfloat16, rngs=rngs)
+            self.head = tflax.NnxDense(32, 32, activation="relu", dtype=jnp.bfloat16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.gated(self.mlp(x, x), x)).astype(F32)
+
+    model = Block(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [float(step(model, optimizer)) for _ in range(20)]
+    assert losses[-1] < losses[0]

@@ -10,6 +10,7 @@ of them exists to exercise.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -20,18 +21,33 @@ import pytest
 
 from jax_tma import _ext
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
 
 def _cuobjdump() -> str | None:
+    """cuobjdump on PATH, else the one beside the nvcc the build uses (tools/find_nvcc.py), else
+    one from pip's nvidia-cuda-cuobjdump (nvidia/cu13/bin for CUDA 13, nvidia/cuda_cuobjdump/bin
+    for CUDA 12)."""
     found = shutil.which("cuobjdump")
     if found:
         return found
+    spec = importlib.util.spec_from_file_location("find_nvcc", ROOT / "tools" / "find_nvcc.py")
+    find_nvcc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(find_nvcc)
     try:
-        import nvidia.cu13  # type: ignore[import-not-found]
+        nvcc, _ = find_nvcc.find_nvcc()
+    except find_nvcc.NvccError:
+        nvcc = None
+    if nvcc is not None:
+        beside = pathlib.Path(os.path.realpath(nvcc)).parent / "cuobjdump"
+        if beside.exists():
+            return str(beside)
+    try:
+        import nvidia  # type: ignore[import-not-found]
     except ImportError:
         return None
-    for root in nvidia.cu13.__path__:
-        candidate = pathlib.Path(root) / "bin" / "cuobjdump"
-        if candidate.exists():
+    for root in nvidia.__path__:
+        for candidate in sorted(pathlib.Path(root).glob("*/bin/cuobjdump")):
             return str(candidate)
     return None
 
