@@ -236,12 +236,40 @@ struct TmaStoreEpilogue {
     barrier.sync();
   }
 
+  // Issuer: the aux operand's chunks of batch batch0 into the staging area (those past D's
+  // columns left out), completing on the warpgroup's epilogue-load barrier.
+  template <int batch0>
+  __device__ static void load_aux(SharedStorage& smem, const StorePlan& to,
+                                  const FusedStore& fused) {
+    int boxes = 0;
+#pragma unroll
+    for (int i = 0; i < kBuffers; ++i) boxes += chunk_col(batch0 + i) < to.cols - to.col;
+    uint64_t* bar = fused.load->arm(boxes * kChunkBytes);
+#pragma unroll
+    for (int i = 0; i < kBuffers; ++i) {
+      if (i == boxes) break;
+      ptx::tma_load(smem.buffer[i], fused.aux, bar,
+                    ptx::TmaCoord<4>{{to.col + chunk_col(batch0 + i), to.row, to.batch,
+                                      to.split}});
+    }
+  }
+
+  // Issuer, while the tile's mainloop runs: the first batch's aux chunks into the staging area
+  // once the previous tile's stores have read it, so that the epilogue finds them there
+  // (store(..., prefetched = true)). Only for a fusion that reads the aux operand without first
+  // storing a pre-activation through the same buffers.
+  __device__ static void prefetch_aux(SharedStorage& smem, const StorePlan& to,
+                                      const FusedStore& fused) {
+    StorePipeline::producer_acquire();
+    load_aux<0>(smem, to, fused);
+  }
+
   // One batch: (fused, asked for) the pre-activation through fused.pre, then (fused, asked for)
   // the aux operand into the staging area, then the output.
   template <int batch0, bool kAux>
   __device__ static void store_batch(const float (&acc)[kBlockN / 2], SharedStorage& smem,
                                      const StorePlan& to, const NamedBarrier& barrier,
-                                     const FusedStore& fused) {
+                                     const FusedStore& fused, bool prefetched) {
     const bool issuer = threadIdx.x % 128 == 0;
     constexpr auto kBuffersSeq = std::make_integer_sequence<int, kBuffers>{};
     if (issuer) StorePipeline::producer_acquire();
@@ -255,19 +283,7 @@ struct TmaStoreEpilogue {
       }
     }
     if constexpr (kAux) {
-      if (issuer) {
-        int boxes = 0;
-#pragma unroll
-        for (int i = 0; i < kBuffers; ++i) boxes += chunk_col(batch0 + i) < to.cols - to.col;
-        uint64_t* bar = fused.load->arm(boxes * kChunkBytes);
-#pragma unroll
-        for (int i = 0; i < kBuffers; ++i) {
-          if (i == boxes) break;
-          ptx::tma_load(smem.buffer[i], fused.aux, bar,
-                        ptx::TmaCoord<4>{{to.col + chunk_col(batch0 + i), to.row, to.batch,
-                                          to.split}});
-        }
-      }
+      if (issuer && !(batch0 == 0 && prefetched)) load_aux<batch0>(smem, to, fused);
       fused.load->wait();
     }
     write_batch<batch0, Pass::kOut, kAux>(acc, smem, to, fused.args, kBuffersSeq);
@@ -275,7 +291,7 @@ struct TmaStoreEpilogue {
     barrier.sync();  // the whole batch is visible to the TMA unit
     if (issuer) issue_stores<batch0>(to.d, smem, to);
     if constexpr (batch0 + kBuffers < kChunks) {
-      store_batch<batch0 + kBuffers, kAux>(acc, smem, to, barrier, fused);
+      store_batch<batch0 + kBuffers, kAux>(acc, smem, to, barrier, fused, false);
     }
   }
 
@@ -300,19 +316,20 @@ struct TmaStoreEpilogue {
   // Stores the warpgroup's block at `to` (the caller skips blocks past to.rows). `barrier`
   // spans the warpgroup; thread 0 of the warpgroup issues (and owns) every store. A fused
   // epilogue may change `acc` (the bias is added in place).
+  // `prefetched`: prefetch_aux has loaded the first batch's aux chunks.
   __device__ static void store(float (&acc)[kBlockN / 2], SharedStorage& smem,
                                const StorePlan& to, const NamedBarrier& barrier,
-                               const FusedStore& fused = {}) {
+                               const FusedStore& fused = {}, bool prefetched = false) {
     if constexpr (F::kKind == FusionKind::kBiasActivation) {
       if (fused.args.bias != nullptr) add_bias(acc, to, fused.args.bias);
     }
     if constexpr (F::kMayReadAux) {
       if (fused.args.aux) {
-        store_batch<0, true>(acc, smem, to, barrier, fused);
+        store_batch<0, true>(acc, smem, to, barrier, fused, prefetched);
         return;
       }
     }
-    store_batch<0, false>(acc, smem, to, barrier, fused);
+    store_batch<0, false>(acc, smem, to, barrier, fused, false);
   }
 
   // Stores a block of zeros at `to`, as store() does a block of accumulators.

@@ -244,7 +244,24 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           continue;
         }
       }
-      K::Mainloop::mma(pipeline, read, smem.operands, a_block, count, acc, hand_over);
+      // Fused epilogues that read an operand load its first batch while the mainloop runs
+      // (not after storing a pre-activation through the same buffers, and not for a stream-K
+      // piece, which may leave its sums to another CTA).
+      bool prefetched = false;
+      auto midway = [&] {
+        if constexpr (K::kTmaStore && F::kMayReadAux && !K::kStreamK) {
+          if (fused.args.aux && !fused.args.store_pre) {
+            const StorePlan to = P::store_plan(params, w, shape, &tmap_d, row0, col0);
+            if (to.row < to.rows) {
+              if (threadIdx.x % 128 == 0) {
+                K::Epilogue::prefetch_aux(smem.staging[warpgroup], to, fused_store);
+              }
+              prefetched = true;
+            }
+          }
+        }
+      };
+      K::Mainloop::mma(pipeline, read, smem.operands, a_block, count, acc, hand_over, midway);
       if constexpr (K::kStreamK) {
         if (w.piece >= 0) {
           if (w.k_begin > 0) {  // not the tile's head: leave the partial sums for it
@@ -266,7 +283,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         if constexpr (P::kGlobalStoreMaps) {
           if (threadIdx.x % 128 == 0) acquire_d(to.d);
         }
-        K::Epilogue::store(acc, smem.staging[warpgroup], to, epilogue_barrier, fused_store);
+        K::Epilogue::store(acc, smem.staging[warpgroup], to, epilogue_barrier, fused_store,
+                           prefetched);
       } else {
         Out* d_matrix = d + w.split * shape.d_split_stride + w.batch * shape.d_batch_stride;
         DirectStoreEpilogue<Out, Tile::kBlockN>::store(acc, d_matrix, shape.m, shape.n,

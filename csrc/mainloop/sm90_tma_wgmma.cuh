@@ -190,12 +190,19 @@ struct MainloopSm90TmaWgmma {
     }
   }
 
+  // K slice after which mma() calls its `midway` hook: late enough that the epilogue's stores
+  // of the previous tile have read their staging buffers, early enough to hide a TMA load.
+  static constexpr int kMidwaySlice = 4;
+
   // Consumer warpgroup: accumulate A's row block `a_block` of one output tile over `k_blocks`
   // (>= 1) slices. Keeps one wgmma group in flight and releases each stage as soon as the
-  // group reading it has retired. `waited()` runs once the tile's last stage is known full.
-  template <class Waited>
+  // group reading it has retired. `waited()` runs once the tile's last stage is known full;
+  // `midway()` once, after slice kMidwaySlice is issued (at the end for shorter tiles), for the
+  // epilogue's prefetches.
+  template <class Waited, class Midway>
   __device__ static void mma(Pipeline& pipeline, State& read, const SharedStorage& smem,
-                             int a_block, int k_blocks, float (&acc)[kAccRegs], Waited&& waited) {
+                             int a_block, int k_blocks, float (&acc)[kAccRegs], Waited&& waited,
+                             Midway&& midway) {
     pipeline.consumer_wait(read);
     if (k_blocks == 1) waited();
     ptx::wgmma_fence_operands(acc);
@@ -207,6 +214,7 @@ struct MainloopSm90TmaWgmma {
       pipeline.consumer_wait(read);
       if (kb == k_blocks - 1) waited();
       issue(smem, read.index, a_block, acc, false);
+      if (kb == kMidwaySlice) midway();
       ptx::wgmma_wait_group<1>();
       release(pipeline, in_flight);
       in_flight = read;
@@ -215,6 +223,7 @@ struct MainloopSm90TmaWgmma {
     ptx::wgmma_wait_group<0>();
     ptx::wgmma_fence_operands(acc);
     release(pipeline, in_flight);
+    if (k_blocks <= kMidwaySlice) midway();
   }
 
   // Consumer warpgroup of an idle CTA (LoadMode::kIdle): pass through the tile's stages.
