@@ -83,7 +83,8 @@ def _bound_error(out, lhs, rhs, dims) -> float:
 def prim_dot(lhs, rhs, dims):
     """The primitive itself, for any dtype (the public op sends fp32 straight to lax)."""
     return gemm.dot_general_p.bind(lhs, rhs, dimension_numbers=dims,
-                                   out_dtype=jnp.result_type(lhs), config=None, local=False)
+                                   out_dtype=jnp.result_type(lhs), precision=None, config=None,
+                                   local=False)
 
 
 def spec(shape, dtype=BF16):
