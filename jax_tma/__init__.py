@@ -6,13 +6,22 @@ Public API:
   dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,
     out_sharding=None): ``lax.dot_general`` on the TMA/wgmma kernel, with jvp, transpose,
     vmap and sharding rules (a drop-in ``dot_general=`` for Flax layers).
-  matmul(a, b, *, out_dtype=None, config=None): ``jnp.matmul`` on the same kernel.
+  matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=None,
+    out_dtype=None, config=None): ``jnp.matmul`` on the same kernel.
   GemmConfig: a compiled tile configuration to pass as ``config=``.
   kernel_status(): whether the kernels run on the default backend, and why not.
+  export_disabled_checks(): what ``jax.export`` needs to serialize the kernel's custom call.
 """
 
 from jax_tma._ext import KernelStatus, kernel_status
-from jax_tma.gemm import COMPILED_CONFIGS, GemmConfig, default_config, dot_general, matmul
+from jax_tma.gemm import (
+    COMPILED_CONFIGS,
+    GemmConfig,
+    default_config,
+    dot_general,
+    export_disabled_checks,
+    matmul,
+)
 
 __version__ = "0.1.0"
 
@@ -22,6 +31,7 @@ __all__ = [
     "KernelStatus",
     "default_config",
     "dot_general",
+    "export_disabled_checks",
     "kernel_status",
     "matmul",
 ]

@@ -366,8 +366,15 @@ def _local_lowering(ctx, lhs, rhs, *, platform: str, **params):
     return mlir.lower_fun(fn, multiple_results=False)(ctx, lhs, rhs)
 
 
+def _for_export(ctx) -> bool:
+    return bool(getattr(getattr(ctx.module_context, "lowering_parameters", None), "for_export", False))
+
+
 def _lowering(ctx, lhs, rhs, *, platform: str, **params):
-    if params["local"]:
+    # NOTE: jax.export cannot serialize custom_partitioning (its partition callback lives in
+    # this process). An exported module holds the product itself, which XLA's partitioner
+    # treats as any custom call: it gives each device the whole operands.
+    if params["local"] or _for_export(ctx):
         return _local_lowering(ctx, lhs, rhs, platform=platform, **params)
     # The partitioner splits the product across devices; each device's share binds the
     # primitive again with local=True.
@@ -706,7 +713,8 @@ def export_disabled_checks() -> list:
     release of jax_tma. The module calls them by name: the process that deserializes and runs
     it must import the same jax_tma release (which registers them) and run on a Hopper GPU.
     Modules exported for other platforms contain no jax_tma call and need none of these.
-    Export on one device: a module partitioned across several holds custom_partitioning
-    callbacks, which jax.export does not serialize.
+    Sharded functions export too, but without jax_tma's sharding rules (custom_partitioning
+    callbacks cannot be serialized): XLA's partitioner gives each device whole operands of
+    every kernel call.
     """
     return [jax.export.DisabledSafetyCheck.custom_call(target) for target in FFI_TARGETS]
