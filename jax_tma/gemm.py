@@ -176,11 +176,20 @@ def _kernel_input_dtype(lhs_dtype, rhs_dtype, out_dtype, precision):
 @dataclasses.dataclass(frozen=True)
 class KernelRoute:
     """How the kernel computes a product: transpose the operands by `lhs_perm` / `rhs_perm`
-    (None: read in place), then read them as `plan` says."""
+    (None: as they are), reshape them to `lhs_shape` / `rhs_shape` (None: keep the shape; a
+    reshape of adjacent axes moves no data), then read them as `plan` says. The kernel's
+    dense [batch, M, N] output is the product's output, whatever the route."""
 
     plan: GemmPlan
     lhs_perm: tuple[int, ...] | None = None
     rhs_perm: tuple[int, ...] | None = None
+    lhs_shape: tuple[int, ...] | None = None
+    rhs_shape: tuple[int, ...] | None = None
+
+    @property
+    def copies(self) -> bool:
+        """Whether an operand is transposed (a copy) before the kernel."""
+        return self.lhs_perm is not None or self.rhs_perm is not None
 
 
 def _permuted(perm, dims_of_operand):
@@ -188,45 +197,65 @@ def _permuted(perm, dims_of_operand):
     return tuple(perm.index(a) for a in dims_of_operand)
 
 
+def _route_candidates(lhs_shape, rhs_shape, dimension_numbers):
+    """(lhs perm, rhs perm, lhs reshape, rhs reshape, dimension numbers after them) of each
+    way to lay the operands out for the kernel, from fewest copies to most: in place; one
+    operand transposed into [batch, free, contracting] (lhs) or [batch, contracting, free]
+    (rhs) order, contracting dims in the other's order; both; both, each group of dims merged
+    into one axis (rows that span several axes can then be padded)."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lf, rf = free_axes(len(lhs_shape), lc, lb), free_axes(len(rhs_shape), rc, rb)
+    lhs_by_rhs = tuple(l for _, l in sorted(zip(rc, lc)))  # contracting pairs in rhs's order
+    rhs_by_lhs = tuple(r for _, r in sorted(zip(lc, rc)))
+    lhs_canonical, rhs_canonical = (*lb, *lf, *lhs_by_rhs), (*rb, *rhs_by_lhs, *rf)
+    both_lhs, both_rhs = (*lb, *lf, *lc), (*rb, *rc, *rf)
+    yield None, None, None, None, dimension_numbers
+    for lhs_perm, rhs_perm in ((None, rhs_canonical), (lhs_canonical, None), (both_lhs, both_rhs)):
+        lp = lhs_perm or tuple(range(len(lhs_shape)))
+        rp = rhs_perm or tuple(range(len(rhs_shape)))
+        dims = ((_permuted(lp, lc), _permuted(rp, rc)), (_permuted(lp, lb), _permuted(rp, rb)))
+        yield lhs_perm, rhs_perm, None, None, dims
+    size = lambda shape, axes: math.prod(shape[a] for a in axes)  # noqa: E731
+    batch, k = size(lhs_shape, lb), size(lhs_shape, lc)
+    yield (both_lhs, both_rhs, (batch, size(lhs_shape, lf), k), (batch, k, size(rhs_shape, rf)),
+           (((2,), (1,)), ((0,), (0,))))
+
+
 def kernel_route(lhs_aval, rhs_aval, dimension_numbers: DimensionNumbers, out_dtype,
                  precision=None) -> KernelRoute | None:
     """The cheapest way for the kernel to compute this product, or None when it runs through
     XLA (types or a precision the kernel does not compute, an empty product, sizes past the
-    kernel's limits).
+    kernel's limits, a batch that is an operand's only dimension of more than one element).
 
-    Operands are read in place where gemm_plan finds a view of them; otherwise the smaller
-    operand (or both) is transposed into [batch, free, contracting] (lhs) or [batch,
-    contracting, free] (rhs) order, contracting dims in the other operand's order: e.g. two
-    contracting dims in opposite orders ([M, K1, K2] . [K2, K1, N]), a batch axis innermost."""
+    Operands are read in place where gemm_plan finds a view of them. Otherwise the layout that
+    copies the fewest elements (transposes, and the pads of rows that are not 16-byte
+    multiples) among _route_candidates: e.g. the smaller operand transposed for two
+    contracting dims in opposite orders ([M, K1, K2] . [K2, K1, N]) or a batch axis innermost;
+    merged dims for free dims over several axes whose rows are not 16-byte multiples."""
     if not _kernel_dtypes(lhs_aval.dtype, rhs_aval.dtype, out_dtype):
         return None
     if not kernel_precision(precision, lhs_aval.dtype):
         return None
     lhs_shape, rhs_shape = tuple(lhs_aval.shape), tuple(rhs_aval.shape)
-    found = gemm_plan.plan(lhs_shape, rhs_shape, dimension_numbers)
-    if found is not None:
-        return KernelRoute(found)
     if min(math.prod(lhs_shape), math.prod(rhs_shape)) == 0:
         return None
-    (lc, rc), (lb, rb) = dimension_numbers
-    lf, rf = free_axes(len(lhs_shape), lc, lb), free_axes(len(rhs_shape), rc, rb)
-    by_rhs = sorted(zip(rc, lc))  # contracting pairs in rhs's axis order
-    by_lhs = sorted(zip(lc, rc))
-    lhs_canonical = (*lb, *lf, *(l for _, l in by_rhs))
-    rhs_canonical = (*rb, *(r for _, r in by_lhs), *rf)
-    both_lhs, both_rhs = (*lb, *lf, *lc), (*rb, *rc, *rf)
     best = None
-    for lhs_perm, rhs_perm in ((None, rhs_canonical), (lhs_canonical, None), (both_lhs, both_rhs)):
-        lp = lhs_perm or tuple(range(len(lhs_shape)))
-        rp = rhs_perm or tuple(range(len(rhs_shape)))
-        dims = ((_permuted(lp, lc), _permuted(rp, rc)), (_permuted(lp, lb), _permuted(rp, rb)))
-        candidate = gemm_plan.plan(tuple(lhs_shape[a] for a in lp),
-                                   tuple(rhs_shape[a] for a in rp), dims)
-        if candidate is None:
+    for lhs_perm, rhs_perm, lhs_reshape, rhs_reshape, dims in _route_candidates(
+            lhs_shape, rhs_shape, dimension_numbers):
+        identity = lambda perm: perm is not None and list(perm) == sorted(perm)  # noqa: E731
+        lhs_perm = None if identity(lhs_perm) else lhs_perm
+        rhs_perm = None if identity(rhs_perm) else rhs_perm
+        lhs_now = lhs_reshape or tuple(lhs_shape[a] for a in (lhs_perm or range(len(lhs_shape))))
+        rhs_now = rhs_reshape or tuple(rhs_shape[a] for a in (rhs_perm or range(len(rhs_shape))))
+        found = gemm_plan.plan(lhs_now, rhs_now, dims)
+        if found is None:
             continue
-        copied = math.prod(lhs_shape) * (lhs_perm is not None) + math.prod(rhs_shape) * (rhs_perm is not None)
+        copied = (math.prod(lhs_shape) * ((lhs_perm is not None) + bool(found.lhs.pad))
+                  + math.prod(rhs_shape) * ((rhs_perm is not None) + bool(found.rhs.pad)))
         if best is None or copied < best[0]:
-            best = (copied, KernelRoute(candidate, lhs_perm, rhs_perm))
+            best = (copied, KernelRoute(found, lhs_perm, rhs_perm, lhs_reshape, rhs_reshape))
+        if lhs_perm is None and rhs_perm is None:
+            break  # in place: nothing copies less (a pad it needs, any other layout needs too)
     return None if best is None else best[1]
 
 
@@ -296,17 +325,22 @@ def _pad(x: jax.Array, view: gemm_plan.OperandView) -> jax.Array:
 
 
 def _kernel_call(lhs, rhs, *, plan: GemmPlan, dimension_numbers, out_dtype, config,
-                 poison=False, lhs_perm=None, rhs_perm=None):
-    """The FFI call for `plan`: transposes the operands by lhs_perm / rhs_perm where given
-    (KernelRoute), pads rows that are not 16-byte multiples, runs the kernel and sums split-K
-    partial products. `config` None: the heuristic's. With `poison`, the kernel writes over
-    NaN-filled buffers (tests)."""
+                 poison=False, route: KernelRoute | None = None):
+    """The FFI call for `plan`: lays the operands out as `route` says (transposes, reshapes),
+    pads rows that are not 16-byte multiples, runs the kernel and sums split-K partial
+    products. `config` None: the heuristic's. With `poison`, the kernel writes over NaN-filled
+    buffers (tests)."""
     out_dtype = jnp.dtype(out_dtype)
     out_shape = output_shape(lhs.shape, rhs.shape, dimension_numbers)
-    if lhs_perm is not None:
-        lhs = lax.transpose(lhs, lhs_perm)
-    if rhs_perm is not None:
-        rhs = lax.transpose(rhs, rhs_perm)
+    if route is not None:
+        if route.lhs_perm is not None:
+            lhs = lax.transpose(lhs, route.lhs_perm)
+        if route.rhs_perm is not None:
+            rhs = lax.transpose(rhs, route.rhs_perm)
+        if route.lhs_shape is not None:
+            lhs = lhs.reshape(route.lhs_shape)
+        if route.rhs_shape is not None:
+            rhs = rhs.reshape(route.rhs_shape)
     lhs, rhs = _pad(lhs, plan.lhs), _pad(rhs, plan.rhs)
     cfg = config_for(plan, out_dtype, config)
     if cfg is None:
@@ -360,8 +394,7 @@ def _local_lowering(ctx, lhs, rhs, *, platform: str, **params):
     else:
         fn = functools.partial(
             _kernel_call, plan=route.plan, dimension_numbers=params["dimension_numbers"],
-            out_dtype=params["out_dtype"], config=cfg, lhs_perm=route.lhs_perm,
-            rhs_perm=route.rhs_perm,
+            out_dtype=params["out_dtype"], config=cfg, route=route,
         )
     return mlir.lower_fun(fn, multiple_results=False)(ctx, lhs, rhs)
 

@@ -731,3 +731,26 @@ def test_cuda_lowering_reordered_contracting_dims_transpose_one_operand(lhs_shap
     route = gemm.kernel_route(spec(lhs_shape), spec(rhs_shape), dims, BF16)
     assert (route.lhs_perm is not None, route.rhs_perm is not None) == (
         transposed in ("lhs", "both"), transposed in ("rhs", "both"))
+
+
+@needs_extension
+def test_cuda_lowering_free_dims_over_axes_with_odd_rows():
+    """DenseGeneral into (heads, 7) features: B's rows span two axes and are not 16-byte
+    multiples. The free dims merge into one (a reshape, no copy) and are padded once: one
+    kernel, no transpose."""
+    dims = (((2,), (0,)), ((), ()))
+    f = lambda x, w: jax_tma.dot_general(x, w, dims)  # noqa: E731
+    assert gemm_plan.plan((2, 16, 64), (64, 12, 7), dims) is None
+    hlo = cuda_hlo(f, spec((2, 16, 64)), spec((64, 12, 7)))
+    assert hlo.count(KERNEL_CALL) == 1 and "stablehlo.dot_general" not in hlo
+    before = hlo.rpartition(KERNEL_CALL)[0]
+    assert "stablehlo.transpose" not in before and "stablehlo.pad" in hlo
+    route = gemm.kernel_route(spec((2, 16, 64)), spec((64, 12, 7)), dims, BF16)
+    assert not route.copies and route.rhs_shape == (1, 64, 84)
+
+
+def test_free_dims_over_axes_with_odd_rows_match_lax(rng):
+    dims = (((2,), (0,)), ((), ()))
+    x, w = _operands(rng, (2, 16, 64), (64, 12, 7), BF16)
+    np.testing.assert_array_equal(np.asarray(jax_tma.dot_general(x, w, dims), np.float64),
+                                  np.asarray(lax.dot_general(x, w, dims), np.float64))

@@ -882,3 +882,136 @@ def test_export_of_a_sharded_function(rng):
     out = exported.call(jax.device_put(a, rows), b)
     assert out.sharding.spec == rows.spec
     np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(jnp.matmul(a, b), np.float64))
+
+
+# ---------------------------------------------------------------- the kernel at scale (Hopper GPU)
+
+
+def _run_python(code: str, timeout_s: float = 240) -> str:
+    """Runs `code` in a fresh Python process (the same interpreter and environment) and returns
+    its stdout. A kernel that hangs fails the test at the timeout instead of stalling the run."""
+    import subprocess
+    import sys
+
+    try:
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=timeout_s, env=dict(os.environ))
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"no result within {timeout_s} s (a hang?): {err.stdout!r} {err.stderr!r}")
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run.stdout
+
+
+_DETERMINISM_SCRIPT = r"""
+import hashlib, jax, jax.numpy as jnp, numpy as np
+import jax_tma
+from jax_tma import _testing
+cases = [
+    ((1000, 576), (576, 4096), None),
+    ((4097, 8192), (8192, 129), jax_tma.GemmConfig(128, 128, 6, 1, split_k=4)),
+    ((2048, 4096), (4096, 2048), jax_tma.GemmConfig(128, 256, 3, 1, stream_k=True)),
+    ((777, 3000), (3000, 1232), jax_tma.GemmConfig(64, 128, 8, 2)),
+    ((512, 65536), (65536, 512), None),
+]
+rng = np.random.default_rng(1234)
+for a_shape, b_shape, config in cases:
+    a = rng.standard_normal(a_shape, dtype=np.float32).astype(jnp.bfloat16)
+    b = rng.standard_normal(b_shape, dtype=np.float32).astype(jnp.bfloat16)
+    for out_dtype in (jnp.bfloat16, jnp.float32):
+        f = jax.jit(lambda a, b: jax_tma.matmul(a, b, preferred_element_type=out_dtype, config=config))
+        hlo = f.lower(a, b).compile().as_text()
+        assert "jax_tma_gemm_sm90" in hlo, (a_shape, b_shape, config)
+        first = np.asarray(f(a, b)).tobytes()
+        assert np.asarray(f(a, b)).tobytes() == first  # the same bits within the process too
+        print(a_shape, b_shape, config, jnp.dtype(out_dtype).name, hashlib.sha256(first).hexdigest())
+"""
+
+
+@pytest.mark.gpu
+def test_kernel_is_bitwise_deterministic_across_processes():
+    """Two processes, the same operands: the same output bits for every configuration kind
+    (heuristic, split-K, stream-K, 64-row clusters, the heuristic's split-K on a long K), bf16
+    and fp32 outputs."""
+    first = _run_python(_DETERMINISM_SCRIPT)
+    second = _run_python(_DETERMINISM_SCRIPT)
+    assert first.count("\n") == 10
+    assert first == second
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config",
+    [None, jax_tma.GemmConfig(128, 128, 6, 1, split_k=2), jax_tma.GemmConfig(128, 256, 3, 1, stream_k=True)],
+    ids=["default", "split2", "stream_k"],
+)
+def test_kernel_output_past_2_31_elements(config):
+    """65536 x 40000 bf16 (2.6e9 elements, 5.2 GB) over a NaN-filled output: every element
+    written (checked on the device), and sampled rows and columns, the last ones and those
+    around element 2^31, within the bf16 bound of a float64 reference."""
+    m, n, k = 65536, 40000, 256
+    key_a, key_b = jax.random.split(jax.random.key(7))
+    a = jax.random.normal(key_a, (m, k), jnp.float32).astype(jnp.bfloat16)
+    b = jax.random.normal(key_b, (k, n), jnp.float32).astype(jnp.bfloat16)
+    out = _testing.gemm_poisoned(a, b, BF16, config=config)
+    assert out.shape == (m, n) and out.size > 2**31
+    assert not bool(jnp.isnan(out).any()), "kernel left poisoned (unwritten) outputs"
+    rows = np.unique([0, 1, 127, 128, m // 2, 2**31 // n - 1, 2**31 // n, 2**31 // n + 1, m - 129, m - 2, m - 1])
+    cols = np.unique([0, 1, 255, 256, n // 2, 2**31 % n, n - 257, n - 2, n - 1])
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert rel_error(np.asarray(out[rows]), a64[rows] @ b64) <= TOL[BF16]
+    assert rel_error(np.asarray(out[:, cols]), a64 @ b64[:, cols]) <= TOL[BF16]
+    del out
+
+
+_NEAR_2_31_SCRIPT = r"""
+import functools
+import jax, jax.numpy as jnp, numpy as np
+import jax_tma
+from jax_tma import _testing, gemm
+case = {case!r}
+T = 2**31
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def small_ints(shape, salt):
+    # Integers in [-2, 2] from a hash of the indices (no random bits past 2^32 elements).
+    h = jnp.uint32(salt)
+    for axis in range(len(shape)):
+        h = h * jnp.uint32(2654435761) + jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+    h = (h ^ (h >> 15)) * jnp.uint32(2246822519)
+    return ((h >> 13) % 5).astype(jnp.int32).astype(jnp.bfloat16) - 2
+
+if case.startswith("k="):  # a 1-D dot of k elements
+    k = T - int(case[len("k=2^31-"):])
+    a, b = small_ints((k,), 1), small_ints((k,), 2)
+    f = jax.jit(lambda a, b: jax_tma.matmul(a, b, preferred_element_type=jnp.float32))
+    assert gemm.KERNEL_TARGET in f.lower(a, b).compile().as_text()
+    got = float(f(a, b))
+    want = int(jax.jit(lambda a, b: jnp.sum(a.astype(jnp.int32) * b.astype(jnp.int32)))(a, b))
+    print("ok" if got == want else f"got {{got}}, want {{want}}")
+    raise SystemExit
+if case == "m=2^31-1":  # [m, 8] @ [8, 1]
+    a, b = small_ints((T - 1, 8), 1), small_ints((8, 1), 2)
+    dims = (((1,), (0,)), ((), ()))
+else:  # "n=2^31-1": [1, 8] . [n, 8]^T, B stored K-major (rows of 16 bytes)
+    a, b = small_ints((1, 8), 1), small_ints((T - 1, 8), 2)
+    dims = (((1,), (1,)), ((), ()))
+out = _testing.gemm_poisoned(a, b, jnp.bfloat16, dimension_numbers=dims)
+assert int(jnp.isnan(out).sum()) == 0, "unwritten outputs"
+ref = jax.jit(lambda a, b: jax.lax.dot_general(a.astype(jnp.float32), b.astype(jnp.float32), dims,
+                                               precision=jax.lax.Precision.HIGHEST))(a, b)
+# Sums of 8 products of integers in [-2, 2]: exact in bf16 and fp32.
+wrong = int(jnp.sum(out.astype(jnp.float32) != ref))
+f = jax.jit(lambda a, b: jax_tma.dot_general(a, b, dims))
+assert gemm.KERNEL_TARGET in f.lower(a, b).compile().as_text()
+print("ok" if wrong == 0 else f"{{wrong}} wrong elements")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["k=2^31-1", "k=2^31-63", "m=2^31-1", "n=2^31-1"])
+def test_kernel_sizes_near_2_31(case):
+    """Issue 30's hang (k in [2^31 - 63, 2^31 - 1]) and garbage (m or n within a tile of 2^31):
+    in a subprocess with a timeout, integer-valued operands so the result is exact. Needs
+    about 50 GB of GPU memory for the m and n cases."""
+    out = _run_python(_NEAR_2_31_SCRIPT.format(case=case), timeout_s=300)
+    assert out.strip().splitlines()[-1] == "ok", out
