@@ -487,6 +487,7 @@ def _assert_same(ours, ref):
         assert ours[2] == ref[2]
 
 
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("preferred", [None, F32])
 @pytest.mark.parametrize("dtype,precision,kernel", PRECISION_CASES, ids=PRECISION_IDS)
 def test_precision_matches_lax(rng, dtype, precision, kernel, preferred):
@@ -504,6 +505,7 @@ def test_precision_matches_lax(rng, dtype, precision, kernel, preferred):
     _assert_same(ours, ref)
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_bf16_with_f16_algorithm_overflows_as_lax_does():
     """Issue 30: bf16 1e5 values with F16_F16_F16 are inf in lax (fp16 operands), not 798720."""
     x = jnp.full((4, 8), 1e5, BF16)
@@ -511,6 +513,7 @@ def test_bf16_with_f16_algorithm_overflows_as_lax_does():
     assert np.isinf(np.asarray(ours, np.float32)).all()
 
 
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("dtype,precision,kernel", PRECISION_CASES, ids=PRECISION_IDS)
 def test_precision_gradients_match_lax(rng, dtype, precision, kernel):
     """The rules carry the precision into the gradient products, as lax's do."""
@@ -558,6 +561,7 @@ def test_cuda_lowering_reads_the_default_matmul_precision():
 # ---------------------------------------------------------------- lax's arguments (CPU)
 
 
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("lhs_shape,rhs_shape", [((4, 8), (8, 2)), ((8,), (8, 2)), ((4, 8), (8,)),
                                                   ((8,), (8,)), ((2, 4, 8), (8, 2)), ((4, 8), (4, 2))])
 @pytest.mark.parametrize("dims", [None, ((1, 0), ((), ())), (((1,), 0), ([], ()))],
@@ -594,6 +598,7 @@ def test_non_array_operands_raise_lax_errors(bad, position):
 # ---------------------------------------------------------------- one kernel (CPU)
 
 
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("in_axes", [(0, None), (None, 0), (1, None), (None, 2)])
 def test_nested_vmap_one_operand_matches_lax(rng, in_axes):
     x = random_array(rng, _mapped_shape((2, 16, 8), in_axes[0]), BF16)
@@ -632,6 +637,7 @@ def _weak_bf16(shape):
     return jax._src.lax.lax._convert_element_type(jnp.ones(shape, F32), BF16, weak_type=True)
 
 
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("weak", ["lhs", "rhs", "both"])
 @pytest.mark.parametrize("op", ["matmul", "dot_general"])
 def test_weak_typed_operands_match_lax(rng, weak, op):
@@ -665,6 +671,7 @@ def test_cuda_lowering_weak_typed_operands_are_one_kernel(weak, op):
     assert cuda_hlo(f, spec((64, 32)), spec((32, 48))).count(KERNEL_CALL) == 1
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_mixed_operand_types_that_lax_converts_match_lax(rng):
     """bf16 x weak fp32 (jnp.matmul's bf16 result) and bf16 x fp16 into bf16: lax converts both
     operands to the output type, and so does the kernel path."""
@@ -701,6 +708,7 @@ REORDERED_CASES = [
 ]
 
 
+@pytest.mark.usefixtures("on_cpu")
 @pytest.mark.parametrize("lhs_shape,rhs_shape,dims,transposed", REORDERED_CASES)
 def test_reordered_contracting_dims_match_lax(rng, lhs_shape, rhs_shape, dims, transposed):
     del transposed
@@ -749,8 +757,98 @@ def test_cuda_lowering_free_dims_over_axes_with_odd_rows():
     assert not route.copies and route.rhs_shape == (1, 64, 84)
 
 
+@pytest.mark.usefixtures("on_cpu")
 def test_free_dims_over_axes_with_odd_rows_match_lax(rng):
     dims = (((2,), (0,)), ((), ()))
     x, w = _operands(rng, (2, 16, 64), (64, 12, 7), BF16)
     np.testing.assert_array_equal(np.asarray(jax_tma.dot_general(x, w, dims), np.float64),
                                   np.asarray(lax.dot_general(x, w, dims), np.float64))
+
+
+# ---------------------------------------------------------------- issue 30 on the GPU
+
+
+def _finite_close(ours, ref, bound) -> bool:
+    """Same infinities and NaNs, finite values within `bound` (Frobenius, relative)."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    if not np.array_equal(np.isnan(ours), np.isnan(ref)) or not np.array_equal(ours[np.isinf(ours)], ref[np.isinf(ref)]):
+        return False
+    finite = np.isfinite(ref)
+    return rel_error(ours[finite], ref[finite]) <= bound if finite.any() else True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision,kernel", PRECISION_CASES, ids=PRECISION_IDS)
+def test_precision_on_gpu(rng, dtype, precision, kernel):
+    """The kernel runs exactly for its precisions (within the dtype's bound of float64); every
+    other precision gives lax's result on the GPU, or lax's error."""
+    scale = 1e5 if dtype == BF16 else 1e2  # bf16 past fp16's range: tells fp16 rounding apart
+    lhs = (random_array(rng, (256, 512), np.float32) * scale).astype(dtype)
+    rhs = random_array(rng, (512, 384), np.float32).astype(dtype)
+    ours_fn = jax.jit(lambda x, y: jax_tma.dot_general(x, y, MATMUL, precision=precision))
+    ref_fn = jax.jit(lambda x, y: lax.dot_general(x, y, MATMUL, precision=precision))
+    ours, ref = _result_or_error(lambda: ours_fn(lhs, rhs)), _result_or_error(lambda: ref_fn(lhs, rhs))
+    assert ours[0] == ref[0], (ours, ref)
+    if ours[0] == "error":  # lax's Python errors word for word; XLA's compile errors by type
+        assert ours[1] == ref[1]
+        if ours[1] in (ValueError, TypeError):
+            assert ours[2] == ref[2]
+        return
+    assert ours[1] == ref[1]
+    assert _compiled_kernel_calls(lambda x, y: jax_tma.dot_general(x, y, MATMUL, precision=precision),
+                                  lhs, rhs) == int(kernel)
+    if kernel:
+        assert rel_error(ours[2], _f64_dot(lhs, rhs, MATMUL)) <= TOL[dtype]
+    assert _finite_close(ours[2], ref[2], TOL[dtype])
+
+
+ROUTE_GPU_CASES = [
+    # (lhs shape, rhs shape, dims): products the kernel computes after a transpose or a merge
+    ((640, 4, 72), (72, 4, 480), (((1, 2), (1, 0)), ((), ()))),
+    ((128, 4, 72), (72, 4, 4000), (((1, 2), (1, 0)), ((), ()))),
+    ((2, 640, 4, 72), (2, 72, 4, 480), (((2, 3), (2, 1)), ((0,), (0,)))),
+    ((256, 160, 4), (256, 200, 4), (((0,), (0,)), ((2,), (2,)))),
+    ((2, 160, 512), (512, 12, 7), (((2,), (0,)), ((), ()))),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, jax_tma.GemmConfig(64, 128, 8, 1), jax_tma.GemmConfig(128, 128, 6, 1, split_k=2)],
+                         ids=["default", "m64", "split2"])
+@pytest.mark.parametrize("lhs_shape,rhs_shape,dims", ROUTE_GPU_CASES)
+def test_kernel_routes_match_float64(rng, lhs_shape, rhs_shape, dims, config):
+    """Transposed or merged operands (gemm.kernel_route) over NaN-filled outputs."""
+    lhs, rhs = _operands(rng, lhs_shape, rhs_shape, BF16)
+    assert gemm_plan.plan(lhs_shape, rhs_shape, dims) is None
+    for out_dtype in (BF16, F32):
+        out = np.asarray(_testing.gemm_poisoned(lhs, rhs, out_dtype, config=config, dimension_numbers=dims))
+        assert not np.isnan(out).any(), "kernel left poisoned (unwritten) outputs"
+        assert rel_error(out, _f64_dot(lhs, rhs, dims)) <= TOL[out_dtype]
+    f = lambda x, y: jax_tma.dot_general(x, y, dims)  # noqa: E731
+    assert _compiled_kernel_calls(f, lhs, rhs) == 1
+
+
+@pytest.mark.gpu
+def test_nested_vmap_weak_and_mixed_operands_run_the_kernel(rng):
+    """Issue 30: vmap(vmap(matmul), (0, None)) and (None, 0), weak-typed bf16 operands and
+    bf16 x weak fp32 (which lax converts to bf16): one kernel call each, within the bf16
+    bound of float64."""
+    f64 = lambda v: np.asarray(v, np.float64)  # noqa: E731
+    x, w = random_array(rng, (3, 4, 256, 128), BF16), random_array(rng, (4, 128, 192), BF16)
+    u = random_array(rng, (4, 96, 256), BF16)
+    for in_axes, args, exact in [
+        ((0, None), (x, w), np.einsum("abmk,bkn->abmn", f64(x), f64(w))),
+        ((None, 0), (u, x), np.einsum("bmk,abkn->abmn", f64(u), f64(x))),
+    ]:
+        f = jax.vmap(jax.vmap(jax_tma.matmul), in_axes)
+        assert _compiled_kernel_calls(f, *args) == 1
+        assert rel_error(jax.jit(f)(*args), exact) <= TOL[BF16]
+
+    def weak(v, dtype=BF16):
+        return jax._src.lax.lax._convert_element_type(v, dtype, weak_type=True)
+
+    a, b = random_array(rng, (512, 256), BF16), random_array(rng, (256, 384), BF16)
+    for f in (lambda a, b: jax_tma.matmul(weak(a), b), lambda a, b: jax_tma.matmul(weak(a), weak(b)),
+              lambda a, b: jax_tma.matmul(a, weak(b.astype(F32), F32))):
+        assert _compiled_kernel_calls(f, a, b) == 1
+        assert rel_error(jax.jit(f)(a, b), f64(a) @ f64(b)) <= TOL[BF16]
