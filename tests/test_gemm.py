@@ -616,6 +616,16 @@ def test_cuda_lowering_sizes_near_2_31(fn, a_shape, b_shape, kernel):
             assert f"m = {m} : i64" in hlo
 
 
+@needs_extension
+@pytest.mark.parametrize("a_shape,b_shape", [((2, T31 + 64), (T31 + 64, 8)), ((T31, 8), (8, 64))],
+                         ids=["K=2^31+64", "m=2^31"])
+def test_cuda_lowering_forced_config_past_max_dim_is_xla(a_shape, b_shape):
+    """A config is ignored where the kernel does not apply: sizes past MAX_DIM lower to XLA."""
+    cfg = jax_tma.GemmConfig(128, 128, 6, 1, split_k=2)
+    hlo = cuda_hlo(functools.partial(jax_tma.matmul, config=cfg), spec(a_shape, BF16), spec(b_shape, BF16))
+    assert gemm.KERNEL_TARGET not in hlo and "stablehlo.dot_general" in hlo
+
+
 def test_sizes_past_the_kernel_limits_plan_to_xla():
     """gemm_plan refuses any size past MAX_DIM and any operand past MAX_BUFFER_BYTES."""
     mm = gemm.MATMUL_DIMS
