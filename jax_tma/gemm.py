@@ -15,8 +15,8 @@ bind the ``jax_tma_dot_general`` primitive; everything else goes straight to
   platform.
 
 It lowers to XLA's dot everywhere (with the product's precision), and on CUDA to the
-``jax_tma_gemm_sm90`` FFI kernel when the operands can be read in place, or after transposing
-one of them (jax_tma/gemm_plan.py), the sizes are within what the kernel takes
+``jax_tma_gemm_sm90`` FFI kernel when the operands can be read in place (jax_tma/gemm_plan.py)
+or after a transpose (``kernel_route``), the sizes are within what the kernel takes
 (gemm_config.MAX_DIM, MAX_WORK_UNITS, MAX_BUFFER_BYTES) and the kernel can run there. Every
 other product lowers to XLA's dot: none is left to fail at run time.
 """
@@ -658,6 +658,8 @@ def dot_general(lhs: Any, rhs: Any, dimension_numbers, precision=None,
     _ext.warn_if_unavailable()
     out_dtype = jnp.dtype(expected.dtype)
     canonical = canonicalize_precision(precision)
+    if isinstance(canonical, list):  # a pair given as a list: a primitive parameter is hashable
+        canonical = tuple(canonical)
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     in_dtype = _kernel_input_dtype(lhs.dtype, rhs.dtype, out_dtype, canonical)
     if out_sharding is not None or math.prod(expected.shape) == 0 or in_dtype is None:
