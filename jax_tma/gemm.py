@@ -657,9 +657,7 @@ def dot_general(lhs: Any, rhs: Any, dimension_numbers, precision=None,
     expected = jax.eval_shape(reference, lhs, rhs)  # lax's errors, lax's result type
     _ext.warn_if_unavailable()
     out_dtype = jnp.dtype(expected.dtype)
-    canonical = canonicalize_precision(precision)
-    if isinstance(canonical, list):  # a pair given as a list: a primitive parameter is hashable
-        canonical = tuple(canonical)
+    canonical = canonicalize_precision(precision)  # hashable: lax refused anything else
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     in_dtype = _kernel_input_dtype(lhs.dtype, rhs.dtype, out_dtype, canonical)
     if out_sharding is not None or math.prod(expected.shape) == 0 or in_dtype is None:
