@@ -8,20 +8,17 @@ Public API:
     vmap and sharding rules (a drop-in ``dot_general=`` for Flax layers).
   matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=None,
     out_dtype=None, config=None): ``jnp.matmul`` on the same kernel.
+  ragged_dot(lhs, rhs, group_sizes, ...), ragged_dot_general(...): ``lax.ragged_dot`` and
+    ``lax.ragged_dot_general`` on the grouped (MoE) kernel, group sizes read on the device.
   GemmConfig: a compiled tile configuration to pass as ``config=``.
   kernel_status(): whether the kernels run on the default backend, and why not.
-  export_disabled_checks(): what ``jax.export`` needs to serialize the kernel's custom call.
+  export_disabled_checks(): what ``jax.export`` needs to serialize the kernels' custom calls.
 """
 
+from jax_tma._export import export_disabled_checks
 from jax_tma._ext import KernelStatus, kernel_status
-from jax_tma.gemm import (
-    COMPILED_CONFIGS,
-    GemmConfig,
-    default_config,
-    dot_general,
-    export_disabled_checks,
-    matmul,
-)
+from jax_tma.gemm import COMPILED_CONFIGS, GemmConfig, default_config, dot_general, matmul
+from jax_tma.ragged import RAGGED_CONFIGS, ragged_dot, ragged_dot_general
 
 __version__ = "0.1.0"
 
@@ -34,4 +31,7 @@ __all__ = [
     "export_disabled_checks",
     "kernel_status",
     "matmul",
+    "ragged_dot",
+    "ragged_dot_general",
+    "RAGGED_CONFIGS",
 ]

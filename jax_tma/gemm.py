@@ -732,22 +732,3 @@ def matmul(a: Any, b: Any, *, precision=None, preferred_element_type=None, out_s
     if getattr(out, "weak_type", False) != getattr(expected, "weak_type", False):
         out = _convert_element_type(out, out_type, weak_type=bool(expected.weak_type))
     return out
-
-
-def export_disabled_checks() -> list:
-    """The ``jax.export.DisabledSafetyCheck`` entries that let ``jax.export`` serialize a
-    function using jax_tma's kernels for CUDA::
-
-        exported = jax.export.export(jax.jit(f), platforms=("cuda",),
-                                     disabled_checks=jax_tma.export_disabled_checks())(*specs)
-
-    jax.export accepts only the custom calls that jax itself guarantees stable; these name
-    jax_tma's FFI targets (``FFI_TARGETS``), whose names and attributes stay fixed for a
-    release of jax_tma. The module calls them by name: the process that deserializes and runs
-    it must import the same jax_tma release (which registers them) and run on a Hopper GPU.
-    Modules exported for other platforms contain no jax_tma call and need none of these.
-    Sharded functions export too, but without jax_tma's sharding rules (custom_partitioning
-    callbacks cannot be serialized): XLA's partitioner gives each device whole operands of
-    every kernel call.
-    """
-    return [jax.export.DisabledSafetyCheck.custom_call(target) for target in FFI_TARGETS]

@@ -16,6 +16,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNEL_FILES = sorted((ROOT / "csrc" / "kernels").glob("sm90_gemm_*.cu"))
+RAGGED_FILES = sorted((ROOT / "csrc" / "kernels").glob("sm90_ragged_*.cu"))
 
 
 def _nvcc() -> str:
@@ -52,6 +53,31 @@ def test_gemm_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_pat
     assert len(layouts) == 4, layouts
     assert "Potential Performance Loss" not in report, report[-4000:]
     assert not re.search(r"C751[01]", report), report[-4000:]
+    spills = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    assert len(spills) == len(entries)
+    assert all(s == ("0", "0", "0") for s in spills), spills
+
+
+def test_ragged_instantiation_files_found():
+    assert len(RAGGED_FILES) == 5, RAGGED_FILES  # 4 type pairs + the prepare kernel
+
+
+@pytest.mark.parametrize("source", RAGGED_FILES, ids=lambda p: p.name)
+def test_ragged_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_path):
+    result = subprocess.run(
+        [
+            _nvcc(), "-c", str(source), "-o", str(tmp_path / "k.o"), f"-I{ROOT / 'csrc'}",
+            "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
+            "-Xptxas=-v,-warn-spills,-warn-lmem-usage,-Werror",
+        ],
+        capture_output=True, text=True, check=False,
+    )
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, report[-4000:]
+    entries = re.findall(r"Compiling entry function '(\w+)'", report)
+    # 5 tiles x (rows NN, rows NT, contraction TN), or the one prepare kernel
+    assert len(entries) == (1 if "prepare" in source.name else 15), report[-4000:]
+    assert "Potential Performance Loss" not in report, report[-4000:]
     spills = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert len(spills) == len(entries)
     assert all(s == ("0", "0", "0") for s in spills), spills

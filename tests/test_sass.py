@@ -61,18 +61,34 @@ def kernels() -> dict[str, str]:
     return functions
 
 
-def _gemm_kernels(kernels: dict[str, str]) -> dict[str, str]:
-    found = {name: body for name, body in kernels.items() if "sm90_gemm_kernel" in name}
-    assert found, f"no sm90_gemm_kernel in the extension; functions: {sorted(kernels)}"
+# The sm90 GEMM kernel's problems (csrc/kernels/sm90_gemm_problems.cuh): the dense batched GEMM
+# and the two grouped (ragged) products.
+PROBLEMS = ("DenseGemm", "RaggedRowsGemm", "RaggedKGemm")
+
+
+def _gemm_kernels(kernels: dict[str, str], problems=PROBLEMS) -> dict[str, str]:
+    found = {name: body for name, body in kernels.items()
+             if "sm90_gemm_kernel" in name and any(p in name for p in problems)}
+    assert found, f"no sm90_gemm_kernel of {problems} in the extension: {sorted(kernels)}"
     return found
 
 
 def test_gemm_kernels_are_sm90a(kernels):
     # (bf16, bf16), (bf16, fp32), (fp16, fp16), (fp16, fp32) x 15 tile configurations
     # (jax_tma.COMPILED_CONFIGS and the direct-store variants) x 4 operand layouts (NN, NT, TN, TT).
-    found = _gemm_kernels(kernels)
+    found = _gemm_kernels(kernels, ("DenseGemm",))
     assert len(found) == 4 * 15 * 4
     assert sorted({_layout(name) for name in found}) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_ragged_kernels_are_sm90a(kernels):
+    # 4 type pairs x 5 tiles (jax_tma.RAGGED_CONFIGS): rows mode NN and NT, contraction TN.
+    rows = _gemm_kernels(kernels, ("RaggedRowsGemm",))
+    contraction = _gemm_kernels(kernels, ("RaggedKGemm",))
+    assert len(rows) == 4 * 5 * 2 and len(contraction) == 4 * 5
+    assert sorted({_layout(name) for name in rows}) == [(0, 0), (0, 1)]
+    assert {_layout(name) for name in contraction} == {(1, 1)}
+    assert any("sm90_ragged_prepare_kernel" in name for name in kernels)
 
 
 @pytest.mark.parametrize(
@@ -82,6 +98,15 @@ def test_gemm_kernels_are_sm90a(kernels):
 def test_gemm_kernels_use_hopper_instructions(kernels, opcode):
     for name, body in _gemm_kernels(kernels).items():
         assert re.search(rf"\b{re.escape(opcode)}", body), f"{opcode} missing in {name}"
+
+
+def test_ragged_kernels_acquire_their_tensor_maps(kernels):
+    """Maps the prepare kernel wrote are acquired (fence.proxy.tensormap: UTMACCTL.IV) by the
+    threads that copy through them: the epilogue (rows mode) or the producer (contraction)."""
+    for name, body in _gemm_kernels(kernels, ("RaggedRowsGemm", "RaggedKGemm")).items():
+        assert re.search(r"\bUTMACCTL\.IV\b", body), f"no tensormap acquire in {name}"
+    for name, body in _gemm_kernels(kernels, ("DenseGemm",)).items():
+        assert not re.search(r"\bUTMACCTL\.IV\b", body), name
 
 
 def _tile(name: str) -> tuple[int, ...]:

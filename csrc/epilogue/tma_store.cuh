@@ -36,6 +36,16 @@ __device__ __forceinline__ uint32_t pack_pair<__half>(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// Where one consumer warpgroup's block goes: D's map (a kernel parameter, or a map in global
+// memory) and the coordinates of the block's first element; `rows` and `cols` are D's extent
+// in the map's coordinates: a block that starts past `rows`, or a chunk past `cols`, is not
+// stored (TMA would clip all of it).
+struct StorePlan {
+  const CUtensorMap* d;
+  int row, col, batch, split;
+  int rows, cols;
+};
+
 template <class Out, int kBlockN, int kBuffers>
 struct TmaStoreEpilogue {
   static constexpr int kRows = 64;
@@ -112,12 +122,11 @@ struct TmaStoreEpilogue {
     (write_chunk<batch0 + i>(acc, ptx::smem_u32(smem.buffer[i])), ...);
   }
 
-  // Stores the warpgroup's block with top-left corner (row0, col0) of D[split, batch].
-  // `barrier` spans the warpgroup; thread 0 of the warpgroup issues (and owns) every store.
+  // Stores the warpgroup's block at `to` (the caller skips blocks past to.rows). `barrier`
+  // spans the warpgroup; thread 0 of the warpgroup issues (and owns) every store.
   template <int batch0 = 0>
   __device__ static void store(const float (&acc)[kBlockN / 2], SharedStorage& smem,
-                               const CUtensorMap* map_d, int row0, int col0, int batch,
-                               int split, const NamedBarrier& barrier) {
+                               const StorePlan& to, const NamedBarrier& barrier) {
     const bool issuer = threadIdx.x % 128 == 0;
     if (issuer) StorePipeline::producer_acquire();
     barrier.sync();  // the previous batch's stores have read the staging area
@@ -127,14 +136,44 @@ struct TmaStoreEpilogue {
     if (issuer) {
 #pragma unroll
       for (int i = 0; i < kBuffers; ++i) {
-        ptx::tma_store(map_d, smem.buffer[i],
-                       ptx::TmaCoord<4>{{col0 + chunk_col(batch0 + i), row0, batch, split}});
+        // NOTE: to.col < to.cols, so neither sum wraps past 2^31.
+        if (chunk_col(batch0 + i) >= to.cols - to.col) break;  // this chunk and the rest: past D
+        ptx::tma_store(to.d, smem.buffer[i],
+                       ptx::TmaCoord<4>{{to.col + chunk_col(batch0 + i), to.row, to.batch,
+                                         to.split}});
       }
       StorePipeline::producer_commit();
     }
-    if constexpr (batch0 + kBuffers < kChunks) {
-      store<batch0 + kBuffers>(acc, smem, map_d, row0, col0, batch, split, barrier);
+    if constexpr (batch0 + kBuffers < kChunks) store<batch0 + kBuffers>(acc, smem, to, barrier);
+  }
+
+  // Stores a block of zeros at `to`, as store() does a block of accumulators.
+  template <int batch0 = 0>
+  __device__ static void store_zeros(SharedStorage& smem, const StorePlan& to,
+                                     const NamedBarrier& barrier) {
+    const bool issuer = threadIdx.x % 128 == 0;
+    if (issuer) StorePipeline::producer_acquire();
+    barrier.sync();
+    if constexpr (batch0 == 0) {  // later batches find the zeros the first one wrote
+      constexpr int kUnits = kBuffers * kChunkBytes / 16;
+#pragma unroll
+      for (int u = threadIdx.x % 128; u < kUnits; u += 128) {
+        reinterpret_cast<uint4*>(&smem.buffer[0][0])[u] = make_uint4(0, 0, 0, 0);
+      }
+      ptx::fence_proxy_async_shared();
+      barrier.sync();
     }
+    if (issuer) {
+#pragma unroll
+      for (int i = 0; i < kBuffers; ++i) {
+        if (chunk_col(batch0 + i) >= to.cols - to.col) break;
+        ptx::tma_store(to.d, smem.buffer[i],
+                       ptx::TmaCoord<4>{{to.col + chunk_col(batch0 + i), to.row, to.batch,
+                                         to.split}});
+      }
+      StorePipeline::producer_commit();
+    }
+    if constexpr (batch0 + kBuffers < kChunks) store_zeros<batch0 + kBuffers>(smem, to, barrier);
   }
 
   // Before the CTA exits: every store issued by this warpgroup has read its staging buffer.

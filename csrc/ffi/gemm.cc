@@ -29,6 +29,7 @@
 
 #include "ffi/cuda_check.h"
 #include "ffi/device_info.h"
+#include "ffi/gemm_maps.h"
 #include "ffi/tensor_map.h"
 #include "kernels/sm90_gemm.h"
 #include "xla/ffi/api/ffi.h"
@@ -48,102 +49,12 @@ struct GemmAttrs {
 
 namespace {
 
+using ffi_util::operand_spec;
+using ffi_util::str;
+using ffi_util::ViewDim;
 using sm90_gemm::DType;
 using sm90_gemm::LaunchArgs;
 using sm90_gemm::Major;
-
-std::string str(int64_t v) { return std::to_string(v); }
-
-bool to_dtype(ffi::DataType t, DType* out) {
-  switch (t) {
-    case ffi::DataType::BF16: *out = DType::kBF16; return true;
-    case ffi::DataType::F16: *out = DType::kF16; return true;
-    case ffi::DataType::F32: *out = DType::kF32; return true;
-    default: return false;
-  }
-}
-
-CUtensorMapDataType tma_type(DType t) {
-  switch (t) {
-    case DType::kBF16: return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
-    case DType::kF16: return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    case DType::kF32: return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-  }
-  return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-}
-
-// One dimension of a strided view: how many indices, the element stride, the attribute name.
-struct ViewDim {
-  int64_t extent, stride;
-  const char* name;
-};
-
-// Largest element offset a view addresses, or -1 past INT64_MAX.
-int64_t last_offset(std::initializer_list<ViewDim> dims) {
-  unsigned __int128 end = 0;
-  for (const ViewDim& d : dims) {
-    end += static_cast<unsigned __int128>(d.extent - 1) * static_cast<uint64_t>(d.stride);
-  }
-  return end > INT64_MAX ? -1 : static_cast<int64_t>(end);
-}
-
-// "" when every dimension with more than one index has a stride that is a multiple of 16
-// bytes (TMA reads or writes it), else which one is not.
-std::string check_tma_strides(const char* operand, std::initializer_list<ViewDim> dims,
-                              int64_t bytes) {
-  for (const ViewDim& d : dims) {
-    if (d.extent > 1 && (d.stride * bytes) % 16 != 0) {
-      return std::string("jax_tma gemm: ") + operand + " is read or written by TMA, which needs " +
-             "16-byte strides, but " + d.name + "=" + str(d.stride) + " elements is " +
-             str(d.stride * bytes) + " bytes";
-    }
-  }
-  return {};
-}
-
-// NOTE: cuTensorMapEncodeTiled's documentation illustrates the strides with a padded layout
-// whose strides grow outwards, but states as requirements only that each be a multiple of 16
-// below 2^40. CUTLASS's TMA builder passes strides in the order of the box's modes, unsorted,
-// and FlashAttention-3 relies on that for BSHD tensors (map {D, S, H, B}: the H stride is
-// below the S stride). So each map keeps its logical dimension order, {contiguous, other,
-// batch[, split]}, whatever the order of the strides, and the kernel's coordinates never
-// depend on them. Should a driver reject an order, encoding fails and the call returns
-// InvalidArgument naming the map, never a wrong result.
-//
-// A dimension of extent 1 only ever sees coordinate 0 in bounds, so its stride is free: it
-// gets the dense one (previous stride x previous extent, rounded up to 16 bytes), which also
-// satisfies that documented form. A broadcast operand's batch dimension is such a dimension.
-ffi_util::TensorMapSpec strided_spec(DType dtype, std::initializer_list<ViewDim> dims,
-                                     const int* box) {
-  const uint64_t bytes = sm90_gemm::dtype_bytes(dtype);
-  ffi_util::TensorMapSpec spec;
-  spec.dtype = tma_type(dtype);
-  spec.rank = static_cast<int>(dims.size());
-  spec.swizzle = ffi_util::Swizzle::k128B;
-  uint64_t prev_bytes = bytes;
-  uint64_t prev_extent = 1;
-  int i = 0;
-  for (const ViewDim& d : dims) {
-    spec.dims[i] = static_cast<uint64_t>(d.extent);
-    spec.box[i] = static_cast<uint32_t>(box[i]);
-    if (i > 0) {
-      const uint64_t dense = (prev_bytes * prev_extent + 15) / 16 * 16;
-      spec.byte_strides[i - 1] = d.extent > 1 ? static_cast<uint64_t>(d.stride) * bytes : dense;
-      prev_bytes = spec.byte_strides[i - 1];
-    }
-    prev_extent = static_cast<uint64_t>(d.extent);
-    ++i;
-  }
-  return spec;
-}
-
-// A or B: rank 3, {contiguous, other, batch}; `mn` is M for A, N for B.
-template <Major kMajor>
-ffi_util::TensorMapSpec operand_spec(DType dtype, ViewDim mn, ViewDim k, ViewDim batch,
-                                     const int (&box)[3]) {
-  const auto d = sm90_gemm::inner_outer<kMajor>(mn, k);
-  return strided_spec(dtype, {d.inner, d.outer, batch}, box);
-}
 
 // Which operand layout the strides describe (validated before).
 struct LayoutChoice {
@@ -215,14 +126,11 @@ ffi::Error run(const GemmAttrs& p, Call call) {
   if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma gemm, operand b: " + err);
   if constexpr (Tile::kEpilogue == sm90_gemm::EpilogueKind::kTmaStore) {
     // D [splits, batch, M, N] in boxes of one epilogue chunk: 64 rows x 128 bytes.
-    const int box_d[4] = {Tile::kEpilogueRowBytes / sm90_gemm::dtype_bytes(call.out),
-                          Tile::kEpilogueRows, 1, 1};
-    const auto spec_d = strided_spec(call.out,
-                                     {{p.n, 1, "n"},
-                                      {p.m, p.d_m_stride, "d_m_stride"},
-                                      {p.batch, p.d_batch_stride, "d_batch_stride"},
-                                      {p.splits, p.d_split_stride, "d_split_stride"}},
-                                     box_d);
+    const auto spec_d = ffi_util::output_spec(
+        call.out, {p.n, 1, "n"}, {p.m, p.d_m_stride, "d_m_stride"},
+        {p.batch, p.d_batch_stride, "d_batch_stride"},
+        {p.splits, p.d_split_stride, "d_split_stride"}, Tile::kEpilogueRowBytes,
+        Tile::kEpilogueRows);
     err = ffi_util::encode_tensor_map(&map_d, call.d, spec_d);
     if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma gemm, output: " + err);
   }
@@ -288,8 +196,9 @@ ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& 
 
   Call call{};
   DType in_b;
-  if (!to_dtype(a.element_type(), &call.in) || !to_dtype(b.element_type(), &in_b) ||
-      call.in != in_b || call.in == DType::kF32 || !to_dtype(d.element_type(), &call.out) ||
+  if (!ffi_util::to_dtype(a.element_type(), &call.in) ||
+      !ffi_util::to_dtype(b.element_type(), &in_b) || call.in != in_b || call.in == DType::kF32 ||
+      !ffi_util::to_dtype(d.element_type(), &call.out) ||
       (call.out != call.in && call.out != DType::kF32)) {
     return ffi::Error::InvalidArgument(
         "jax_tma gemm: a and b must both be bf16 or both fp16, and d their type or fp32");
@@ -337,23 +246,12 @@ ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& 
                                                  {p.batch, p.d_batch_stride, "d_batch_stride"},
                                                  {p.m, p.d_m_stride, "d_m_stride"},
                                                  {p.n, 1, "n"}};
-  struct Extent {
-    const char* name;
-    std::initializer_list<ViewDim> view;
-    size_t elements;
-  };
-  for (const Extent& e : {Extent{"a", view_a, a.element_count()},
-                          Extent{"b", view_b, b.element_count()},
-                          Extent{"d", view_d, d.element_count()}}) {
-    const int64_t last = last_offset(e.view);
-    if (last < 0 || static_cast<uint64_t>(last) >= e.elements) {
-      std::string strides;
-      for (const ViewDim& v : e.view) strides += std::string(", ") + v.name + "=" + str(v.stride);
-      return ffi::Error::InvalidArgument(
-          std::string("jax_tma gemm: ") + e.name + " addresses element " +
-          (last < 0 ? std::string("past 2^63") : str(last)) + " but its buffer holds " +
-          std::to_string(e.elements) + " (" + dims + ", splits=" + str(p.splits) + strides + ")");
-    }
+  const std::string context = dims + ", splits=" + str(p.splits);
+  for (const std::string& e :
+       {ffi_util::check_in_bounds("a", view_a, a.element_count(), context),
+        ffi_util::check_in_bounds("b", view_b, b.element_count(), context),
+        ffi_util::check_in_bounds("d", view_d, d.element_count(), context)}) {
+    if (!e.empty()) return ffi::Error::InvalidArgument("jax_tma gemm: " + e);
   }
   // Writing one output element twice would race.
   for (const ViewDim& v : view_d) {
@@ -370,20 +268,20 @@ ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& 
                                                      : ViewDim{p.k, p.a_k_stride, "a_k_stride"};
   const ViewDim b_outer = call.layout.b == Major::kK ? ViewDim{p.n, p.b_n_stride, "b_n_stride"}
                                                      : ViewDim{p.k, p.b_k_stride, "b_k_stride"};
-  std::string err = check_tma_strides(
+  std::string err = ffi_util::check_tma_strides(
       "a", {a_outer, {a_batched ? p.batch : 1, p.a_batch_stride, "a_batch_stride"}}, in_bytes);
   if (err.empty()) {
-    err = check_tma_strides(
+    err = ffi_util::check_tma_strides(
         "b", {b_outer, {b_batched ? p.batch : 1, p.b_batch_stride, "b_batch_stride"}}, in_bytes);
   }
   if (err.empty() && p.epilogue == static_cast<int64_t>(sm90_gemm::EpilogueKind::kTmaStore)) {
-    err = check_tma_strides("d (TMA-store epilogue)",
+    err = ffi_util::check_tma_strides("d (TMA-store epilogue)",
                             {{p.m, p.d_m_stride, "d_m_stride"},
                              {p.batch, p.d_batch_stride, "d_batch_stride"},
                              {p.splits, p.d_split_stride, "d_split_stride"}},
                             sm90_gemm::dtype_bytes(call.out));
   }
-  if (!err.empty()) return ffi::Error::InvalidArgument(err + " (" + dims + ")");
+  if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma gemm: " + err + " (" + dims + ")");
 
   const auto& info = ffi_util::device_info(device);
   if (!info.error.empty()) return ffi::Error::Internal("jax_tma gemm: " + info.error);

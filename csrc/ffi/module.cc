@@ -4,6 +4,7 @@
 
 #include "ffi/device_info.h"
 #include "ffi/gemm.h"
+#include "ffi/ragged_dot.h"
 #include "ffi/testing.h"
 #include "ffi/tma_copy.h"
 #include "xla/ffi/api/c_api.h"
@@ -25,6 +26,9 @@ NB_MODULE(_jax_tma, m) {
     nb::dict targets;
     targets["jax_tma_gemm_sm90"] = handler_capsule(jax_tma::ffi_handlers::GemmSm90);
     targets["jax_tma_gemm_sm90_into"] = handler_capsule(jax_tma::ffi_handlers::GemmSm90Into);
+    targets["jax_tma_ragged_dot_sm90"] = handler_capsule(jax_tma::ffi_handlers::RaggedDotSm90);
+    targets["jax_tma_ragged_dot_sm90_into"] =
+        handler_capsule(jax_tma::ffi_handlers::RaggedDotSm90Into);
     return targets;
   });
   // Targets of the primitive tests (jax_tma._testing).

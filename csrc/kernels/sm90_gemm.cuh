@@ -1,6 +1,10 @@
 // sm90 GEMM kernel: D[b] = A[b] @ B[b] over a batch, with TMA loads (multicast across a cluster
 // of 2), an mbarrier pipeline, wgmma, and a TMA-store epilogue. One instantiation per
-// (In, Out, Tile, Layout): the operand layouts are compile-time (kernels/sm90_gemm.h).
+// (In, Out, Tile, Layout, Problem): the operand layouts are compile-time (kernels/sm90_gemm.h),
+// and the problem (kernels/sm90_gemm_problems.cuh) says how the product is cut into work tiles
+// and where each tile's operands and output lie: the dense batched GEMM here, the grouped
+// (ragged) products of kernels/sm90_ragged_dot.cuh with the same body. A work tile with an
+// empty K range (an empty group) stores zeros.
 //
 // Warp-specialised and persistent: warpgroup 0 produces (one elected thread issues every TMA
 // copy), the other two consume (wgmma into fp32 registers, then the epilogue): both on every
@@ -41,8 +45,8 @@
 #include "ptx/cluster.cuh"
 #include "ptx/common.cuh"
 #include "ptx/mbarrier.cuh"
+#include "kernels/sm90_gemm_problems.cuh"
 #include "ptx/warpgroup.cuh"
-#include "scheduler/tile_scheduler.cuh"
 
 namespace jax_tma::sm90_gemm {
 
@@ -52,15 +56,18 @@ enum class WarpGroupRole { Producer = 0, Consumer0 = 1, Consumer1 = 2 };
 inline constexpr int kProducerRegs = 40;
 inline constexpr int kConsumerRegs = 232;
 
-template <class In, class Out, class Tile, class Layout>
+template <class In, class Out, class Tile, class Layout, template <class> class ProblemT>
 struct Kernel {
+  using Problem = ProblemT<Tile>;
   using Mainloop = MainloopSm90TmaWgmma<In, Tile, Layout>;
   using Pipeline = typename Mainloop::Pipeline;
-  using Scheduler = TileScheduler<Tile::kBlockM, Tile::kBlockN, Tile::kClusterM>;
+  using Scheduler = typename Problem::Scheduler;
   using Epilogue = TmaStoreEpilogue<Out, Tile::kBlockN, Tile::kEpilogueBuffers>;
   using Partials = PartialTiles<Mainloop::kAccRegs, Tile::kConsumerWarpgroups>;
   static_assert(Tile::kConsumerWarpgroups == kStreamKSlotsPerCta);
   static constexpr bool kTmaStore = Tile::kEpilogue == EpilogueKind::kTmaStore;
+  static constexpr bool kStreamK = Tile::kStreamK && Problem::kStreamK;
+  static_assert(kTmaStore || !Problem::kGlobalStoreMaps, "per-segment outputs store through TMA");
 
   // Ping-pong: the consumers' turns at waiting on the ring (see the note at the top).
   using Turns = OrderedBarrier<Tile::kConsumerWarpgroups, 1>;
@@ -83,15 +90,16 @@ struct Kernel {
   static_assert(Epilogue::kChunkCols * sizeof(Out) == Tile::kEpilogueRowBytes);
 };
 
-template <class In, class Out, class Tile, class Layout>
+template <class In, class Out, class Tile, class Layout, template <class> class ProblemT>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     sm90_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                      const __grid_constant__ CUtensorMap tmap_b,
                      const __grid_constant__ CUtensorMap tmap_d, Out* __restrict__ d,
                      GemmShape shape,
-                     typename Kernel<In, Out, Tile, Layout>::Scheduler::Params tiles,
-                     typename Kernel<In, Out, Tile, Layout>::Partials partials) {
-  using K = Kernel<In, Out, Tile, Layout>;
+                     typename Kernel<In, Out, Tile, Layout, ProblemT>::Problem::Params params,
+                     typename Kernel<In, Out, Tile, Layout, ProblemT>::Partials partials) {
+  using K = Kernel<In, Out, Tile, Layout, ProblemT>;
+  using P = typename K::Problem;
   extern __shared__ uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<typename K::SharedStorage*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
@@ -112,21 +120,15 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   // after it, they held the first TMA copy back by ~1200 cycles (1000^3 in pairs on an H100,
   // clock64 marks: first copy ~2800 cycles after the CTA's start, ~1600 with this). The
   // consumers read the same parameters after the barrier, from the warm cache.
-  const typename K::Scheduler scheduler(tiles);
-  WorkTile first{};
-  uint32_t a_stage_bytes = 0;
-  int m = 0, n = 0;
-  bool a_batched = false, b_batched = false;
+  const auto scheduler = P::scheduler(params);
+  typename P::Work first{};
+  GemmShape local = {};
   if (role == WarpGroupRole::Producer) {
     first = scheduler.first();
-    a_stage_bytes = shape.a_stage_bytes;
-    m = shape.m;
-    n = shape.n;
-    a_batched = shape.a_batched;
-    b_batched = shape.b_batched;
+    local = shape;
     ptx::compute_now(first.linear, first.m_block, first.n_block, first.batch, first.k_begin,
-                     first.k_end, first.self_valid, first.cluster_full, a_stage_bytes, m, n,
-                     a_batched, b_batched);
+                     first.k_end, first.self_valid, first.cluster_full, local.a_stage_bytes,
+                     local.m, local.n, local.a_batched, local.b_batched);
   }
   // Peers multicast into this CTA's ring and arrive on its barriers: none may use them before
   // all are initialised (fence_mbarrier_init orders the initialisation before the relaxed
@@ -147,15 +149,22 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     wait_for_peers();
     if (threadIdx.x / 32 == 0 && ptx::elect_one_sync()) {
       auto write = make_producer_start_state<Tile::kStages>();
+      TensormapAcquirer acquire_a, acquire_b;
       for (auto w = first; scheduler.valid(w); w = scheduler.next(w)) {
         const LoadMode mode = !w.self_valid       ? LoadMode::kIdle
                               : Tile::kClusterM > 1 && w.cluster_full ? LoadMode::kMulticast
                                                                        : LoadMode::kSolo;
-        // A shared operand has a batch extent of 1 in its map: always coordinate 0.
-        const TileOrigin at{w.m_block * Tile::kBlockM, w.n_block * Tile::kBlockN,
-                            a_batched ? w.batch : 0, b_batched ? w.batch : 0};
-        K::Mainloop::load(pipeline, write, smem.operands, &tmap_a, &tmap_b, at, w.k_begin,
-                          w.k_end, mode, scheduler.rank, a_stage_bytes, m, n);
+        // An idle CTA's M block may lie past the matrix: its plan is never read.
+        const LoadPlan plan = w.self_valid ? P::load_plan(params, w, local, &tmap_a, &tmap_b)
+                                           : LoadPlan{};
+        if constexpr (P::kGlobalLoadMaps) {
+          if (w.self_valid && w.k_end > w.k_begin) {
+            acquire_a(plan.a);
+            acquire_b(plan.b);
+          }
+        }
+        K::Mainloop::load(pipeline, write, smem.operands, plan, w.k_begin, w.k_end, mode,
+                          scheduler.rank, local.a_stage_bytes);
       }
       pipeline.producer_tail(write);
     }
@@ -174,6 +183,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     auto hand_over = [&] {  // this tile's last stage is full: the other consumer may wait
       if constexpr (Tile::kPingPong) turns.arrive();
     };
+    TensormapAcquirer acquire_d;
     float acc[K::Mainloop::kAccRegs];
     for (auto w = scheduler.first(); scheduler.valid(w); w = scheduler.next(w), ++turn) {
       const int count = w.k_end - w.k_begin;
@@ -186,8 +196,24 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         K::Mainloop::skip(pipeline, read, count, hand_over);
         continue;
       }
+      const int row0 = w.m_block * Tile::kBlockM + 64 * a_block;
+      const int col0 = w.n_block * Tile::kBlockN;
+      if constexpr (P::kEmptyTiles) {
+        // Nothing to contract (an empty group): the block is zero. (Written apart from the
+        // accumulators: wgmma's registers written on a divergent path serialise it.)
+        if (count == 0) {
+          hand_over();
+          const StorePlan to = P::store_plan(params, w, shape, &tmap_d, row0, col0);
+          if (to.row >= to.rows) continue;
+          if constexpr (P::kGlobalStoreMaps) {
+            if (threadIdx.x % 128 == 0) acquire_d(to.d);
+          }
+          K::Epilogue::store_zeros(smem.staging[warpgroup], to, epilogue_barrier);
+          continue;
+        }
+      }
       K::Mainloop::mma(pipeline, read, smem.operands, a_block, count, acc, hand_over);
-      if constexpr (Tile::kStreamK) {
+      if constexpr (K::kStreamK) {
         if (w.piece >= 0) {
           if (w.k_begin > 0) {  // not the tile's head: leave the partial sums for it
             partials.store(scheduler.cluster, warpgroup, acc, epilogue_barrier);
@@ -195,17 +221,19 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           }
           // The head: the CTAs after this one computed the rest of the tile's K range.
           int cta = scheduler.cluster;
-          for (int done = w.k_end; done < tiles.k_blocks; done += scheduler.range_length(cta)) {
+          for (int done = w.k_end; done < params.k_blocks; done += scheduler.range_length(cta)) {
             ++cta;
             partials.accumulate(cta, warpgroup, acc, epilogue_barrier);
           }
         }
       }
-      const int row0 = w.m_block * Tile::kBlockM + 64 * a_block;
-      const int col0 = w.n_block * Tile::kBlockN;
       if constexpr (K::kTmaStore) {
-        K::Epilogue::store(acc, smem.staging[warpgroup], &tmap_d, row0, col0, w.batch,
-                           w.split, epilogue_barrier);
+        const StorePlan to = P::store_plan(params, w, shape, &tmap_d, row0, col0);
+        if (to.row >= to.rows) continue;  // this warpgroup's rows lie past D's
+        if constexpr (P::kGlobalStoreMaps) {
+          if (threadIdx.x % 128 == 0) acquire_d(to.d);
+        }
+        K::Epilogue::store(acc, smem.staging[warpgroup], to, epilogue_barrier);
       } else {
         Out* d_matrix = d + w.split * shape.d_split_stride + w.batch * shape.d_batch_stride;
         DirectStoreEpilogue<Out, Tile::kBlockN>::store(acc, d_matrix, shape.m, shape.n,
@@ -238,44 +266,75 @@ cudaError_t max_resident_clusters(KernelFn kernel, cudaLaunchConfig_t config, in
   return cudaSuccess;
 }
 
+// Launches one instantiation of the kernel for any problem: its shared-memory attribute, its
+// cluster shape, and how many of its clusters can be resident at once (the persistent grid's
+// bound).
+template <class In, class Out, class Tile, class Layout, template <class> class ProblemT>
+class Launcher {
+ public:
+  using K = Kernel<In, Out, Tile, Layout, ProblemT>;
+
+  Launcher(const Launcher&) = delete;  // config_ points at cluster_
+  Launcher() = default;
+
+  cudaError_t init(int num_sms, cudaStream_t stream) {
+    // NOTE: the attribute is per function and device; setting it again is cheap and keeps the
+    // launcher free of shared state.
+    cudaError_t err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           Tile::kSmemBytes);
+    if (err != cudaSuccess) return err;
+    cluster_.id = cudaLaunchAttributeClusterDimension;
+    cluster_.val.clusterDim.x = Tile::kClusterM;
+    cluster_.val.clusterDim.y = 1;
+    cluster_.val.clusterDim.z = 1;
+    config_.blockDim = dim3(Tile::kThreads);
+    config_.dynamicSmemBytes = Tile::kSmemBytes;
+    config_.stream = stream;
+    config_.attrs = &cluster_;
+    config_.numAttrs = Tile::kClusterM > 1 ? 1 : 0;
+    // Persistent: no more clusters than can be resident at once (GPCs may leave SMs unpaired).
+    resident_ = num_sms / Tile::kClusterM;
+    if constexpr (Tile::kClusterM > 1) return max_resident_clusters(kKernel, config_, &resident_);
+    return cudaSuccess;
+  }
+
+  int resident() const { return resident_; }
+
+  cudaError_t launch(int clusters, const LaunchArgs& args,
+                     const typename K::Problem::Params& params,
+                     const typename K::Partials& partials) {
+    config_.gridDim = dim3(clusters * Tile::kClusterM);
+    return cudaLaunchKernelEx(&config_, kKernel, *args.tmap_a, *args.tmap_b, *args.tmap_d,
+                              static_cast<Out*>(args.d), args.shape, params, partials);
+  }
+
+ private:
+  static constexpr auto kKernel = &sm90_gemm_kernel<In, Out, Tile, Layout, ProblemT>;
+  cudaLaunchAttribute cluster_{};
+  cudaLaunchConfig_t config_{};
+  int resident_ = 0;
+};
+
 template <class In, class Out, class Tile, class Layout>
 cudaError_t launch(const LaunchArgs& args) {
-  using K = Kernel<In, Out, Tile, Layout>;
-  auto* kernel = &sm90_gemm_kernel<In, Out, Tile, Layout>;
-  // NOTE: the attribute is per function and device; setting it again is cheap and keeps the
-  // launcher free of shared state.
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         Tile::kSmemBytes);
+  Launcher<In, Out, Tile, Layout, DenseGemm> launcher;
+  using K = typename decltype(launcher)::K;
+  cudaError_t err = launcher.init(args.num_sms, args.stream);
   if (err != cudaSuccess) return err;
-  cudaLaunchAttribute cluster{};
-  cluster.id = cudaLaunchAttributeClusterDimension;
-  cluster.val.clusterDim.x = Tile::kClusterM;
-  cluster.val.clusterDim.y = 1;
-  cluster.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.blockDim = dim3(Tile::kThreads);
-  config.dynamicSmemBytes = Tile::kSmemBytes;
-  config.stream = args.stream;
-  config.attrs = &cluster;
-  config.numAttrs = Tile::kClusterM > 1 ? 1 : 0;
-  // Persistent: no more clusters than can be resident at once (GPCs may leave SMs unpaired).
-  int resident = args.num_sms / Tile::kClusterM;
-  if constexpr (Tile::kClusterM > 1) {
-    err = max_resident_clusters(kernel, config, &resident);
-    if (err != cudaSuccess) return err;
-  }
   // Stream-K: the whole grid shares the last wave, as far as the workspace reaches.
   int stream_k_ctas = 0;
   if (Tile::kStreamK && args.stream_k) {
     stream_k_ctas = static_cast<int>(std::min<int64_t>(
-        resident, stream_k_capacity(args.workspace_bytes, Tile::kBlockM, Tile::kBlockN)));
+        launcher.resident(),
+        stream_k_capacity(args.workspace_bytes, Tile::kBlockM, Tile::kBlockN)));
   }
-  const int k_blocks = (args.shape.k + Tile::kBlockK - 1) / Tile::kBlockK;
+  const int k_blocks =
+      static_cast<int>((int64_t{args.shape.k} + Tile::kBlockK - 1) / Tile::kBlockK);
   const auto tiles = K::Scheduler::make_params(args.shape.m, args.shape.n, args.shape.batch,
                                                args.shape.splits, k_blocks,
                                                args.shape.k_blocks_per_split, stream_k_ctas);
   typename K::Partials partials{nullptr, nullptr};
-  int clusters = std::max(1, std::min(tiles.num_units, resident));
+  int clusters = std::max(1, std::min(tiles.num_units, launcher.resident()));
   if (tiles.sk_ctas > 0) {
     clusters = stream_k_ctas;
     auto* base = static_cast<uint8_t*>(args.workspace);
@@ -284,9 +343,7 @@ cudaError_t launch(const LaunchArgs& args) {
     err = cudaMemsetAsync(base, 0, stream_k_flag_bytes(stream_k_ctas), args.stream);
     if (err != cudaSuccess) return err;
   }
-  config.gridDim = dim3(clusters * Tile::kClusterM);
-  return cudaLaunchKernelEx(&config, kernel, *args.tmap_a, *args.tmap_b, *args.tmap_d,
-                            static_cast<Out*>(args.d), args.shape, tiles, partials);
+  return launcher.launch(clusters, args, tiles, partials);
 }
 
 }  // namespace jax_tma::sm90_gemm

@@ -43,6 +43,17 @@ struct TileOrigin {
   int batch_a, batch_b;
 };
 
+// Where one work tile's operands come from: the maps (kernel parameters, or maps in global
+// memory), the tile's origin in them, and A's M extent and B's N extent in the maps'
+// coordinates (boxes wholly past them are not loaded: boxes_within).
+struct LoadPlan {
+  const CUtensorMap* a;
+  const CUtensorMap* b;
+  TileOrigin at;
+  int rows;
+  int cols;
+};
+
 template <class T, class Tile, class Layout>
 struct MainloopSm90TmaWgmma {
   static constexpr int kBlockM = Tile::kBlockM;
@@ -81,19 +92,22 @@ struct MainloopSm90TmaWgmma {
   // which no epilogue stores. TMA's zero fill of such boxes cost whole microseconds: on an
   // H100, 128 x 232 pairs ran 3072 x 1024 x 3072 (two of the last column's four B blocks past
   // the matrix) in 39.0 us with them, 33.1 without.
+  // (`from` < `extent`: written so that an extent near 2^31 does not wrap.)
   __device__ static int boxes_within(int boxes, int extent, int from) {
-    return min(boxes, (extent - from + 63) / 64);
+    return min(boxes, (extent - from - 1) / 64 + 1);
   }
 
   // Producer (one thread): stream K slices [kb_begin, kb_end) of one output tile into the ring.
   // `rank` is this CTA's rank in its cluster; `a_stage_bytes` what all of A's boxes bring per
-  // stage (GemmShape::a_stage_bytes); `m`, `n` the product's rows and columns.
+  // stage (GemmShape::a_stage_bytes). `plan` is read only in modes other than kIdle.
   __device__ static void load(Pipeline& pipeline, State& write, SharedStorage& smem,
-                              const CUtensorMap* tmap_a, const CUtensorMap* tmap_b,
-                              const TileOrigin& at, int kb_begin, int kb_end, LoadMode mode,
-                              int rank, uint32_t a_stage_bytes, int m, int n) {
-    const int a_loads = boxes_within(Boxes::kALoads, m, at.m0);
-    const int b_loads = boxes_within(Boxes::kBLoads, n, at.n0);
+                              const LoadPlan& plan, int kb_begin, int kb_end, LoadMode mode,
+                              int rank, uint32_t a_stage_bytes) {
+    const TileOrigin& at = plan.at;
+    const CUtensorMap* tmap_a = plan.a;
+    const CUtensorMap* tmap_b = plan.b;
+    const int a_loads = boxes_within(Boxes::kALoads, plan.rows, at.m0);
+    const int b_loads = boxes_within(Boxes::kBLoads, plan.cols, at.n0);
     const uint32_t stage_bytes =
         a_stage_bytes / Boxes::kALoads * a_loads + b_loads * Boxes::kBBoxBytes;
 #pragma unroll 1
@@ -199,6 +213,7 @@ struct MainloopSm90TmaWgmma {
   // Consumer warpgroup of an idle CTA (LoadMode::kIdle): pass through the tile's stages.
   template <class Waited>
   __device__ static void skip(Pipeline& pipeline, State& read, int k_blocks, Waited&& waited) {
+    if (k_blocks == 0) waited();
 #pragma unroll 1
     for (int kb = 0; kb < k_blocks; ++kb) {
       pipeline.consumer_wait(read);

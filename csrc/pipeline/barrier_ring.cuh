@@ -39,7 +39,10 @@ struct BarrierRing {
   }
 
   // Producer: block until the consumers have released the stage.
-  __device__ void producer_acquire(const State& s) { wait_parity(&storage.empty[s.index], s.phase); }
+  __device__ void producer_acquire(const State& s) {
+    wait_parity(&storage.empty[s.index], s.phase, "empty barrier (producer_acquire)",
+                static_cast<int>(s.index));
+  }
   __device__ bool producer_acquire_bounded(const State& s, uint64_t max_cycles) {
     return wait_parity_bounded(&storage.empty[s.index], s.phase, max_cycles);
   }
@@ -63,7 +66,10 @@ struct BarrierRing {
   }
 
   // Consumer: block until the stage holds its data.
-  __device__ void consumer_wait(const State& s) { wait_parity(&storage.full[s.index], s.phase); }
+  __device__ void consumer_wait(const State& s) {
+    wait_parity(&storage.full[s.index], s.phase, "full barrier (consumer_wait)",
+                static_cast<int>(s.index));
+  }
   __device__ bool consumer_wait_bounded(const State& s, uint64_t max_cycles) {
     return wait_parity_bounded(&storage.full[s.index], s.phase, max_cycles);
   }

@@ -42,7 +42,10 @@ struct OrderedBarrier {
       : storage(s), group(group_index), phase(group_index == 0 ? 1u : 0u) {}
 
   // Enter the current section (block until it is this group's turn).
-  __device__ void wait() { wait_parity(&storage.barrier[section][group], phase); }
+  __device__ void wait() {
+    wait_parity(&storage.barrier[section][group], phase, "ordered barrier (turn)",
+                static_cast<int>(section));
+  }
   __device__ bool wait_bounded(uint64_t max_cycles) {
     return wait_parity_bounded(&storage.barrier[section][group], phase, max_cycles);
   }

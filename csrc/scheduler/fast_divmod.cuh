@@ -39,4 +39,14 @@ struct FastDivmod {
   }
 };
 
+// The same interface for a divisor known only on the device (one hardware division).
+struct Divmod {
+  int divisor;
+  __host__ __device__ int divmod(int n, int* rem) const {
+    const int q = n / divisor;
+    *rem = n - q * divisor;
+    return q;
+  }
+};
+
 }  // namespace jax_tma

@@ -42,6 +42,26 @@ struct WorkTile {
   bool cluster_full;  // every CTA of the cluster has its M block: B may be multicast
 };
 
+// Grouped rasterisation of one batch entry's tiles (cluster rows x N blocks): tile `tile` is
+// cluster row *row, N block *n_block, kGroupM consecutive cluster rows sweeping the N blocks
+// together. `tiles_per_group` divides by kGroupM x N blocks, `last_rows` by the cluster rows of
+// the last group (kGroupM, or fewer): a FastDivmod, or a Divmod where the rows vary by entry.
+template <int kGroupM, class LastRowsDiv>
+__device__ __forceinline__ void raster_tile(int tile, int cluster_rows,
+                                            const FastDivmod& tiles_per_group,
+                                            const LastRowsDiv& last_rows, int* row,
+                                            int* n_block) {
+  int in_group;
+  const int first_row = tiles_per_group.divmod(tile, &in_group) * kGroupM;
+  if (first_row + kGroupM <= cluster_rows) {  // a whole group: kGroupM is a constant
+    *row = first_row + in_group % kGroupM;
+    *n_block = in_group / kGroupM;
+  } else {
+    *n_block = last_rows.divmod(in_group, row);
+    *row += first_row;
+  }
+}
+
 template <int kBlockM, int kBlockN, int kClusterM, int kGroupM = 8>
 struct TileScheduler {
   // Shortest stream-K range worth a partial tile's round trip through memory, in K slices.
@@ -71,11 +91,12 @@ struct TileScheduler {
   // `stream_k_ctas`: CTAs that may share the last wave's K slices (the grid's size; 0: no
   // stream-K). Stream-K applies when it leaves every CTA at least kMinStreamKSlices and gives
   // more CTAs work than the whole units would (otherwise sk_ctas = 0).
-  // NOTE: the host checks that splits x batch x tiles fits in int32 (ffi/gemm.cc).
+  // NOTE: the host checks that splits x batch x tiles is at most INT32_MAX / 2 (ffi/gemm.cc).
+  // NOTE: block counts are computed in 64 bits: m or n within one tile of 2^31 would wrap.
   __host__ static Params make_params(int m, int n, int batch, int splits, int k_blocks,
                                      int k_blocks_per_split, int stream_k_ctas) {
-    const int m_blocks = (m + kBlockM - 1) / kBlockM;
-    const int n_blocks = (n + kBlockN - 1) / kBlockN;
+    const int m_blocks = static_cast<int>((int64_t{m} + kBlockM - 1) / kBlockM);
+    const int n_blocks = static_cast<int>((int64_t{n} + kBlockN - 1) / kBlockN);
     const int cluster_rows = (m_blocks + kClusterM - 1) / kClusterM;
     const int tiles_per_batch = cluster_rows * n_blocks;
     const int last_rows = cluster_rows - (cluster_rows - 1) / kGroupM * kGroupM;
@@ -123,17 +144,11 @@ struct TileScheduler {
   __device__ WorkTile unit(int linear) const {
     WorkTile w{linear, 0, 0, 0, 0, 0, 0, -1, false, false};
     if (linear >= p.num_units) return w;
-    int in_split, tile, in_group, row;
+    int in_split, tile, row;
     w.split = p.units_per_split.divmod(linear, &in_split);
     w.batch = p.tiles_per_batch.divmod(in_split, &tile);
-    const int first_row = p.tiles_per_group.divmod(tile, &in_group) * kGroupM;
-    if (first_row + kGroupM <= p.cluster_rows) {  // a whole group: kGroupM is a constant
-      row = first_row + in_group % kGroupM;
-      w.n_block = in_group / kGroupM;
-    } else {
-      w.n_block = p.last_group_rows.divmod(in_group, &row);
-      row += first_row;
-    }
+    raster_tile<kGroupM>(tile, p.cluster_rows, p.tiles_per_group, p.last_group_rows, &row,
+                         &w.n_block);
     w.m_block = row * kClusterM + rank;
     w.self_valid = w.m_block < p.m_blocks;
     w.cluster_full = (row + 1) * kClusterM <= p.m_blocks;

@@ -1,0 +1,281 @@
+"""Grouped GEMM (MoE) benchmark: jax_tma.ragged_dot against XLA's lax.ragged_dot, the Pallas
+Mosaic-GPU ragged_dot_mgpu kernel (best of its configurations that fit the shape) and the dense
+product of the same FLOPs (the ceiling), in one run and one harness (jax_tma._timing.compare:
+CUPTI kernel time on a GPU, operands rotated over distinct buffers, rounds alternating).
+
+Shapes are M, K, N, G: lhs [M, K], rhs [G, K, N], group sizes summing to M. The suite has the
+shapes of the issue that asked for this kernel, with uniform group sizes, plus Zipf-skewed sizes
+(exponent 1.2) and the weight-gradient form (contraction: [M, K] x [M, N] -> [G, K, N]), whose
+contenders are jax_tma and lax.ragged_dot_general (Pallas's kernel has no such form).
+
+    python benchmarks/bench_ragged_dot.py             # the suite
+    python benchmarks/bench_ragged_dot.py --quick     # the first two shapes, fewer rounds
+    python benchmarks/bench_ragged_dot.py --shapes 16384,4096,14336,8 --sizes zipf
+    python benchmarks/bench_ragged_dot.py --dry-run   # tiny shapes; runs without a GPU (CI)
+
+Before timing, every contender's result is compared with jax_tma's (relative error). Writes
+bench_ragged_dot.json, .md and .png under benchmarks/results/<device>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jax_tma
+from jax_tma import _timing
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_gemm import banner, environment, pyplot, save_figure, write_report  # noqa: E402
+
+SUITE = [  # (M, K, N, G, sizes, form)
+    (16384, 4096, 14336, 8, "uniform", "rows"),
+    (32768, 2048, 1408, 64, "uniform", "rows"),
+    (8192, 7168, 2048, 32, "uniform", "rows"),
+    (4096, 4096, 1536, 128, "uniform", "rows"),
+    (16384, 4096, 14336, 8, "zipf", "rows"),
+    (32768, 2048, 1408, 64, "zipf", "rows"),
+    (8192, 7168, 2048, 32, "zipf", "rows"),
+    (16384, 4096, 14336, 8, "uniform", "contraction"),
+    (32768, 2048, 1408, 64, "uniform", "contraction"),
+    (8192, 7168, 2048, 32, "zipf", "contraction"),
+]
+DRY_RUN = [(256, 64, 128, 4, "uniform", "rows"), (256, 64, 128, 4, "zipf", "contraction")]
+# Pallas ragged_dot_mgpu configurations: (block_m, block_n, block_k, max_concurrent_steps,
+# grid_block_n); those whose block_n x grid_block_n does not divide N are skipped.
+PALLAS_CONFIGS = [(128, 128, 64, 4, 1), (64, 128, 64, 4, 1), (128, 192, 64, 4, 1),
+                  (128, 128, 64, 6, 2), (128, 64, 64, 4, 1)]
+CONTRACTION_DIMS = lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[])
+
+
+@dataclasses.dataclass
+class Row:
+    case: str
+    contender: str
+    flops: float
+    seconds: float | None
+    spread_s: float = 0.0
+    note: str = ""
+
+    def tflops(self) -> float | None:
+        return self.flops / self.seconds / 1e12 if self.seconds else None
+
+
+def group_sizes(kind: str, m: int, g: int, rng: np.random.Generator) -> np.ndarray:
+    """Sizes summing to m: equal (the remainder spread over the first groups), or Zipf-skewed
+    with exponent 1.2 in a random group order."""
+    if kind == "uniform":
+        s = np.full(g, m // g)
+        s[: m % g] += 1
+    else:
+        weights = 1.0 / np.arange(1, g + 1) ** 1.2
+        s = rng.multinomial(m, weights / weights.sum())
+        rng.shuffle(s)
+    return s.astype(np.int32)
+
+
+def _label(case) -> str:
+    m, k, n, g, sizes, form = case
+    return f"{m}x{k}x{n} G={g} {sizes}" + (" dW" if form == "contraction" else "")
+
+
+def _pallas(shape_n: int):
+    """{name: fn(x, w, gs)} of the Pallas kernel's configurations that fit N, or {} where the
+    kernel is not available."""
+    try:
+        from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+    except Exception:  # noqa: BLE001 - not available in this jax
+        return {}
+    found = {}
+    for bm, bn, bk, steps, grid_n in PALLAS_CONFIGS:
+        if shape_n % (bn * grid_n):
+            continue
+        found[f"pallas_mgpu {bm}x{bn}x{bk} s{steps} g{grid_n}"] = functools.partial(
+            lambda x, w, gs, **kw: ragged_dot_mgpu.ragged_dot(x, w, group_sizes=gs, **kw),
+            block_m=bm, block_n=bn, block_k=bk, max_concurrent_steps=steps, grid_block_n=grid_n)
+    return found
+
+
+def _operand_sets(case, dtype, count, seed):
+    m, k, n, g, sizes, form = case
+    rng = np.random.default_rng(seed)
+    keys = jax.random.split(jax.random.key(seed), 2 * count)
+    sets = []
+    for i in range(count):
+        gs = jnp.asarray(group_sizes(sizes, m, g, rng))
+        x = jax.random.normal(keys[2 * i], (m, k), jnp.float32).astype(dtype)
+        second = (g, k, n) if form == "rows" else (m, n)
+        y = jax.random.normal(keys[2 * i + 1], second, jnp.float32).astype(dtype)
+        sets.append((x, y, gs))
+    return sets
+
+
+def _contenders(case):
+    m, k, n, g, sizes, form = case
+    if form == "rows":
+        found = {"jax_tma": jax_tma.ragged_dot, "xla": lax.ragged_dot}
+        found.update(_pallas(n))
+        found["dense"] = lambda x, w, gs: x @ w[0]  # same FLOPs: M x K @ K x N
+    else:
+        found = {
+            "jax_tma": functools.partial(jax_tma.ragged_dot_general,
+                                         ragged_dot_dimension_numbers=CONTRACTION_DIMS),
+            "xla": functools.partial(lax.ragged_dot_general,
+                                     ragged_dot_dimension_numbers=CONTRACTION_DIMS),
+            "dense": lambda x, dy, gs: x.T @ dy,  # same FLOPs: K x M @ M x N
+        }
+    return found
+
+
+def bench_case(case, dtype, args) -> list[Row]:
+    m, k, n, g, sizes, form = case
+    flops = 2.0 * m * k * n
+    sets = _operand_sets(case, dtype, args.sets, args.seed)
+    contenders = _contenders(case)
+    # Check every contender against jax_tma on the first set (the dense one computes another
+    # product and is left out).
+    ref = np.asarray(jax.jit(contenders["jax_tma"])(*sets[0]), np.float32)
+    notes, usable = {}, {}
+    for name, fn in contenders.items():
+        try:
+            out = np.asarray(jax.jit(fn)(*sets[0]), np.float32)
+        except Exception as err:  # noqa: BLE001 - a contender that cannot run this shape
+            notes[name] = f"failed: {type(err).__name__}: {str(err)[:120]}"
+            continue
+        usable[name] = fn
+        if name != "dense":
+            denom = np.linalg.norm(ref) or 1.0
+            notes[name] = f"rel. error vs jax_tma {np.linalg.norm(out - ref) / denom:.1e}"
+    timings = _timing.compare(usable, sets, rounds=args.rounds, iterations=args.iterations)
+    rows = [Row(_label(case), name, flops, t.median_s, t.spread_s, notes.get(name, ""))
+            for name, t in timings.items()]
+    rows += [Row(_label(case), name, flops, None, note=note)
+             for name, note in notes.items() if name not in timings]
+    # Pallas: keep its best configuration only.
+    pallas = [r for r in rows if r.contender.startswith("pallas_mgpu") and r.seconds]
+    if pallas:
+        best = min(pallas, key=lambda r: r.seconds)
+        rows = [r for r in rows if not r.contender.startswith("pallas_mgpu")]
+        rows.append(dataclasses.replace(best, contender="pallas_mgpu",
+                                        note=best.contender.split(" ", 1)[1] + "; " + best.note))
+    for r in rows:
+        print(f"  {r.case:42s} {r.contender:12s} "
+              + (f"{r.seconds * 1e6:10.1f} us {r.tflops():8.1f} TFLOP/s  {r.note}"
+                 if r.seconds else r.note), flush=True)
+    return rows
+
+
+def _table(rows: list[Row], env: dict, dtype: str) -> str:
+    lines = [
+        f"{env['device']}, driver {env['driver']}, CUDA {env.get('cuda_runtime')}, jax "
+        f"{env['jax']}, {env['date']}, commit {str(env.get('commit'))[:10]}, {dtype} in and out, "
+        f"timing: {env['timing']}",
+        "",
+        "| M×K×N, G, sizes | jax_tma µs | jax_tma TFLOP/s | XLA TFLOP/s | Pallas TFLOP/s | dense TFLOP/s "
+        "| × XLA | × Pallas | % of dense |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_case: dict = {}
+    for r in rows:
+        by_case.setdefault(r.case, {})[r.contender] = r
+
+    def tf(r):
+        return f"{r.tflops():.1f}" if r and r.seconds else "—"
+
+    for case, found in by_case.items():
+        ours, xla, pallas, dense = (found.get(c) for c in ("jax_tma", "xla", "pallas_mgpu",
+                                                            "dense"))
+        if not (ours and ours.seconds):
+            continue
+
+        def ratio(other):
+            return f"{other.seconds / ours.seconds:.2f}" if other and other.seconds else "—"
+
+        share = f"{100 * dense.seconds / ours.seconds:.0f}" if dense and dense.seconds else "—"
+        lines.append(f"| {case} | {ours.seconds * 1e6:.1f} ± {ours.spread_s * 1e6:.1f} | "
+                     f"{tf(ours)} | {tf(xla)} | {tf(pallas)} | {tf(dense)} | {ratio(xla)} | "
+                     f"{ratio(pallas)} | {share} |")
+    notes = [f"- {r.case} {r.contender}: {r.note}" for r in rows
+             if r.note and r.contender in ("pallas_mgpu", "xla") or r.note.startswith("failed")]
+    if notes:
+        lines += ["", "Notes (configuration, error against jax_tma):", *notes]
+    return "\n".join(lines)
+
+
+def _plot(rows: list[Row], path: pathlib.Path, title: str) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    cases = list(dict.fromkeys(r.case for r in rows))
+    names = [c for c in ("jax_tma", "pallas_mgpu", "xla", "dense")
+             if any(r.contender == c for r in rows)]
+    value = {(r.case, r.contender): r.tflops() or 0.0 for r in rows}
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(cases)), 5))
+    x = np.arange(len(cases))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.bar(x + i * width, [value.get((c, name), 0.0) for c in cases], width, label=name)
+    ax.set_title(title)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_xticks(x + width * (len(names) - 1) / 2, cases, rotation=50, ha="right", fontsize=7)
+    ax.legend()
+    return save_figure(plt, fig, path)
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="the first two shapes, fewer rounds")
+    p.add_argument("--dry-run", action="store_true", help="tiny shapes (no GPU needed)")
+    p.add_argument("--shapes", nargs="*", metavar="M,K,N,G", help="instead of the suite")
+    p.add_argument("--sizes", choices=("uniform", "zipf"), default="uniform")
+    p.add_argument("--form", choices=("rows", "contraction"), default="rows")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--sets", type=int, default=2, help="distinct operand sets per timed call")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
+    p.add_argument("--out", type=pathlib.Path, help="results root (default benchmarks/results)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    dtype = jnp.bfloat16 if args.dtype == "bf16" else jnp.float16
+    if args.dry_run:
+        cases, args.rounds, args.iterations = DRY_RUN, 1, 1
+    elif args.shapes:
+        cases = [(*map(int, s.split(",")), args.sizes, args.form) for s in args.shapes]
+    else:
+        cases = SUITE[:2] if args.quick else SUITE
+        if args.quick:
+            args.rounds = 3
+    env = environment(args.commit)
+    print(banner(env, args.dtype))
+    rows = []
+    for case in cases:
+        rows += bench_case(case, dtype, args)
+    table = _table(rows, env, args.dtype)
+    print(table)
+    if args.dry_run and args.out is None:
+        return 0
+    stem = "bench_ragged_dot" + ("" if args.dtype == "bf16" else "_fp16")
+    payload = {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]}
+    write_report(args.out, env, stem, payload, table,
+                 lambda path: _plot(rows, path, f"ragged_dot, {env['device']}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

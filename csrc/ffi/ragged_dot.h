@@ -1,0 +1,15 @@
+// XLA FFI handlers of the grouped (ragged) products (platform CUDA); the operands, attributes
+// and checks are described in ragged_dot.cc.
+#pragma once
+
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_tma::ffi_handlers {
+
+// jax_tma_ragged_dot_sm90: (x, w or dy, group_sizes) -> (out, workspace).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RaggedDotSm90);
+// jax_tma_ragged_dot_sm90_into: (x, w or dy, group_sizes, out_in) -> out aliased to out_in
+// (tests poison out_in).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(RaggedDotSm90Into);
+
+}  // namespace jax_tma::ffi_handlers

@@ -1,0 +1,135 @@
+// The products the sm90 GEMM kernel (kernels/sm90_gemm.cuh) computes. A problem pairs a tile
+// scheduler with two lookups the kernel's roles make for every work tile: load_plan (the
+// producer: which tensor maps, from which coordinates, up to which extents) and store_plan (the
+// epilogue: which map, at which coordinates). The kernel body is the same for every problem.
+//
+//   DenseGemm       D[b] = A[b] @ B[b] over a batch, with split-K and stream-K (TileScheduler).
+//   RaggedRowsGemm  A's rows in segments, each times its own B (RaggedRowScheduler). A and B
+//                   through the launch's maps; D through one map per segment, in global memory,
+//                   whose rows end where the segment ends: TMA clips a tile's rows past it, so
+//                   no tile writes another segment's rows.
+//   RaggedKGemm     D[s] = A[rows of s] @ B[rows of s], the rows contracted (RaggedKScheduler).
+//                   A and B through one map each per segment whose row extent ends where the
+//                   segment ends: TMA zero-fills the last K slice past it. D through the
+//                   launch's map, one batch entry per segment.
+// The per-segment maps are written by the prepare kernel (kernels/sm90_ragged_prepare.cuh), so
+// each thread that issues copies through them acquires them once (kGlobal*Maps).
+#pragma once
+
+#include <cuda.h>
+
+#include "kernels/sm90_gemm.h"
+#include "epilogue/tma_store.cuh"
+#include "mainloop/sm90_tma_wgmma.cuh"
+#include "ptx/tensormap.cuh"
+#include "scheduler/ragged_scheduler.cuh"
+#include "scheduler/tile_scheduler.cuh"
+
+namespace jax_tma {
+
+// Acquires a tensor map in global memory before this thread's first copy through it (maps that
+// an earlier kernel wrote must be acquired by the tensormap proxy; once per map and thread).
+struct TensormapAcquirer {
+  const CUtensorMap* last = nullptr;
+  __device__ void operator()(const CUtensorMap* map) {
+    if (map != last) {
+      ptx::fence_tensormap_acquire(map);
+      last = map;
+    }
+  }
+};
+
+template <class Tile>
+struct DenseGemm {
+  using Scheduler = TileScheduler<Tile::kBlockM, Tile::kBlockN, Tile::kClusterM>;
+  using Params = typename Scheduler::Params;
+  using Work = WorkTile;
+  static constexpr bool kStreamK = Tile::kStreamK;
+  static constexpr bool kEmptyTiles = false;  // every tile has K slices
+  static constexpr bool kGlobalLoadMaps = false;
+  static constexpr bool kGlobalStoreMaps = false;
+
+  __device__ static Scheduler scheduler(const Params& p) { return Scheduler(p); }
+
+  __device__ static LoadPlan load_plan(const Params&, const Work& w, const sm90_gemm::GemmShape& s,
+                                       const CUtensorMap* a, const CUtensorMap* b) {
+    // A shared operand has a batch extent of 1 in its map: always coordinate 0.
+    return {a, b,
+            TileOrigin{w.m_block * Tile::kBlockM, w.n_block * Tile::kBlockN,
+                       s.a_batched ? w.batch : 0, s.b_batched ? w.batch : 0},
+            s.m, s.n};
+  }
+
+  __device__ static StorePlan store_plan(const Params&, const Work& w,
+                                         const sm90_gemm::GemmShape& s, const CUtensorMap* d,
+                                         int row, int col) {
+    return {d, row, col, w.batch, w.split, s.m, s.n};
+  }
+};
+
+template <class Tile>
+struct RaggedRowsGemm {
+  using Scheduler = RaggedRowScheduler<Tile::kBlockM, Tile::kBlockN, Tile::kClusterM,
+                                       Tile::kBlockK>;
+  struct Params {
+    typename Scheduler::Params tiles;
+    const CUtensorMap* d_maps;  // one per segment
+  };
+  using Work = RaggedWorkTile;
+  static constexpr bool kStreamK = false;
+  static constexpr bool kEmptyTiles = true;  // zero rows, empty groups
+  static constexpr bool kGlobalLoadMaps = false;
+  static constexpr bool kGlobalStoreMaps = true;
+
+  __device__ static Scheduler scheduler(const Params& p) { return Scheduler(p.tiles); }
+
+  // A's rows are stacked (coordinate: the segment's first row plus the tile's); B's batch
+  // coordinate is the segment's weight.
+  __device__ static LoadPlan load_plan(const Params&, const Work& w, const sm90_gemm::GemmShape& s,
+                                       const CUtensorMap* a, const CUtensorMap* b) {
+    return {a, b,
+            TileOrigin{w.row_begin + w.m_block * Tile::kBlockM, w.n_block * Tile::kBlockN, 0,
+                       w.batch},
+            w.row_begin + w.rows, s.n};
+  }
+
+  // D's map of the segment counts rows from the segment's first.
+  __device__ static StorePlan store_plan(const Params& p, const Work& w,
+                                         const sm90_gemm::GemmShape& s, const CUtensorMap*,
+                                         int row, int col) {
+    return {p.d_maps + w.segment, row, col, 0, 0, w.rows, s.n};
+  }
+};
+
+template <class Tile>
+struct RaggedKGemm {
+  using Scheduler = RaggedKScheduler<Tile::kBlockM, Tile::kBlockN, Tile::kClusterM,
+                                     Tile::kBlockK>;
+  struct Params {
+    typename Scheduler::Params tiles;
+    const CUtensorMap* operand_maps;  // per segment: A's map, then B's
+  };
+  using Work = RaggedWorkTile;
+  static constexpr bool kStreamK = false;
+  static constexpr bool kEmptyTiles = true;  // zero rows, empty groups
+  static constexpr bool kGlobalLoadMaps = true;
+  static constexpr bool kGlobalStoreMaps = false;
+
+  __device__ static Scheduler scheduler(const Params& p) { return Scheduler(p.tiles); }
+
+  __device__ static LoadPlan load_plan(const Params& p, const Work& w,
+                                       const sm90_gemm::GemmShape& s, const CUtensorMap*,
+                                       const CUtensorMap*) {
+    const CUtensorMap* maps = p.operand_maps + 2 * w.segment;
+    return {maps, maps + 1,
+            TileOrigin{w.m_block * Tile::kBlockM, w.n_block * Tile::kBlockN, 0, 0}, s.m, s.n};
+  }
+
+  __device__ static StorePlan store_plan(const Params&, const Work& w,
+                                         const sm90_gemm::GemmShape& s, const CUtensorMap* d,
+                                         int row, int col) {
+    return {d, row, col, w.segment, 0, s.m, s.n};
+  }
+};
+
+}  // namespace jax_tma

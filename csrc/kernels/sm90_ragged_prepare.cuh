@@ -1,0 +1,34 @@
+// The prepare kernel of the grouped (ragged) products (kernels/sm90_ragged_dot.cuh): one CTA
+// that turns the group sizes on the device into the segment table and per-segment tensor maps
+// in the workspace (scheduler/ragged_scheduler.cuh).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "scheduler/ragged_scheduler.cuh"
+
+namespace jax_tma::sm90_gemm {
+
+struct RaggedPrepareParams {
+  const int32_t* group_sizes;
+  int64_t group_sizes_batch_stride;  // 0: shared by every batch entry
+  int groups, batch, rows;
+  bool tail;             // rows mode: a zero segment after each entry's groups
+  bool weights_batched;  // weight index b * groups + g, else g
+  // Rows mode: a segment's work units are ceil(ceil(rows / block_m) / cluster_m) x n_blocks.
+  int block_m, cluster_m, n_blocks;
+  RaggedSegment* segments;  // segments + 1 entries
+  CUtensorMap* maps;        // maps_per_segment per segment
+  int maps_per_segment;
+  const uint8_t* bases[2];
+  int64_t row_bytes[2];
+};
+
+// Launches the prepare kernel on `stream`; `template1` is read only with two maps per segment.
+cudaError_t launch_ragged_prepare(const CUtensorMap& template0, const CUtensorMap& template1,
+                                  const RaggedPrepareParams& params, cudaStream_t stream);
+
+}  // namespace jax_tma::sm90_gemm

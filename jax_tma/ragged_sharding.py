@@ -1,0 +1,172 @@
+"""Sharding of ``jax_tma.ragged_dot``: ``custom_partitioning`` with a Shardy rule.
+
+The primitive's operands are x [B, M, K], w [Bw, G, K, N] (or [Bw, G, N, K]) in the rows mode
+or dy [B, M, N] in the contraction mode, and group sizes [Bg, G] (Bw, Bg: 1 or B). Each device
+runs the kernel on its shards:
+
+- the batch B, and N (rows mode: w's columns; contraction mode: dy's columns), and K in the
+  contraction mode (x's columns, the output's rows) keep the operands' sharding: no
+  communication;
+- M, the tokens: each device holds a contiguous share of the rows, sorted by group like the
+  whole. Its local group sizes are the overlap of each group's rows with its share, computed on
+  the device from the global sizes. Rows mode: the output rows stay sharded; contraction mode:
+  M is contracted, and the per-device products are summed with ``psum``;
+- K in the rows mode is contracted locally and summed with ``psum``;
+- G (the weights' group dimension) is never split: each device needs every group's weights.
+
+Partial products are summed in fp32 when the output is 16-bit. A mesh axis is used once: the
+batch claims it first, then M, N and K.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jax_tma.gemm_sharding import _axes, _spec_of
+
+Axes = tuple[str, ...]
+
+
+def _spec(dims) -> PartitionSpec:
+    return PartitionSpec(*(d if len(d) > 1 else (d[0] if d else None) for d in dims))
+
+
+def _choose(mesh, mode, w_k_major, shapes, specs):
+    """Mesh axes per factor (b, m, k, n) from the operands' shardings, and the shardings of
+    every operand and of the output that follow."""
+    (x_shape, w_shape, gs_shape), (x_spec, w_spec, gs_spec) = shapes, specs
+    used: set[str] = set()
+
+    def claim(candidates: Axes, size: int) -> Axes:
+        axes = tuple(a for a in candidates if a not in used)
+        if not axes or size % math.prod(mesh.shape[a] for a in axes):
+            return ()
+        used.update(axes)
+        return axes
+
+    w_batched = w_shape[0] == x_shape[0] and (mode != "rows" or w_shape[0] > 1)
+    gs_batched = gs_shape[0] == x_shape[0] and gs_shape[0] > 1
+    b = claim(x_spec[0] or (w_spec[0] if w_batched else ()), x_shape[0])
+    if mode == "rows":
+        k_axis, n_axis = (3, 2) if w_k_major else (2, 3)
+        m = claim(x_spec[1], x_shape[1])
+        n = claim(w_spec[n_axis], w_shape[n_axis])
+        k = claim(x_spec[2] or w_spec[k_axis], x_shape[2])
+        w_out = [b if w_batched else (), (), (), ()]
+        w_out[k_axis], w_out[n_axis] = k, n
+        out = (b, m, n)
+        reduce_axes = k
+    else:
+        m = claim(x_spec[1] or w_spec[1], x_shape[1])
+        k = claim(x_spec[2], x_shape[2])
+        n = claim(w_spec[2], w_shape[2])
+        w_out = [b, m, n]
+        out = (b, (), k, n)
+        reduce_axes = m
+    return dict(b=b, m=m, k=k, n=n, x=(b, m, k), w=tuple(w_out),
+                gs=(b if gs_batched else (), ()), out=out, reduce=reduce_axes)
+
+
+def _choose_for(mesh, mode, w_k_major, arg_shapes):
+    shapes = tuple(a.shape for a in arg_shapes)
+    specs = tuple(_spec_of(a.sharding, len(a.shape)) for a in arg_shapes)
+    return _choose(mesh, mode, w_k_major, shapes, specs)
+
+
+def local_group_sizes(group_sizes: jax.Array, rows: int, shard: jax.Array,
+                      shard_rows: int) -> jax.Array:
+    """Rows of each group that fall in rows [shard * shard_rows, (shard + 1) * shard_rows) of
+    `rows`, groups laid out one after another from row 0 (sizes clamped to [0, rows], the
+    running sum saturating at rows, as the kernel reads them)."""
+    sizes = jnp.clip(group_sizes, 0, rows).astype(jnp.uint32)
+    limit = jnp.uint32(rows)
+    # Saturating addition on [0, rows] is associative; two values below 2^31 add without wrap.
+    ends = lax.associative_scan(lambda a, b: jnp.minimum(a + b, limit), sizes, axis=-1)
+    starts = ends - jnp.minimum(sizes, ends)
+    first = shard.astype(jnp.int32) * shard_rows  # below rows < 2^31
+
+    def local(v):
+        return jnp.clip(v.astype(jnp.int32) - first, 0, shard_rows)
+
+    return (local(ends) - local(starts)).astype(jnp.int32)
+
+
+def _shard_index(axes: Axes) -> jax.Array:
+    index = jnp.int32(0)
+    for a in axes:
+        index = index * lax.axis_size(a) + lax.axis_index(a)
+    return index
+
+
+def _infer(local_op, mode, w_k_major, out_dtype, config, mesh, arg_shapes, result_shape):
+    del local_op, out_dtype, config, result_shape
+    choice = _choose_for(mesh, mode, w_k_major, arg_shapes)
+    return NamedSharding(mesh, _spec(choice["out"]))
+
+
+def _partition(local_op, mode, w_k_major, out_dtype, config, mesh, arg_shapes, result_shape):
+    del result_shape
+    choice = _choose_for(mesh, mode, w_k_major, arg_shapes)
+    rows = arg_shapes[0].shape[1]
+    m_axes = choice["m"]
+    shard_rows = rows // math.prod(mesh.shape[a] for a in m_axes) if m_axes else rows
+    sharded = any(any(d) for key in ("x", "w", "gs") for d in choice[key])
+    local_config = None if sharded else config
+    out_dtype = jnp.dtype(out_dtype)
+    reduce_axes = choice["reduce"]
+    acc_dtype = (jnp.dtype(jnp.float32) if reduce_axes and out_dtype.itemsize < 4
+                 else out_dtype)
+
+    def per_device(x, w, gs):
+        if m_axes:
+            gs = local_group_sizes(gs, rows, _shard_index(m_axes), shard_rows)
+        out = local_op(x, w, gs, mode, w_k_major, acc_dtype, local_config)
+        if reduce_axes:
+            out = lax.psum(out, reduce_axes)
+        return out.astype(out_dtype)
+
+    arg_shardings = tuple(NamedSharding(mesh, _spec(choice[key])) for key in ("x", "w", "gs"))
+    return mesh, per_device, NamedSharding(mesh, _spec(choice["out"])), arg_shardings
+
+
+def _sharding_rule(local_op, mode, w_k_major, out_dtype, config, mesh, operand_types,
+                   result_types):
+    """Einsum-like factors b, m, k, n, g; a batch dim of size 1 (shared) gets its own factor."""
+    del local_op, out_dtype, config, mesh, result_types
+    x_t, w_t, gs_t = operand_types
+    batch = x_t.shape[0]
+    wb = "b" if w_t.shape[0] == batch and (mode != "rows" or batch > 1) else "wb"
+    gb = "b" if gs_t.shape[0] == batch and batch > 1 else "gb"
+    if mode == "rows":
+        w = f"{wb} g n k" if w_k_major else f"{wb} g k n"
+        rule = f"b m k, {w}, {gb} g -> b m n"
+        return rule, dict(reduction_factors=("k",), need_replication_factors=("g",))
+    rule = f"b m k, b m n, {gb} g -> b g k n"
+    return rule, dict(reduction_factors=("m",), need_replication_factors=("g",))
+
+
+@functools.partial(custom_partitioning, static_argnums=(3, 4, 5, 6, 7))
+def _partitioned(x, w, gs, local_op, mode, w_k_major, out_dtype, config):
+    return local_op(x, w, gs, mode, w_k_major, out_dtype, config)
+
+
+_partitioned.def_partition(
+    partition=_partition,
+    infer_sharding_from_operands=_infer,
+    sharding_rule=_sharding_rule,
+)
+
+
+def partitioned_ragged_dot(x: jax.Array, w: jax.Array, gs: jax.Array, *, local_op: Callable,
+                           mode: str, w_k_major: bool, out_dtype, config) -> jax.Array:
+    """``local_op(x, w, gs, mode, w_k_major, out_dtype, config)`` under the partitioning rules
+    above: each device runs local_op on its shards."""
+    return _partitioned(x, w, gs, local_op, mode, bool(w_k_major), jnp.dtype(out_dtype), config)
