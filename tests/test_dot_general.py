@@ -320,7 +320,7 @@ def test_cuda_lowering_nested_vmap_is_one_kernel():
 
 # (in_axes, whether vmap's out_axes=0 moves the mapped axis of the result): only rhs mapped
 # puts it after lhs's free dims. A mapped axis that is an operand's innermost (unit-stride)
-# axis cannot be read in place: such products run through XLA.
+# axis cannot be read in place: that operand is transposed first (test below).
 VMAP_KERNEL_AXES = [((0, None), False), ((None, 0), True), ((0, 0), False), ((1, None), True),
                     ((None, 1), True), ((1, 0), False)]
 
@@ -330,6 +330,18 @@ VMAP_KERNEL_AXES = [((0, None), False), ((None, 0), True), ((0, 0), False), ((1,
 def test_cuda_lowering_vmap_is_one_kernel(in_axes, moves_result):
     lhs, rhs = spec(_mapped_shape((64, 32), in_axes[0])), spec(_mapped_shape((32, 48), in_axes[1]))
     _assert_kernels(cuda_hlo(jax.vmap(jax_tma.matmul, in_axes), lhs, rhs), 1, moves_result)
+
+
+@needs_extension
+@pytest.mark.parametrize("in_axes", [(2, None), (None, 2), (2, 2)], ids=str)
+def test_cuda_lowering_vmap_of_an_innermost_axis_is_one_kernel(in_axes):
+    """A mapped axis that is an operand's innermost axis: that operand is transposed (one
+    copy), then one kernel."""
+    lhs, rhs = spec(_mapped_shape((64, 32), in_axes[0])), spec(_mapped_shape((32, 48), in_axes[1]))
+    hlo = cuda_hlo(jax.vmap(jax_tma.matmul, in_axes), lhs, rhs)
+    assert hlo.count(KERNEL_CALL) == 1 and "stablehlo.dot_general" not in hlo
+    before = hlo.rpartition(KERNEL_CALL)[0]
+    assert before.count("stablehlo.transpose") == sum(a is not None for a in in_axes)
 
 
 def _dense_loss(x, w):

@@ -81,11 +81,13 @@ def sizes(draw, count: int, budget: int) -> list[int]:
 
 
 @st.composite
-def products(draw, budget: int, in_place_only: bool = False, max_batch_axes: int = 2):
+def products(draw, budget: int, in_place_only: bool = False, max_batch_axes: int = 2,
+             elements: int | None = None):
     """(lhs shape, rhs shape, dimension numbers, m, n, k, batch) of a dot_general whose
-    batch * m * n * k is at most `budget` (and each operand and the output at most `budget`
-    elements too). With `in_place_only`, every group of dims is one axis in an order the kernel
-    reads in place (the four layouts; batch axes leading)."""
+    batch * m * n * k is at most `budget`, and each operand and the output at most `elements`
+    (default: `budget`). With `in_place_only`, every group of dims is one axis in an order
+    the kernel reads in place (the four layouts; batch axes leading)."""
+    elements = budget if elements is None else elements
     nb = draw(st.integers(0, 1 if in_place_only else max_batch_axes))
     nm = draw(st.integers(0, 1) if not in_place_only else st.just(1))
     nn = draw(st.integers(0, 2) if not in_place_only else st.just(1))
@@ -95,14 +97,14 @@ def products(draw, budget: int, in_place_only: bool = False, max_batch_axes: int
     if not in_place_only and nm == 1:
         nm = draw(st.integers(1, 2))
     batch = draw(sizes(nb, 16)) if nb else []
-    k_sizes = draw(sizes(nk, budget)) if nk else []
+    k_sizes = draw(sizes(nk, min(budget, elements))) if nk else []
     k = int(np.prod(k_sizes))
-    m_sizes = draw(sizes(nm, max(1, budget // max(1, k)))) if nm else []
+    m_sizes = draw(sizes(nm, max(1, min(budget, elements) // k))) if nm else []
     m = int(np.prod(m_sizes))
-    n_sizes = draw(sizes(nn, max(1, budget // max(1, k * m)))) if nn else []
+    n_sizes = draw(sizes(nn, max(1, min(budget // (k * m), elements // k, elements // m)))) if nn else []
     n = int(np.prod(n_sizes))
     b = int(np.prod(batch))
-    if b * m * n * k > budget or b * m * k > budget or b * n * k > budget:
+    if b * m * n * k > budget or b * max(m * k, n * k, m * n) > elements:
         batch, b = [], 1
     lhs_labels = [("b", i) for i in range(len(batch))] + [("f", i) for i in range(nm)] + [("c", i) for i in range(nk)]
     rhs_labels = [("b", i) for i in range(len(batch))] + [("c", i) for i in range(nk)] + [("g", i) for i in range(nn)]
@@ -364,11 +366,9 @@ def test_fuzz_cuda_lowering_one_kernel_or_xla(product, types):
 
 @st.composite
 def gpu_cases(draw):
-    lhs_shape, rhs_shape, dims, m, n, k, batch = draw(products(budget=2**28))
+    lhs_shape, rhs_shape, dims, *_ = draw(products(budget=2**28, elements=2**22))
     dtype, preferred = draw(dtypes_and_outputs)
     out = np.dtype(preferred or dtype)
-    if int(np.prod(lhs_shape)) > 2**23 or int(np.prod(rhs_shape)) > 2**23 or m * n * batch > 2**23:
-        lhs_shape, rhs_shape, dims = (min(m, 512), min(k, 512)), (min(k, 512), min(n, 512)), gemm.MATMUL_DIMS
     spec = lambda s: jax.ShapeDtypeStruct(s, dtype)  # noqa: E731
     route = gemm.kernel_route(spec(lhs_shape), spec(rhs_shape), dims, out)
     config = None
