@@ -335,13 +335,15 @@ def test_cuda_lowering_vmap_is_one_kernel(in_axes, moves_result):
 @needs_extension
 @pytest.mark.parametrize("in_axes", [(2, None), (None, 2), (2, 2)], ids=str)
 def test_cuda_lowering_vmap_of_an_innermost_axis_is_one_kernel(in_axes):
-    """A mapped axis that is an operand's innermost axis: that operand is transposed (one
-    copy), then one kernel."""
+    """A mapped axis that is an operand's innermost axis: one kernel, after at most one copy
+    (padded rows, or a transpose) of each such operand (none for rhs, whose mapped axis joins
+    its free dims: N = 48 x 3)."""
     lhs, rhs = spec(_mapped_shape((64, 32), in_axes[0])), spec(_mapped_shape((32, 48), in_axes[1]))
     hlo = cuda_hlo(jax.vmap(jax_tma.matmul, in_axes), lhs, rhs)
     assert hlo.count(KERNEL_CALL) == 1 and "stablehlo.dot_general" not in hlo
     before = hlo.rpartition(KERNEL_CALL)[0]
-    assert before.count("stablehlo.transpose") == sum(a is not None for a in in_axes)
+    copies = before.count("stablehlo.transpose") + before.count("call @_pad")
+    assert copies <= sum(a is not None for a in in_axes)
 
 
 def _dense_loss(x, w):
