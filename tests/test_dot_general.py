@@ -509,11 +509,11 @@ def test_precision_matches_lax(rng, dtype, precision, kernel, preferred):
     del kernel
     lhs = (random_array(rng, (8, 16), np.float32) * (1e5 if dtype == BF16 else 1e2)).astype(dtype)
     rhs = random_array(rng, (16, 4), np.float32).astype(dtype)
-    for op in (jax_tma.dot_general, lambda x, y, d, **kw: jax.jit(
-            lambda x, y: jax_tma.dot_general(x, y, d, **kw))(x, y)):
-        ours = _result_or_error(lambda: op(lhs, rhs, MATMUL, precision=precision, preferred_element_type=preferred))
-        ref = _result_or_error(lambda: lax.dot_general(lhs, rhs, MATMUL, precision=precision, preferred_element_type=preferred))
-        _assert_same(ours, ref)
+    ours = _result_or_error(lambda: jax_tma.dot_general(lhs, rhs, MATMUL, precision=precision,
+                                                        preferred_element_type=preferred))
+    ref = _result_or_error(lambda: lax.dot_general(lhs, rhs, MATMUL, precision=precision,
+                                                   preferred_element_type=preferred))
+    _assert_same(ours, ref)
     ours = _result_or_error(lambda: jax_tma.matmul(lhs, rhs, precision=precision, preferred_element_type=preferred))
     ref = _result_or_error(lambda: jnp.matmul(lhs, rhs, precision=precision, preferred_element_type=preferred))
     _assert_same(ours, ref)
@@ -527,8 +527,15 @@ def test_bf16_with_f16_algorithm_overflows_as_lax_does():
     assert np.isinf(np.asarray(ours, np.float32)).all()
 
 
+# The kernel's precisions, and one of each other kind (computed, refused on the CPU).
+GRADIENT_PRECISION_CASES = [c for c in PRECISION_CASES if c[2]] + [
+    (BF16, PRESET.F16_F16_F16, False), (BF16, PRESET.F16_F16_F32, False),
+    (F16, PRESET.BF16_BF16_F32, False)]
+
+
 @pytest.mark.usefixtures("on_cpu")
-@pytest.mark.parametrize("dtype,precision,kernel", PRECISION_CASES, ids=PRECISION_IDS)
+@pytest.mark.parametrize("dtype,precision,kernel", GRADIENT_PRECISION_CASES,
+                         ids=[f"{d.name}-{p}" for d, p, _ in GRADIENT_PRECISION_CASES])
 def test_precision_gradients_match_lax(rng, dtype, precision, kernel):
     """The rules carry the precision into the gradient products, as lax's do."""
     del kernel

@@ -168,7 +168,7 @@ def _bound_error(out, lhs, rhs, dims) -> float:
 # ---------------------------------------------------------------- CPU: against lax
 
 
-@settings(max_examples=40, **CPU_SETTINGS)
+@settings(max_examples=30, **CPU_SETTINGS)
 @given(product=products(budget=2**18), types=dtypes_and_outputs, seed=st.integers(0, 2**32 - 1),
        jit=st.booleans())
 def test_fuzz_dot_general_matches_lax(product, types, seed, jit):
@@ -248,7 +248,7 @@ def _vmap_nest(dot, dims, axes):
     return fn
 
 
-@settings(max_examples=30, **CPU_SETTINGS)
+@settings(max_examples=25, **CPU_SETTINGS)
 @given(case=vmapped(), types=dtypes_and_outputs, seed=st.integers(0, 2**32 - 1))
 def test_fuzz_vmap_matches_lax(case, types, seed):
     lhs_shape, rhs_shape, dims, axes = case
@@ -320,8 +320,8 @@ def _walk_route(lhs, rhs, route: gemm.KernelRoute, out_size: int) -> np.ndarray:
     return d
 
 
-@settings(max_examples=120, **CPU_SETTINGS)
-@given(product=products(budget=2**22), seed=st.integers(0, 2**32 - 1))
+@settings(max_examples=80, **CPU_SETTINGS)
+@given(product=products(budget=2**20), seed=st.integers(0, 2**32 - 1))
 def test_fuzz_kernel_route_computes_the_product(product, seed):
     lhs_shape, rhs_shape, dims, m, n, k, batch = product
     spec = lambda s: jax.ShapeDtypeStruct(s, BF16)  # noqa: E731
