@@ -16,7 +16,8 @@ On a Hopper GPU (``-m fuzz``, also marked ``gpu``): thousands of products throug
 over NaN-filled outputs with random legal configurations (split-K and stream-K included),
 against a float64 reference with the bounds of tests/test_gemm.py (bf16 1e-2, fp16 2e-3,
 fp32 output 1e-5, Frobenius-norm relative error). ``JAX_TMA_FUZZ_EXAMPLES`` sets how many
-(default 2000: about three minutes on an H100); ``JAX_TMA_FUZZ_SEED`` draws another sequence.
+(default 2000; each case compiles its own executable, which takes most of the time);
+``JAX_TMA_FUZZ_SEED`` draws another sequence than the fixed default one.
 """
 
 from __future__ import annotations
@@ -61,8 +62,7 @@ def sizes(draw, count: int, budget: int) -> list[int]:
     """`count` sizes in 1..MAX_DIM whose product is at most `budget`: small, aligned to 8 or
     64, near a tile edge, or anything."""
     out = []
-    for i in range(count):
-        # Leave at least 1 for each size still to draw.
+    for _ in range(count):
         top = max(1, min(MAX_DIM, budget))
         kind = draw(st.sampled_from(["small", "any", "aligned8", "aligned64", "edge"]))
         if kind == "small":
