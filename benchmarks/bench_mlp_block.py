@@ -1,5 +1,6 @@
 """One training step of a transformer MLP block in Flax, with every Dense on
-``jax_tma.dot_general`` against the same block on the default ``lax.dot_general``.
+``jax_tma.dot_general``, and the same block on jax_tma's fused layers (``jax_tma.mlp``,
+``gated_dense``, ``dense``: FusedMLPBlock), against the block on the default ``lax.dot_general``.
 
 The block: LayerNorm -> Dense d->f -> gelu -> Dense f->d, plus the residual (``gelu``); or
 LayerNorm -> silu(Dense d->f) * Dense d->f -> Dense f->d, plus the residual (``swiglu``). Dense
@@ -104,9 +105,47 @@ class MLPBlock(nn.Module):
         return x + dense(self.d_model, name="down")(h)
 
 
-def make_step(cfg: BlockConfig, dtype, dot_general, optimizer):
+class _Kernel(nn.Module):
+    """An nn.Dense's kernel parameter alone (same name, shape and initialiser)."""
+
+    shape: tuple[int, int]
+
+    @nn.compact
+    def __call__(self):
+        return self.param("kernel", nn.initializers.lecun_normal(), self.shape, jnp.float32)
+
+
+class FusedMLPBlock(nn.Module):
+    """MLPBlock's parameters and math on jax_tma's fused layers: gelu through jax_tma.mlp (bias-
+    free; the backward product applies gelu' in its epilogue), SwiGLU through gated_dense (gate,
+    up and their combination in one kernel) and dense (down projection plus the residual)."""
+
+    d_model: int
+    d_ff: int
+    swiglu: bool
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        h = nn.LayerNorm(dtype=self.dtype)(x)
+        d, f = self.d_model, self.d_ff
+        lead = x.shape[:-1]
+        h2, x2 = h.reshape(-1, d).astype(self.dtype), x.reshape(-1, d).astype(self.dtype)
+        down = _Kernel((f, d), name="down")().astype(self.dtype)
+        if self.swiglu:
+            gate = _Kernel((d, f), name="gate")().astype(self.dtype)
+            up = _Kernel((d, f), name="up")().astype(self.dtype)
+            y = jax_tma.dense(jax_tma.gated_dense(h2, gate, up, "silu"), down, residual=x2)
+        else:
+            up = _Kernel((d, f), name="up")().astype(self.dtype)
+            y = jax_tma.mlp(h2, up, None, down, None, "gelu", residual=x2)
+        return y.reshape(*lead, d)
+
+
+def make_step(cfg: BlockConfig, dtype, dot_general, optimizer, fused: bool = False):
     """(params, opt_state, x, target) -> (params, opt_state, loss): one adamw step."""
-    model = MLPBlock(cfg.d_model, cfg.d_ff, cfg.block == "swiglu", dtype, dot_general)
+    model = (FusedMLPBlock(cfg.d_model, cfg.d_ff, cfg.block == "swiglu", dtype) if fused
+             else MLPBlock(cfg.d_model, cfg.d_ff, cfg.block == "swiglu", dtype, dot_general))
 
     def loss_fn(params, x, target):
         out = model.apply(params, x).astype(jnp.float32)
@@ -136,6 +175,7 @@ def bench_block(cfg: BlockConfig, dtype, args) -> dict:
     """Times one training step of both contenders on ``cfg``; returns a JSON-ready row."""
     optimizer = optax.adamw(1e-4, weight_decay=0.1)
     model, loss_tma, step_tma = make_step(cfg, dtype, jax_tma.dot_general, optimizer)
+    _, loss_fused, step_fused = make_step(cfg, dtype, None, optimizer, fused=True)
     _, loss_xla, step_xla = make_step(cfg, dtype, jax.lax.dot_general, optimizer)
     shape = (cfg.tokens // cfg.seq, cfg.seq, cfg.d_model)
     batches = _timing.random_operands(jax.random.key(cfg.tokens + cfg.d_ff), [shape, shape],
@@ -147,13 +187,16 @@ def bench_block(cfg: BlockConfig, dtype, args) -> dict:
     x, target = batches[0]
     loss_a, grads_a = jax.jit(jax.value_and_grad(loss_tma))(params, x, target)
     loss_b, grads_b = jax.jit(jax.value_and_grad(loss_xla))(params, x, target)
-    loss_diff = abs(float(loss_a) - float(loss_b)) / abs(float(loss_b))
-    grad_err = _tree_rel_error(grads_a, grads_b)
+    loss_c, grads_c = jax.jit(jax.value_and_grad(loss_fused))(params, x, target)
+    loss_diff = max(abs(float(v) - float(loss_b)) / abs(float(loss_b)) for v in (loss_a, loss_c))
+    grad_err = max(_tree_rel_error(g, grads_b) for g in (grads_a, grads_c))
     calls = {name: kernel_calls(fn, params, opt_state, x, target)
-             for name, fn in (("jax_tma", step_tma), ("xla", step_xla))}
+             for name, fn in (("jax_tma", step_tma), ("jax_tma_fused", step_fused),
+                              ("xla", step_xla))}
 
     sets = [(params, opt_state, x, t) for x, t in batches]
-    timings = _timing.compare({"jax_tma": step_tma, "xla": step_xla}, sets,
+    timings = _timing.compare({"jax_tma": step_tma, "jax_tma_fused": step_fused,
+                               "xla": step_xla}, sets,
                               rounds=args.rounds, iterations=args.iterations)
     row = dict(dataclasses.asdict(cfg), dense_params=cfg.dense_params,
                matmul_tflop_per_step=cfg.matmul_flops / 1e12,
@@ -166,6 +209,7 @@ def bench_block(cfg: BlockConfig, dtype, args) -> dict:
         row[name] = {"ms_per_step": t.median_s * 1e3, "spread_ms": t.spread_s * 1e3,
                      "samples": t.samples, "matmul_tflops": cfg.matmul_flops / t.median_s / 1e12}
     row["ratio"] = timings["xla"].median_s / timings["jax_tma"].median_s
+    row["ratio_fused"] = timings["xla"].median_s / timings["jax_tma_fused"].median_s
     return row
 
 
@@ -175,19 +219,22 @@ def _table(rows: list[dict], env: dict, dtype: str) -> str:
         f"jax {env['jax']}, {env['date']}, {dtype} compute, float32 params + adamw, timing: "
         f"{env['timing']}; TFLOP/s counts the matmuls only (6 · tokens · Dense params)",
         "",
-        "| block | tokens | d | f | jax_tma ms/step | jax_tma TFLOP/s | XLA ms/step | XLA TFLOP/s "
-        "| ratio (XLA time / jax_tma time) | jax_tma calls / step | check |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| block | tokens | d | f | jax_tma ms/step | jax_tma TFLOP/s | fused ms/step "
+        "| fused TFLOP/s | XLA ms/step | XLA TFLOP/s | ratio (XLA / jax_tma) "
+        "| ratio (XLA / fused) | jax_tma calls / step | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ours, xla = r["jax_tma"], r["xla"]
+        ours, xla, fused = r["jax_tma"], r["xla"], r["jax_tma_fused"]
         check = "ok" if r["check_ok"] else (
             f"MISMATCH (loss {r['loss_rel_diff']:.1e}, grads {r['grad_rel_error']:.1e})")
         lines.append(
             f"| {r['block']} | {r['tokens']} | {r['d_model']} | {r['d_ff']} "
             f"| {ours['ms_per_step']:.3f} ± {ours['spread_ms']:.3f} | {ours['matmul_tflops']:.1f} "
+            f"| {fused['ms_per_step']:.3f} ± {fused['spread_ms']:.3f} "
+            f"| {fused['matmul_tflops']:.1f} "
             f"| {xla['ms_per_step']:.3f} ± {xla['spread_ms']:.3f} | {xla['matmul_tflops']:.1f} "
-            f"| {r['ratio']:.3f} | {r['kernel_calls']['jax_tma']} of "
+            f"| {r['ratio']:.3f} | {r['ratio_fused']:.3f} | {r['kernel_calls']['jax_tma']} of "
             f"{r['expected_kernel_calls']} | {check} |")
     return "\n".join(lines)
 
@@ -199,8 +246,8 @@ def _plot(rows: list[dict], path: pathlib.Path, title: str) -> bool:
     labels = [f"{r['block']}\nd={r['d_model']} f={r['d_ff']}\n{r['tokens']} tokens" for r in rows]
     x = np.arange(len(rows))
     fig, ax = plt.subplots(figsize=(max(5, 2.5 * len(rows)), 4))
-    for i, name in enumerate(("jax_tma", "xla")):
-        ax.bar(x + (i - 0.5) * 0.4, [r[name]["ms_per_step"] for r in rows], 0.4, label=name)
+    for i, name in enumerate(("jax_tma", "jax_tma_fused", "xla")):
+        ax.bar(x + (i - 1) * 0.27, [r[name]["ms_per_step"] for r in rows], 0.27, label=name)
     ax.set_xticks(x, labels, fontsize=8)
     ax.set_ylabel("ms per training step")
     ax.set_title(title)
@@ -256,7 +303,8 @@ def main(argv=None) -> int:
               flush=True)
         row = bench_block(cfg, dtype, args)
         rows.append(row)
-        print(f" jax_tma {row['jax_tma']['ms_per_step']:.3f} vs XLA "
+        print(f" jax_tma {row['jax_tma']['ms_per_step']:.3f}, fused "
+              f"{row['jax_tma_fused']['ms_per_step']:.3f} vs XLA "
               f"{row['xla']['ms_per_step']:.3f} ms/step", file=sys.stderr, flush=True)
     table = _table(rows, env, args.dtype)
     print(table)

@@ -11,6 +11,7 @@ contenders are jax_tma and lax.ragged_dot_general (Pallas's kernel has no such f
     python benchmarks/bench_ragged_dot.py             # the suite
     python benchmarks/bench_ragged_dot.py --quick     # the first two shapes, fewer rounds
     python benchmarks/bench_ragged_dot.py --shapes 16384,4096,14336,8 --sizes zipf
+    python benchmarks/bench_ragged_dot.py --sweep     # every compiled jax_tma configuration
     python benchmarks/bench_ragged_dot.py --dry-run   # tiny shapes; runs without a GPU (CI)
 
 Before timing, every contender's result is compared with jax_tma's (relative error). Writes
@@ -32,7 +33,7 @@ import numpy as np
 from jax import lax
 
 import jax_tma
-from jax_tma import _timing
+from jax_tma import _ext, _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_gemm import banner, environment, pyplot, save_figure, write_report  # noqa: E402
@@ -67,6 +68,7 @@ class Row:
     seconds: float | None
     spread_s: float = 0.0
     note: str = ""
+    bytes: int = 0  # the fewest bytes the product moves: operands read once, output written once
 
     def tflops(self) -> float | None:
         return self.flops / self.seconds / 1e12 if self.seconds else None
@@ -121,8 +123,15 @@ def _operand_sets(case, dtype, count, seed):
     return sets
 
 
-def _contenders(case):
+def _contenders(case, sweep: bool = False):
     m, k, n, g, sizes, form = case
+    if sweep:  # every compiled configuration, and the heuristic's pick
+        op = (jax_tma.ragged_dot if form == "rows" else functools.partial(
+            jax_tma.ragged_dot_general, ragged_dot_dimension_numbers=CONTRACTION_DIMS))
+        found = {"jax_tma": op}
+        for cfg in jax_tma.RAGGED_CONFIGS:
+            found["jax_tma " + "x".join(map(str, cfg.tile))] = functools.partial(op, config=cfg)
+        return found
     if form == "rows":
         found = {"jax_tma": jax_tma.ragged_dot, "xla": lax.ragged_dot}
         found.update(_pallas(n))
@@ -138,11 +147,25 @@ def _contenders(case):
     return found
 
 
+def min_bytes(case, itemsize: int) -> int:
+    """Operands read once and the output written once (rows: x, every group's weights, out;
+    contraction: x, dy and the [G, K, N] output)."""
+    m, k, n, g, _, form = case
+    if form == "rows":
+        return itemsize * (m * k + g * k * n + m * n)
+    return itemsize * (m * k + m * n + g * k * n)
+
+
+def peak_dram_bytes_per_s() -> float | None:
+    devices = [d for d in jax.devices() if d.platform == "gpu"]
+    return _ext.peak_dram_bytes_per_s(devices[0]) if devices else None
+
+
 def bench_case(case, dtype, args) -> list[Row]:
     m, k, n, g, sizes, form = case
     flops = 2.0 * m * k * n
     sets = _operand_sets(case, dtype, args.sets, args.seed)
-    contenders = _contenders(case)
+    contenders = _contenders(case, args.sweep)
     # Check every contender against jax_tma on the first set (the dense one computes another
     # product and is left out).
     ref = np.asarray(jax.jit(contenders["jax_tma"])(*sets[0]), np.float32)
@@ -158,7 +181,8 @@ def bench_case(case, dtype, args) -> list[Row]:
             denom = np.linalg.norm(ref) or 1.0
             notes[name] = f"rel. error vs jax_tma {np.linalg.norm(out - ref) / denom:.1e}"
     timings = _timing.compare(usable, sets, rounds=args.rounds, iterations=args.iterations)
-    rows = [Row(_label(case), name, flops, t.median_s, t.spread_s, notes.get(name, ""))
+    size = min_bytes(case, jnp.dtype(dtype).itemsize)
+    rows = [Row(_label(case), name, flops, t.median_s, t.spread_s, notes.get(name, ""), size)
             for name, t in timings.items()]
     rows += [Row(_label(case), name, flops, None, note=note)
              for name, note in notes.items() if name not in timings]
@@ -177,15 +201,19 @@ def bench_case(case, dtype, args) -> list[Row]:
 
 
 def _table(rows: list[Row], env: dict, dtype: str) -> str:
+    bw = env.get("peak_dram_bytes_per_s")
     lines = [
         f"{env['device']}, driver {env['driver']}, CUDA {env.get('cuda_runtime')}, jax "
         f"{env['jax']}, {env['date']}, commit {str(env.get('commit'))[:10]}, {dtype} in and out, "
-        f"timing: {env['timing']}",
+        f"timing: {env['timing']}; floor = the longer of the dense product of equal FLOPs and "
+        f"the fewest bytes at the peak DRAM bandwidth"
+        + (f" ({bw / 1e12:.2f} TB/s)" if bw else ""),
         "",
         "| M×K×N, G, sizes | jax_tma µs | jax_tma TFLOP/s | XLA TFLOP/s | Pallas TFLOP/s | dense TFLOP/s "
-        "| × XLA | × Pallas | % of dense |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| × XLA | × Pallas | % of dense | floor µs | % of floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    bandwidth = env.get("peak_dram_bytes_per_s")
     by_case: dict = {}
     for r in rows:
         by_case.setdefault(r.case, {})[r.contender] = r
@@ -203,9 +231,15 @@ def _table(rows: list[Row], env: dict, dtype: str) -> str:
             return f"{other.seconds / ours.seconds:.2f}" if other and other.seconds else "—"
 
         share = f"{100 * dense.seconds / ours.seconds:.0f}" if dense and dense.seconds else "—"
+        # The floor: the dense product's time (the chip's speed on these FLOPs) or the time to
+        # move the fewest bytes at the device's peak DRAM bandwidth, whichever is longer.
+        floor = max(dense.seconds if dense and dense.seconds else 0.0,
+                    ours.bytes / bandwidth if bandwidth else 0.0)
+        floor_cells = (f"{floor * 1e6:.1f} | {100 * floor / ours.seconds:.0f}" if floor
+                       else "— | —")
         lines.append(f"| {case} | {ours.seconds * 1e6:.1f} ± {ours.spread_s * 1e6:.1f} | "
                      f"{tf(ours)} | {tf(xla)} | {tf(pallas)} | {tf(dense)} | {ratio(xla)} | "
-                     f"{ratio(pallas)} | {share} |")
+                     f"{ratio(pallas)} | {share} | {floor_cells} |")
     notes = [f"- {r.case} {r.contender}: {r.note}" for r in rows
              if r.note and r.contender in ("pallas_mgpu", "xla") or r.note.startswith("failed")]
     if notes:
@@ -241,6 +275,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--sizes", choices=("uniform", "zipf"), default="uniform")
     p.add_argument("--form", choices=("rows", "contraction"), default="rows")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
+    p.add_argument("--sweep", action="store_true",
+                   help="time every compiled configuration of jax_tma instead of the contenders")
     p.add_argument("--sets", type=int, default=2, help="distinct operand sets per timed call")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iterations", type=int, default=3)
@@ -262,6 +298,7 @@ def main(argv=None) -> int:
         if args.quick:
             args.rounds = 3
     env = environment(args.commit)
+    env["peak_dram_bytes_per_s"] = peak_dram_bytes_per_s()
     print(banner(env, args.dtype))
     rows = []
     for case in cases:
@@ -270,7 +307,8 @@ def main(argv=None) -> int:
     print(table)
     if args.dry_run and args.out is None:
         return 0
-    stem = "bench_ragged_dot" + ("" if args.dtype == "bf16" else "_fp16")
+    stem = "bench_ragged_dot" + ("_sweep" if args.sweep else "") + (
+        "" if args.dtype == "bf16" else "_fp16")
     payload = {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]}
     write_report(args.out, env, stem, payload, table,
                  lambda path: _plot(rows, path, f"ragged_dot, {env['device']}"))

@@ -8,6 +8,9 @@ Public API:
     vmap and sharding rules (a drop-in ``dot_general=`` for Flax layers).
   matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=None,
     out_dtype=None, config=None): ``jnp.matmul`` on the same kernel.
+  dense(x, w, bias, activation, residual), gated_dense(x, w_gate, w_up, activation),
+    mlp(x, w1, b1, w2, b2, activation, residual): dense layers with the bias, activation,
+    residual or gating fused into the GEMM epilogue, with their gradients.
   ragged_dot(lhs, rhs, group_sizes, ...), ragged_dot_general(...): ``lax.ragged_dot`` and
     ``lax.ragged_dot_general`` on the grouped (MoE) kernel, group sizes read on the device.
   GemmConfig: a compiled tile configuration to pass as ``config=``.
@@ -17,6 +20,7 @@ Public API:
 
 from jax_tma._export import export_disabled_checks
 from jax_tma._ext import KernelStatus, kernel_status
+from jax_tma.epilogues import DENSE_CONFIGS, dense, gated_dense, mlp
 from jax_tma.gemm import COMPILED_CONFIGS, GemmConfig, default_config, dot_general, matmul
 from jax_tma.ragged import RAGGED_CONFIGS, ragged_dot, ragged_dot_general
 
@@ -24,13 +28,17 @@ __version__ = "0.1.0"
 
 __all__ = [
     "COMPILED_CONFIGS",
+    "DENSE_CONFIGS",
     "GemmConfig",
     "KernelStatus",
     "default_config",
+    "dense",
     "dot_general",
     "export_disabled_checks",
+    "gated_dense",
     "kernel_status",
     "matmul",
+    "mlp",
     "ragged_dot",
     "ragged_dot_general",
     "RAGGED_CONFIGS",

@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import jax
 
-from jax_tma import gemm, ragged
+from jax_tma import epilogues, gemm, ragged
 
-FFI_TARGETS: tuple[str, ...] = (*gemm.FFI_TARGETS, ragged.KERNEL_TARGET, ragged.KERNEL_TARGET + "_into")
+# Each op's target and its "_into" variant (which writes over a given buffer: tests).
+FFI_TARGETS: tuple[str, ...] = (
+    *gemm.FFI_TARGETS,
+    *(op.KERNEL_TARGET + suffix for op in (epilogues, ragged) for suffix in ("", "_into")),
+)
 
 
 def export_disabled_checks() -> list:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import importlib.metadata
+import importlib.util
 import os
 import pathlib
 import re
@@ -19,13 +21,26 @@ from typing import Any
 
 import jax
 
-try:
-    from jax_tma import _jax_tma as _C  # type: ignore[attr-defined]
 
-    _IMPORT_ERROR: str | None = None
-except ImportError as err:  # built without a CUDA compiler, or not built at all
-    _C = None
-    _IMPORT_ERROR = str(err)
+def _import_extension() -> tuple[Any, str | None]:
+    """(the compiled extension, None), or (None, what happened): not built at all, or built but
+    failing to load (then the loader's own message)."""
+    name = f"{__package__}._jax_tma"
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        return None, (
+            "the jax_tma extension is not built: the install found no CUDA compiler (or was "
+            "given JAX_TMA_BUILD_CUDA=0). Reinstall with nvcc on PATH or CUDACXX / CUDA_HOME "
+            "pointing at a CUDA >= 12.8 toolkit; JAX_TMA_REQUIRE_KERNELS=1 makes a missing "
+            "compiler an install error"
+        )
+    try:
+        return importlib.import_module(name), None
+    except ImportError as err:
+        return None, f"the jax_tma extension {spec.origin} is built but fails to load: {err}"
+
+
+_C, _IMPORT_ERROR = _import_extension()
 
 HOPPER_CAPABILITY = "9.0"
 
@@ -50,10 +65,7 @@ def _jaxlib_version() -> str:
 def _register() -> str | None:
     """Registers every FFI target of the extension; returns why it could not, or None."""
     if _C is None:
-        return (
-            "the jax_tma extension is not built (no CUDA compiler when the package was "
-            f"installed: {_IMPORT_ERROR})"
-        )
+        return _IMPORT_ERROR
     runtime_minor = _runtime_ffi_api_minor()
     if runtime_minor is not None and _C.ffi_api_minor > runtime_minor:
         return (

@@ -1,15 +1,16 @@
 """ptxas resource report of the GEMM kernels: no spills, no local memory, and no serialized
 wgmma ("Potential Performance Loss", C7510/C7511), which ptxas reports as information, not as
 a warning, so the build's -Werror cannot catch it. Compiles each instantiation file (7 tile
-configurations x 4 operand layouts) with nvcc -Xptxas=-v and the build's ptxas flags.
+configurations x 4 operand layouts) with nvcc -Xptxas=-v and the build's ptxas flags; nvcc is
+found by tools/find_nvcc.py, the rule the build uses.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import re
-import shutil
 import subprocess
 
 import pytest
@@ -17,16 +18,30 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNEL_FILES = sorted((ROOT / "csrc" / "kernels").glob("sm90_gemm_*.cu"))
 RAGGED_FILES = sorted((ROOT / "csrc" / "kernels").glob("sm90_ragged_*.cu"))
+DENSE_FILES = sorted((ROOT / "csrc" / "kernels").glob("sm90_dense_*.cu"))
+
+# The build's flags for the kernels (cmake/kernels/CMakeLists.txt; tests/test_packaging.py checks
+# that they agree), less -lineinfo, plus -v for ptxas's resource report.
+NVCC_FLAGS = [
+    "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
+    "-Xptxas=-v,-warn-spills,-warn-lmem-usage,-Werror",
+]
+
+
+def load_find_nvcc():
+    """tools/find_nvcc.py as a module: the build's rule for where nvcc is."""
+    spec = importlib.util.spec_from_file_location("find_nvcc", ROOT / "tools" / "find_nvcc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _nvcc() -> str:
-    found = shutil.which("nvcc") or (
-        "/usr/local/cuda/bin/nvcc" if os.path.exists("/usr/local/cuda/bin/nvcc") else None
-    )
+    found, how = load_find_nvcc().find_nvcc()
     if found is None:
         if os.environ.get("JAX_TMA_REQUIRE_EXTENSION") == "1":
-            pytest.fail("nvcc not found")
-        pytest.skip("nvcc not found")
+            pytest.fail(f"nvcc not found: {how}")
+        pytest.skip(f"nvcc not found: {how}")
     return found
 
 
@@ -37,11 +52,7 @@ def test_instantiation_files_found():
 @pytest.mark.parametrize("source", KERNEL_FILES, ids=lambda p: p.name)
 def test_gemm_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_path):
     result = subprocess.run(
-        [
-            _nvcc(), "-c", str(source), "-o", str(tmp_path / "k.o"), f"-I{ROOT / 'csrc'}",
-            "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
-            "-Xptxas=-v,-warn-spills,-warn-lmem-usage,-Werror",
-        ],
+        [_nvcc(), "-c", str(source), "-o", str(tmp_path / "k.o"), f"-I{ROOT / 'csrc'}", *NVCC_FLAGS],
         capture_output=True, text=True, check=False,
     )
     report = result.stdout + result.stderr
@@ -58,26 +69,42 @@ def test_gemm_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_pat
     assert all(s == ("0", "0", "0") for s in spills), spills
 
 
-def test_ragged_instantiation_files_found():
-    assert len(RAGGED_FILES) == 5, RAGGED_FILES  # 4 type pairs + the prepare kernel
-
-
-@pytest.mark.parametrize("source", RAGGED_FILES, ids=lambda p: p.name)
-def test_ragged_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_path):
+def _ptxas_report(source, tmp_path) -> tuple[str, list[str]]:
+    """ptxas's report of one instantiation file compiled with the build's flags, and its
+    kernels' names."""
     result = subprocess.run(
-        [
-            _nvcc(), "-c", str(source), "-o", str(tmp_path / "k.o"), f"-I{ROOT / 'csrc'}",
-            "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
-            "-Xptxas=-v,-warn-spills,-warn-lmem-usage,-Werror",
-        ],
+        [_nvcc(), "-c", str(source), "-o", str(tmp_path / "k.o"), f"-I{ROOT / 'csrc'}",
+         *NVCC_FLAGS],
         capture_output=True, text=True, check=False,
     )
     report = result.stdout + result.stderr
     assert result.returncode == 0, report[-4000:]
-    entries = re.findall(r"Compiling entry function '(\w+)'", report)
-    # 5 tiles x (rows NN, rows NT, contraction TN), or the one prepare kernel
-    assert len(entries) == (1 if "prepare" in source.name else 15), report[-4000:]
+    return report, re.findall(r"Compiling entry function '(\w+)'", report)
+
+
+def _assert_clean(report: str, entries: list[str]) -> None:
     assert "Potential Performance Loss" not in report, report[-4000:]
+    assert not re.search(r"C751[01]", report), report[-4000:]
     spills = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
     assert len(spills) == len(entries)
     assert all(s == ("0", "0", "0") for s in spills), spills
+
+
+def test_ragged_and_fused_instantiation_files_found():
+    assert len(RAGGED_FILES) == 5, RAGGED_FILES  # 4 type pairs + the prepare kernel
+    assert len(DENSE_FILES) == 2, DENSE_FILES  # bf16, fp16
+
+
+@pytest.mark.parametrize("source", RAGGED_FILES, ids=lambda p: p.name)
+def test_ragged_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_path):
+    report, entries = _ptxas_report(source, tmp_path)
+    # 5 tiles x (rows NN, rows NT, contraction TN), or the one prepare kernel
+    assert len(entries) == (1 if "prepare" in source.name else 15), report[-4000:]
+    _assert_clean(report, entries)
+
+
+@pytest.mark.parametrize("source", DENSE_FILES, ids=lambda p: p.name)
+def test_fused_dense_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_path):
+    report, entries = _ptxas_report(source, tmp_path)
+    assert len(entries) == 4 * 11 + 2, report[-4000:]  # JAX_TMA_SM90_DENSE_KERNELS
+    _assert_clean(report, entries)

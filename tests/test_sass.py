@@ -10,6 +10,7 @@ of them exists to exercise.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import pathlib
 import re
@@ -20,18 +21,33 @@ import pytest
 
 from jax_tma import _ext
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
 
 def _cuobjdump() -> str | None:
+    """cuobjdump on PATH, else the one beside the nvcc the build uses (tools/find_nvcc.py), else
+    one from pip's nvidia-cuda-cuobjdump (nvidia/cu13/bin for CUDA 13, nvidia/cuda_cuobjdump/bin
+    for CUDA 12)."""
     found = shutil.which("cuobjdump")
     if found:
         return found
+    spec = importlib.util.spec_from_file_location("find_nvcc", ROOT / "tools" / "find_nvcc.py")
+    find_nvcc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(find_nvcc)
     try:
-        import nvidia.cu13  # type: ignore[import-not-found]
+        nvcc, _ = find_nvcc.find_nvcc()
+    except find_nvcc.NvccError:
+        nvcc = None
+    if nvcc is not None:
+        beside = pathlib.Path(os.path.realpath(nvcc)).parent / "cuobjdump"
+        if beside.exists():
+            return str(beside)
+    try:
+        import nvidia  # type: ignore[import-not-found]
     except ImportError:
         return None
-    for root in nvidia.cu13.__path__:
-        candidate = pathlib.Path(root) / "bin" / "cuobjdump"
-        if candidate.exists():
+    for root in nvidia.__path__:
+        for candidate in sorted(pathlib.Path(root).glob("*/bin/cuobjdump")):
             return str(candidate)
     return None
 
@@ -66,11 +82,38 @@ def kernels() -> dict[str, str]:
 PROBLEMS = ("DenseGemm", "RaggedRowsGemm", "RaggedKGemm")
 
 
-def _gemm_kernels(kernels: dict[str, str], problems=PROBLEMS) -> dict[str, str]:
+def _fusion(name: str) -> tuple[int, int]:
+    """(FusionKind, Activation) of a mangled sm90_gemm_kernel instantiation."""
+    found = re.search(r"FusionILNS_10FusionKindE(\d)ELNS_10ActivationE(\d)", name)
+    assert found, name
+    return int(found.group(1)), int(found.group(2))
+
+
+def _gemm_kernels(kernels: dict[str, str], problems=PROBLEMS, fused=False) -> dict[str, str]:
+    """The sm90_gemm_kernel instantiations of `problems`: plain epilogues, or with `fused` the
+    fused ones (epilogue/fusion.h)."""
     found = {name: body for name, body in kernels.items()
-             if "sm90_gemm_kernel" in name and any(p in name for p in problems)}
+             if "sm90_gemm_kernel" in name and any(p in name for p in problems)
+             and (_fusion(name)[0] != 0) == fused}
     assert found, f"no sm90_gemm_kernel of {problems} in the extension: {sorted(kernels)}"
     return found
+
+
+def test_fused_dense_kernels(kernels):
+    """Fused epilogues (jax_tma.dense): per type 4 tiles x 11 fusions + the forward gelu-erf on
+    2 narrow tiles; forward and gated read B N-major, the activation gradient K-major; the
+    kernels that may read an [M, N] operand load it by TMA (rank 4, like D's stores) and read
+    it back with ldmatrix (16-bit), gated ones multiply two B maps' blocks."""
+    found = _gemm_kernels(kernels, ("DenseGemm",), fused=True)
+    assert len(found) == 2 * (4 * 11 + 2)
+    for name, body in found.items():
+        kind, _ = _fusion(name)
+        assert re.search(r"\bHGMMA\b", body) and re.search(r"\bUTMASTG\.4D\b", body), name
+        assert _layout(name) == ((0, 0) if kind == 2 else (0, 1)), name
+        if kind in (1, 2):
+            assert re.search(r"\bUTMALDG\.4D\b", body), f"no aux TMA load in {name}"
+            assert re.search(r"\bLDSM\b", body), f"no ldmatrix in {name}"
+        assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"
 
 
 def test_gemm_kernels_are_sm90a(kernels):

@@ -7,6 +7,14 @@
 // the previous tile's stores (long done). The stores run asynchronously: the warpgroup goes on
 // to the next tile's mainloop while they drain.
 // D's tensor map is rank 4, {N, M, batch, split}, with a box of one chunk.
+//
+// Fused epilogues (epilogue/fusion.cuh) transform the accumulators on the way: a bias per column
+// (read from global memory), an activation, an [M, N] operand (the residual, or the saved
+// pre-activation of a gradient) loaded by TMA into the staging buffers and read back with
+// ldmatrix in the accumulators' register layout (so it may alias D: each chunk is read before
+// it is overwritten), and the pre-activation stored as a second output first when asked for.
+// Gated: the accumulator's 64-column blocks alternate gate and up columns; the block stored is
+// half as wide.
 #pragma once
 
 #include <cuda.h>
@@ -16,8 +24,11 @@
 #include <cstdint>
 #include <utility>
 
+#include "epilogue/fusion.cuh"
+#include "pipeline/epilogue_load.cuh"
 #include "pipeline/named_barrier.cuh"
 #include "pipeline/tma_store_pipeline.cuh"
+#include "ptx/ldmatrix.cuh"
 #include "ptx/stmatrix.cuh"
 #include "ptx/tma.cuh"
 
@@ -25,6 +36,8 @@ namespace jax_tma {
 
 template <class Out>
 __device__ __forceinline__ uint32_t pack_pair(float lo, float hi);
+template <class Out>
+__device__ __forceinline__ float2 unpack_pair(uint32_t v);
 template <>
 __device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
@@ -34,6 +47,14 @@ template <>
 __device__ __forceinline__ uint32_t pack_pair<__half>(float lo, float hi) {
   const __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ float2 unpack_pair<__nv_bfloat16>(uint32_t v) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
+}
+template <>
+__device__ __forceinline__ float2 unpack_pair<__half>(uint32_t v) {
+  return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }
 
 // Where one consumer warpgroup's block goes: D's map (a kernel parameter, or a map in global
@@ -46,22 +67,37 @@ struct StorePlan {
   int rows, cols;
 };
 
-template <class Out, int kBlockN, int kBuffers>
+// The maps and arguments of a fused epilogue (unused by PlainFusion): the [M, N] operand to
+// read and the second output, both rank 4 like D with D's box, and the fusion's run-time flags.
+struct FusedStore {
+  const CUtensorMap* aux;
+  const CUtensorMap* pre;
+  const CUtensorMap* pre2;  // gated: the up pre-activations (pre: the gate's)
+  FusionArgs args;
+  EpilogueLoad* load;  // the warpgroup's barrier for the aux loads
+};
+
+template <class Out, int kBlockN, int kBuffers, class FusionT = PlainFusion>
 struct TmaStoreEpilogue {
+  using F = FusionT;
   static constexpr int kRows = 64;
   static constexpr int kChunkCols = 128 / static_cast<int>(sizeof(Out));
-  static constexpr int kChunks = (kBlockN + kChunkCols - 1) / kChunkCols;
+  // Columns of the stored block: gated blocks pair two accumulator columns per output column.
+  static constexpr int kOutCols = kBlockN / F::kOutPerAcc;
+  static constexpr int kChunks = (kOutCols + kChunkCols - 1) / kChunkCols;
   static constexpr uint32_t kChunkBytes = kRows * 128;
   static_assert(kChunks % kBuffers == 0, "the staging area holds whole batches of chunks");
-  static_assert(kBlockN >= kChunkCols && kBlockN % 8 == 0,
+  static_assert(kOutCols >= kChunkCols && kOutCols % 8 == 0,
                 "chunks start on the accumulators' 8-column blocks");
+  static_assert(!F::kGated || (sizeof(Out) == 2 && kBlockN % 128 == 0),
+                "gated blocks are 16-bit and pair whole 64-column gate and up blocks");
 
   // First column of chunk `c` in the block. A width that is not a multiple of the chunk's
   // (232) ends with a chunk shifted left to end at the block's edge: it repeats columns of the
   // chunk before it, so both stores write the same values there, and no store reaches the next
   // tile's columns (TMA clips only at D's edge).
   static constexpr int chunk_col(int c) {
-    return c * kChunkCols < kBlockN - kChunkCols ? c * kChunkCols : kBlockN - kChunkCols;
+    return c * kChunkCols < kOutCols - kChunkCols ? c * kChunkCols : kOutCols - kChunkCols;
   }
   // One store group per batch, and the next batch rewrites the whole staging area.
   using StorePipeline = PipelineTmaStore<1>;
@@ -70,32 +106,73 @@ struct TmaStoreEpilogue {
     alignas(1024) uint8_t buffer[kBuffers][kChunkBytes];
   };
 
+  // What a pass over the staging area writes: the output, or a pre-activation (BiasActivation:
+  // z; gated: the gate's and then the up's).
+  enum class Pass { kOut, kPre, kPreUp };
+
   // Byte offset of 16-byte unit `unit` of row `row` in a 128-byte-swizzled chunk.
   __device__ static uint32_t swizzled(int row, int unit) {
     return static_cast<uint32_t>(row * 128 + ((unit ^ (row & 7)) << 4));
   }
 
+  // The values stored for one pair of adjacent output columns `col`, `col` + 1 (relative to
+  // the block; `col0` + col in D) from the accumulator pair `x` (and, gated, the up pair `up`),
+  // with the aux pair `aux` when the pass reads one.
+  template <Pass kPass, bool kAux>
+  __device__ static float2 fuse(float2 x, float2 up, float2 aux, int col, const StorePlan& to,
+                                const FusionArgs& args) {
+    if constexpr (F::kKind == FusionKind::kGated) {
+      if constexpr (kPass == Pass::kPre) return x;
+      if constexpr (kPass == Pass::kPreUp) return up;
+      return make_float2(activate<F::kAct>(x.x) * up.x, activate<F::kAct>(x.y) * up.y);
+    } else if constexpr (F::kKind == FusionKind::kActivationGrad) {
+      return make_float2(x.x * activate_grad<F::kAct>(aux.x),
+                         x.y * activate_grad<F::kAct>(aux.y));
+    } else if constexpr (F::kKind == FusionKind::kBiasActivation) {
+      // The bias is in the accumulators already (add_bias).
+      if constexpr (kPass == Pass::kPre) return x;
+      x = make_float2(activate<F::kAct>(x.x), activate<F::kAct>(x.y));
+      if constexpr (kAux) x = make_float2(x.x + aux.x, x.y + aux.y);
+      return x;
+    } else {
+      return x;
+    }
+  }
+
   // Chunk `c` of the accumulators (layout: ptx/wgmma.cuh) into the staging buffer at `base`.
-  template <int c>
-  __device__ static void write_chunk(const float (&acc)[kBlockN / 2], uint32_t base) {
+  template <int c, Pass kPass, bool kAux>
+  __device__ static void write_chunk(const float (&acc)[kBlockN / 2], uint32_t base,
+                                     const StorePlan& to, const FusionArgs& args) {
     const int lane = threadIdx.x % 32;
     const int warp = (threadIdx.x / 32) % 4;
     if constexpr (sizeof(Out) == 2) {
       // One stmatrix.x4 per 16 x 16 block: matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
       // come from registers 8q + {0,1}, {2,3}, {4,5}, {6,7}; lane l addresses row l % 8 of
-      // matrix l / 8.
+      // matrix l / 8. An aux operand comes back through ldmatrix in the same layout.
       const int matrix = lane / 8;
       const int row = 16 * warp + (matrix & 1) * 8 + (lane & 7);
 #pragma unroll
       for (int qq = 0; qq < kChunkCols / 16; ++qq) {
-        // Registers of the chunk's 8-column blocks 2qq and 2qq + 1 (4 per block).
-        constexpr int kFirst = 4 * (chunk_col(c) / 8);
+        // Registers of the chunk's 8-column blocks 2qq and 2qq + 1 (4 per block); gated: of
+        // the gate block, the up block's 32 registers later.
+        constexpr int kFirst = F::kGated ? 64 * c : 4 * (chunk_col(c) / 8);
         const int r = kFirst + 8 * qq;
-        ptx::stmatrix_x4(base + swizzled(row, 2 * qq + (matrix >> 1)),
-                         pack_pair<Out>(acc[r + 0], acc[r + 1]),
-                         pack_pair<Out>(acc[r + 2], acc[r + 3]),
-                         pack_pair<Out>(acc[r + 4], acc[r + 5]),
-                         pack_pair<Out>(acc[r + 6], acc[r + 7]));
+        const uint32_t addr = base + swizzled(row, 2 * qq + (matrix >> 1));
+        ptx::Fragment4 aux{};
+        if constexpr (kAux) aux = ptx::ldmatrix_x4(addr);
+        uint32_t packed[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          // Register pair i: rows + 8 (i & 1), columns 8 (i >> 1) + 2 (lane % 4) of the block.
+          const int col = chunk_col(c) + 16 * qq + 8 * (i >> 1) + 2 * (lane % 4);
+          const float2 x = make_float2(acc[r + 2 * i], acc[r + 2 * i + 1]);
+          float2 up = x;
+          if constexpr (F::kGated) up = make_float2(acc[r + 32 + 2 * i], acc[r + 32 + 2 * i + 1]);
+          const float2 a = kAux ? unpack_pair<Out>(aux.r[i]) : make_float2(0.0f, 0.0f);
+          const float2 v = fuse<kPass, kAux>(x, up, a, col, to, args);
+          packed[i] = pack_pair<Out>(v.x, v.y);
+        }
+        ptx::stmatrix_x4(addr, packed[0], packed[1], packed[2], packed[3]);
       }
     } else {
       // fp32: each thread owns two adjacent columns of rows r and r + 8 per 8-column block.
@@ -108,43 +185,134 @@ struct TmaStoreEpilogue {
         const uint32_t inner = (pair & 1) * 8;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          ptx::st_shared_v2_f32(base + swizzled(row + 8 * h, unit) + inner, acc[4 * j + 2 * h],
-                                acc[4 * j + 2 * h + 1]);
+          const uint32_t addr = base + swizzled(row + 8 * h, unit) + inner;
+          const float2 x = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          const float2 a = kAux ? ptx::ld_shared_v2_f32(addr) : make_float2(0.0f, 0.0f);
+          const float2 v = fuse<kPass, kAux>(x, x, a, 8 * j + 2 * pair, to, args);
+          ptx::st_shared_v2_f32(addr, v.x, v.y);
         }
       }
     }
   }
 
   // Chunks batch0 .. batch0 + kBuffers - 1 into the staging area, chunk batch0 + i in buffer i.
-  template <int batch0, int... i>
+  template <int batch0, Pass kPass, bool kAux, int... i>
   __device__ static void write_batch(const float (&acc)[kBlockN / 2], SharedStorage& smem,
+                                     const StorePlan& to, const FusionArgs& args,
                                      std::integer_sequence<int, i...>) {
-    (write_chunk<batch0 + i>(acc, ptx::smem_u32(smem.buffer[i])), ...);
+    (write_chunk<batch0 + i, kPass, kAux>(acc, ptx::smem_u32(smem.buffer[i]), to, args), ...);
+  }
+
+  // Issuer: the batch's chunks from the staging area to `map` (chunks past D's columns are
+  // left out), as one store group.
+  template <int batch0>
+  __device__ static void issue_stores(const CUtensorMap* map, SharedStorage& smem,
+                                      const StorePlan& to) {
+#pragma unroll
+    for (int i = 0; i < kBuffers; ++i) {
+      // NOTE: to.col < to.cols, so neither sum wraps past 2^31.
+      if (chunk_col(batch0 + i) >= to.cols - to.col) break;  // this chunk and the rest: past D
+      ptx::tma_store(map, smem.buffer[i],
+                     ptx::TmaCoord<4>{{to.col + chunk_col(batch0 + i), to.row, to.batch,
+                                       to.split}});
+    }
+    StorePipeline::producer_commit();
+  }
+
+  // A pass that stores a pre-activation through `map` and waits until the stores have read the
+  // staging area (the next pass rewrites it).
+  template <int batch0, Pass kPass>
+  __device__ static void store_pass(const float (&acc)[kBlockN / 2], SharedStorage& smem,
+                                    const StorePlan& to, const NamedBarrier& barrier,
+                                    const FusionArgs& args, const CUtensorMap* map) {
+    write_batch<batch0, kPass, false>(acc, smem, to, args,
+                                      std::make_integer_sequence<int, kBuffers>{});
+    ptx::fence_proxy_async_shared();
+    barrier.sync();
+    if (threadIdx.x % 128 == 0) {
+      issue_stores<batch0>(map, smem, to);
+      StorePipeline::producer_tail();
+    }
+    barrier.sync();
+  }
+
+  // One batch: (fused, asked for) the pre-activation through fused.pre, then (fused, asked for)
+  // the aux operand into the staging area, then the output.
+  template <int batch0, bool kAux>
+  __device__ static void store_batch(const float (&acc)[kBlockN / 2], SharedStorage& smem,
+                                     const StorePlan& to, const NamedBarrier& barrier,
+                                     const FusedStore& fused) {
+    const bool issuer = threadIdx.x % 128 == 0;
+    constexpr auto kBuffersSeq = std::make_integer_sequence<int, kBuffers>{};
+    if (issuer) StorePipeline::producer_acquire();
+    barrier.sync();  // the previous batch's stores have read the staging area
+    if constexpr (F::kKind == FusionKind::kBiasActivation || F::kGated) {
+      if (fused.args.store_pre) {
+        store_pass<batch0, Pass::kPre>(acc, smem, to, barrier, fused.args, fused.pre);
+        if constexpr (F::kGated) {
+          store_pass<batch0, Pass::kPreUp>(acc, smem, to, barrier, fused.args, fused.pre2);
+        }
+      }
+    }
+    if constexpr (kAux) {
+      if (issuer) {
+        int boxes = 0;
+#pragma unroll
+        for (int i = 0; i < kBuffers; ++i) boxes += chunk_col(batch0 + i) < to.cols - to.col;
+        uint64_t* bar = fused.load->arm(boxes * kChunkBytes);
+#pragma unroll
+        for (int i = 0; i < kBuffers; ++i) {
+          if (i == boxes) break;
+          ptx::tma_load(smem.buffer[i], fused.aux, bar,
+                        ptx::TmaCoord<4>{{to.col + chunk_col(batch0 + i), to.row, to.batch,
+                                          to.split}});
+        }
+      }
+      fused.load->wait();
+    }
+    write_batch<batch0, Pass::kOut, kAux>(acc, smem, to, fused.args, kBuffersSeq);
+    ptx::fence_proxy_async_shared();
+    barrier.sync();  // the whole batch is visible to the TMA unit
+    if (issuer) issue_stores<batch0>(to.d, smem, to);
+    if constexpr (batch0 + kBuffers < kChunks) {
+      store_batch<batch0 + kBuffers, kAux>(acc, smem, to, barrier, fused);
+    }
+  }
+
+  // BiasActivation: acc += bias[col] once, before the passes that read z. Columns past D's
+  // get none (N % 8 == 0, so a pair is wholly in or out).
+  __device__ static void add_bias(float (&acc)[kBlockN / 2], const StorePlan& to,
+                                  const float* bias) {
+    const int pair_col = to.col + 2 * (threadIdx.x % 4);
+#pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      const int col = pair_col + 8 * j;
+      const float2 b = col < to.cols ? __ldg(reinterpret_cast<const float2*>(bias + col))
+                                     : make_float2(0.0f, 0.0f);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        acc[4 * j + 2 * h] += b.x;
+        acc[4 * j + 2 * h + 1] += b.y;
+      }
+    }
   }
 
   // Stores the warpgroup's block at `to` (the caller skips blocks past to.rows). `barrier`
-  // spans the warpgroup; thread 0 of the warpgroup issues (and owns) every store.
-  template <int batch0 = 0>
-  __device__ static void store(const float (&acc)[kBlockN / 2], SharedStorage& smem,
-                               const StorePlan& to, const NamedBarrier& barrier) {
-    const bool issuer = threadIdx.x % 128 == 0;
-    if (issuer) StorePipeline::producer_acquire();
-    barrier.sync();  // the previous batch's stores have read the staging area
-    write_batch<batch0>(acc, smem, std::make_integer_sequence<int, kBuffers>{});
-    ptx::fence_proxy_async_shared();
-    barrier.sync();  // the whole batch is visible to the TMA unit
-    if (issuer) {
-#pragma unroll
-      for (int i = 0; i < kBuffers; ++i) {
-        // NOTE: to.col < to.cols, so neither sum wraps past 2^31.
-        if (chunk_col(batch0 + i) >= to.cols - to.col) break;  // this chunk and the rest: past D
-        ptx::tma_store(to.d, smem.buffer[i],
-                       ptx::TmaCoord<4>{{to.col + chunk_col(batch0 + i), to.row, to.batch,
-                                         to.split}});
-      }
-      StorePipeline::producer_commit();
+  // spans the warpgroup; thread 0 of the warpgroup issues (and owns) every store. A fused
+  // epilogue may change `acc` (the bias is added in place).
+  __device__ static void store(float (&acc)[kBlockN / 2], SharedStorage& smem,
+                               const StorePlan& to, const NamedBarrier& barrier,
+                               const FusedStore& fused = {}) {
+    if constexpr (F::kKind == FusionKind::kBiasActivation) {
+      if (fused.args.bias != nullptr) add_bias(acc, to, fused.args.bias);
     }
-    if constexpr (batch0 + kBuffers < kChunks) store<batch0 + kBuffers>(acc, smem, to, barrier);
+    if constexpr (F::kMayReadAux) {
+      if (fused.args.aux) {
+        store_batch<0, true>(acc, smem, to, barrier, fused);
+        return;
+      }
+    }
+    store_batch<0, false>(acc, smem, to, barrier, fused);
   }
 
   // Stores a block of zeros at `to`, as store() does a block of accumulators.
@@ -163,16 +331,7 @@ struct TmaStoreEpilogue {
       ptx::fence_proxy_async_shared();
       barrier.sync();
     }
-    if (issuer) {
-#pragma unroll
-      for (int i = 0; i < kBuffers; ++i) {
-        if (chunk_col(batch0 + i) >= to.cols - to.col) break;
-        ptx::tma_store(to.d, smem.buffer[i],
-                       ptx::TmaCoord<4>{{to.col + chunk_col(batch0 + i), to.row, to.batch,
-                                         to.split}});
-      }
-      StorePipeline::producer_commit();
-    }
+    if (issuer) issue_stores<batch0>(to.d, smem, to);
     if constexpr (batch0 + kBuffers < kChunks) store_zeros<batch0 + kBuffers>(smem, to, barrier);
   }
 

@@ -2,6 +2,7 @@
 // registered with jax.ffi.register_ffi_target(name, capsule, platform="CUDA").
 #include <nanobind/nanobind.h>
 
+#include "ffi/dense.h"
 #include "ffi/device_info.h"
 #include "ffi/gemm.h"
 #include "ffi/ragged_dot.h"
@@ -26,6 +27,8 @@ NB_MODULE(_jax_tma, m) {
     nb::dict targets;
     targets["jax_tma_gemm_sm90"] = handler_capsule(jax_tma::ffi_handlers::GemmSm90);
     targets["jax_tma_gemm_sm90_into"] = handler_capsule(jax_tma::ffi_handlers::GemmSm90Into);
+    targets["jax_tma_dense_sm90"] = handler_capsule(jax_tma::ffi_handlers::DenseSm90);
+    targets["jax_tma_dense_sm90_into"] = handler_capsule(jax_tma::ffi_handlers::DenseSm90Into);
     targets["jax_tma_ragged_dot_sm90"] = handler_capsule(jax_tma::ffi_handlers::RaggedDotSm90);
     targets["jax_tma_ragged_dot_sm90_into"] =
         handler_capsule(jax_tma::ffi_handlers::RaggedDotSm90Into);

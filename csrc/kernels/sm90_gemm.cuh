@@ -36,10 +36,13 @@
 #include <type_traits>
 
 #include "epilogue/direct_store.cuh"
+#include "epilogue/fusion.cuh"
+#include "epilogue/fusion.h"
 #include "epilogue/partial_tiles.cuh"
 #include "epilogue/tma_store.cuh"
 #include "kernels/sm90_gemm.h"
 #include "mainloop/sm90_tma_wgmma.cuh"
+#include "pipeline/epilogue_load.cuh"
 #include "pipeline/named_barrier.cuh"
 #include "pipeline/ordered_barrier.cuh"
 #include "ptx/cluster.cuh"
@@ -56,13 +59,26 @@ enum class WarpGroupRole { Producer = 0, Consumer0 = 1, Consumer1 = 2 };
 inline constexpr int kProducerRegs = 40;
 inline constexpr int kConsumerRegs = 232;
 
-template <class In, class Out, class Tile, class Layout, template <class> class ProblemT>
+// The maps and arguments of a fused epilogue (epilogue/fusion.h), one kernel parameter: gated
+// products read B from `b` (gate) and `b2` (up); `aux` is the [M, N] operand the epilogue reads,
+// `pre` its second output (gated: `pre` the gate's pre-activations, `pre2` the up's); all unused
+// by PlainFusion.
+struct FusedParams {
+  CUtensorMap b2, aux, pre, pre2;
+  FusionArgs args;
+};
+
+template <class In, class Out, class Tile, class Layout, template <class> class ProblemT,
+          class FusionT = PlainFusion>
 struct Kernel {
   using Problem = ProblemT<Tile>;
-  using Mainloop = MainloopSm90TmaWgmma<In, Tile, Layout>;
+  using Fusion = FusionT;
+  using Mainloop = MainloopSm90TmaWgmma<In, Tile, Layout, Fusion::kGated>;
   using Pipeline = typename Mainloop::Pipeline;
   using Scheduler = typename Problem::Scheduler;
-  using Epilogue = TmaStoreEpilogue<Out, Tile::kBlockN, Tile::kEpilogueBuffers>;
+  // A gated block stores half its columns: half the staging buffers hold it in one batch.
+  using Epilogue = TmaStoreEpilogue<Out, Tile::kBlockN,
+                                    Tile::kEpilogueBuffers / Fusion::kOutPerAcc, Fusion>;
   using Partials = PartialTiles<Mainloop::kAccRegs, Tile::kConsumerWarpgroups>;
   static_assert(Tile::kConsumerWarpgroups == kStreamKSlotsPerCta);
   static constexpr bool kTmaStore = Tile::kEpilogue == EpilogueKind::kTmaStore;
@@ -79,26 +95,32 @@ struct Kernel {
     std::conditional_t<kTmaStore, typename Epilogue::SharedStorage, Empty>
         staging[Tile::kConsumerWarpgroups];
     typename Pipeline::SharedStorage barriers;
+    uint64_t aux_load[Tile::kConsumerWarpgroups];  // fused epilogues that read an operand
     typename Turns::SharedStorage turns;  // used in ping-pong only
   };
   // The base is aligned up by at most 1023 bytes inside the dynamic allocation.
   // (sizeof would count the tail padding up to the 1024-byte alignment, which is never used.)
   static_assert(offsetof(SharedStorage, turns) + sizeof(SharedStorage::turns) + 1023 <=
                 Tile::kSmemBytes);
-  static_assert(!kTmaStore || sizeof(SharedStorage::staging) == Tile::kEpilogueBytes);
+  static_assert(!kTmaStore || sizeof(SharedStorage::staging) <= Tile::kEpilogueBytes);
+  static_assert(kTmaStore || std::is_same_v<Fusion, PlainFusion>, "fusion needs TMA stores");
   static_assert(Epilogue::kChunkBytes == Tile::kEpilogueChunkBytes);
   static_assert(Epilogue::kChunkCols * sizeof(Out) == Tile::kEpilogueRowBytes);
 };
 
-template <class In, class Out, class Tile, class Layout, template <class> class ProblemT>
+template <class In, class Out, class Tile, class Layout, template <class> class ProblemT,
+          class FusionT>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     sm90_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                      const __grid_constant__ CUtensorMap tmap_b,
                      const __grid_constant__ CUtensorMap tmap_d, Out* __restrict__ d,
                      GemmShape shape,
-                     typename Kernel<In, Out, Tile, Layout, ProblemT>::Problem::Params params,
-                     typename Kernel<In, Out, Tile, Layout, ProblemT>::Partials partials) {
-  using K = Kernel<In, Out, Tile, Layout, ProblemT>;
+                     typename Kernel<In, Out, Tile, Layout, ProblemT, FusionT>::Problem::Params
+                         params,
+                     typename Kernel<In, Out, Tile, Layout, ProblemT, FusionT>::Partials partials,
+                     const __grid_constant__ FusedParams fused) {
+  using K = Kernel<In, Out, Tile, Layout, ProblemT, FusionT>;
+  using F = FusionT;
   using P = typename K::Problem;
   extern __shared__ uint8_t smem_raw[];
   auto& smem = *reinterpret_cast<typename K::SharedStorage*>(
@@ -113,6 +135,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   if (threadIdx.x == 0) {
     K::Pipeline::init(smem.barriers, Tile::kStageReaderWarps * Tile::kClusterM);
     if constexpr (Tile::kPingPong) K::Turns::init(smem.turns, 128);  // a warpgroup arrives
+    if constexpr (F::kMayReadAux) {
+      for (int i = 0; i < Tile::kConsumerWarpgroups; ++i) EpilogueLoad::init(&smem.aux_load[i]);
+    }
     ptx::fence_mbarrier_init();
   }
   // The producer's first work unit and share of the shape are the kernel's first reads of its
@@ -155,8 +180,13 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
                               : Tile::kClusterM > 1 && w.cluster_full ? LoadMode::kMulticast
                                                                        : LoadMode::kSolo;
         // An idle CTA's M block may lie past the matrix: its plan is never read.
-        const LoadPlan plan = w.self_valid ? P::load_plan(params, w, local, &tmap_a, &tmap_b)
-                                           : LoadPlan{};
+        LoadPlan plan = w.self_valid ? P::load_plan(params, w, local, &tmap_a, &tmap_b)
+                                     : LoadPlan{};
+        if constexpr (F::kGated) {  // B's blocks alternate gate and up over half the columns
+          plan.b2 = &fused.b2;
+          plan.at.n0 /= 2;
+          plan.cols /= 2;
+        }
         if constexpr (P::kGlobalLoadMaps) {
           if (w.self_valid && w.k_end > w.k_begin) {
             acquire_a(plan.a);
@@ -184,6 +214,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       if constexpr (Tile::kPingPong) turns.arrive();
     };
     TensormapAcquirer acquire_d;
+    EpilogueLoad aux_load{&smem.aux_load[warpgroup]};
+    const FusedStore fused_store{&fused.aux, &fused.pre, &fused.pre2, fused.args, &aux_load};
     float acc[K::Mainloop::kAccRegs];
     for (auto w = scheduler.first(); scheduler.valid(w); w = scheduler.next(w), ++turn) {
       const int count = w.k_end - w.k_begin;
@@ -197,7 +229,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         continue;
       }
       const int row0 = w.m_block * Tile::kBlockM + 64 * a_block;
-      const int col0 = w.n_block * Tile::kBlockN;
+      const int col0 = w.n_block * (Tile::kBlockN / F::kOutPerAcc);
       if constexpr (P::kEmptyTiles) {
         // Nothing to contract (an empty group): the block is zero. (Written apart from the
         // accumulators: wgmma's registers written on a divergent path serialise it.)
@@ -228,12 +260,13 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         }
       }
       if constexpr (K::kTmaStore) {
-        const StorePlan to = P::store_plan(params, w, shape, &tmap_d, row0, col0);
+        StorePlan to = P::store_plan(params, w, shape, &tmap_d, row0, col0);
+        if constexpr (F::kGated) to.cols /= 2;
         if (to.row >= to.rows) continue;  // this warpgroup's rows lie past D's
         if constexpr (P::kGlobalStoreMaps) {
           if (threadIdx.x % 128 == 0) acquire_d(to.d);
         }
-        K::Epilogue::store(acc, smem.staging[warpgroup], to, epilogue_barrier);
+        K::Epilogue::store(acc, smem.staging[warpgroup], to, epilogue_barrier, fused_store);
       } else {
         Out* d_matrix = d + w.split * shape.d_split_stride + w.batch * shape.d_batch_stride;
         DirectStoreEpilogue<Out, Tile::kBlockN>::store(acc, d_matrix, shape.m, shape.n,
@@ -269,10 +302,11 @@ cudaError_t max_resident_clusters(KernelFn kernel, cudaLaunchConfig_t config, in
 // Launches one instantiation of the kernel for any problem: its shared-memory attribute, its
 // cluster shape, and how many of its clusters can be resident at once (the persistent grid's
 // bound).
-template <class In, class Out, class Tile, class Layout, template <class> class ProblemT>
+template <class In, class Out, class Tile, class Layout, template <class> class ProblemT,
+          class FusionT = PlainFusion>
 class Launcher {
  public:
-  using K = Kernel<In, Out, Tile, Layout, ProblemT>;
+  using K = Kernel<In, Out, Tile, Layout, ProblemT, FusionT>;
 
   Launcher(const Launcher&) = delete;  // config_ points at cluster_
   Launcher() = default;
@@ -302,22 +336,23 @@ class Launcher {
 
   cudaError_t launch(int clusters, const LaunchArgs& args,
                      const typename K::Problem::Params& params,
-                     const typename K::Partials& partials) {
+                     const typename K::Partials& partials, const FusedParams& fused = {}) {
     config_.gridDim = dim3(clusters * Tile::kClusterM);
     return cudaLaunchKernelEx(&config_, kKernel, *args.tmap_a, *args.tmap_b, *args.tmap_d,
-                              static_cast<Out*>(args.d), args.shape, params, partials);
+                              static_cast<Out*>(args.d), args.shape, params, partials, fused);
   }
 
  private:
-  static constexpr auto kKernel = &sm90_gemm_kernel<In, Out, Tile, Layout, ProblemT>;
+  static constexpr auto kKernel = &sm90_gemm_kernel<In, Out, Tile, Layout, ProblemT, FusionT>;
   cudaLaunchAttribute cluster_{};
   cudaLaunchConfig_t config_{};
   int resident_ = 0;
 };
 
-template <class In, class Out, class Tile, class Layout>
-cudaError_t launch(const LaunchArgs& args) {
-  Launcher<In, Out, Tile, Layout, DenseGemm> launcher;
+// The dense batched product, with a fused epilogue's parameters (PlainFusion: none).
+template <class In, class Out, class Tile, class Layout, class Fusion = PlainFusion>
+cudaError_t launch_dense(const LaunchArgs& args, const FusedParams& fused) {
+  Launcher<In, Out, Tile, Layout, DenseGemm, Fusion> launcher;
   using K = typename decltype(launcher)::K;
   cudaError_t err = launcher.init(args.num_sms, args.stream);
   if (err != cudaSuccess) return err;
@@ -343,7 +378,12 @@ cudaError_t launch(const LaunchArgs& args) {
     err = cudaMemsetAsync(base, 0, stream_k_flag_bytes(stream_k_ctas), args.stream);
     if (err != cudaSuccess) return err;
   }
-  return launcher.launch(clusters, args, tiles, partials);
+  return launcher.launch(clusters, args, tiles, partials, fused);
+}
+
+template <class In, class Out, class Tile, class Layout>
+cudaError_t launch(const LaunchArgs& args) {
+  return launch_dense<In, Out, Tile, Layout>(args, FusedParams{});
 }
 
 }  // namespace jax_tma::sm90_gemm

@@ -52,9 +52,13 @@ struct LoadPlan {
   TileOrigin at;
   int rows;
   int cols;
+  const CUtensorMap* b2;  // kPairedB: the second B (B's odd blocks)
 };
 
-template <class T, class Tile, class Layout>
+// kPairedB: B's 64-wide blocks alternate two maps, `b` and `b2`, over the same columns (block j
+// holds columns at.n0 + 64 (j / 2) of map j % 2): the gate and up weights of a gated product,
+// multiplied in one pass and paired by the epilogue (epilogue/fusion.cuh).
+template <class T, class Tile, class Layout, bool kPairedB = false>
 struct MainloopSm90TmaWgmma {
   static constexpr int kBlockM = Tile::kBlockM;
   static constexpr int kBlockN = Tile::kBlockN;
@@ -107,7 +111,8 @@ struct MainloopSm90TmaWgmma {
     const CUtensorMap* tmap_a = plan.a;
     const CUtensorMap* tmap_b = plan.b;
     const int a_loads = boxes_within(Boxes::kALoads, plan.rows, at.m0);
-    const int b_loads = boxes_within(Boxes::kBLoads, plan.cols, at.n0);
+    const int b_loads = kPairedB ? min(Boxes::kBLoads, 2 * boxes_within(Boxes::kBLoads, plan.cols, at.n0))
+                                 : boxes_within(Boxes::kBLoads, plan.cols, at.n0);
     const uint32_t stage_bytes =
         a_stage_bytes / Boxes::kALoads * a_loads + b_loads * Boxes::kBBoxBytes;
 #pragma unroll 1
@@ -132,12 +137,14 @@ struct MainloopSm90TmaWgmma {
       for (int j = 0; j < Boxes::kBLoads; ++j) {
         if (j >= b_loads) break;
         T* dst = smem.b[write.index] + j * kBBoxElems;
-        const auto c = sm90_gemm::inner_outer<kMajorB>(at.n0 + j * Boxes::kBBoxMN, k0);
+        const int n = at.n0 + (kPairedB ? j / 2 : j) * Boxes::kBBoxMN;
+        const CUtensorMap* map = kPairedB && (j % 2) ? plan.b2 : tmap_b;
+        const auto c = sm90_gemm::inner_outer<kMajorB>(n, k0);
         const ptx::TmaCoord<3> coord{{c.inner, c.outer, at.batch_b}};
         if (mode == LoadMode::kSolo) {
-          ptx::tma_load(dst, tmap_b, full, coord);
+          ptx::tma_load(dst, map, full, coord);
         } else if (j % kClusterM == rank) {
-          ptx::tma_load_multicast(dst, tmap_b, full, kClusterMask, coord);
+          ptx::tma_load_multicast(dst, map, full, kClusterMask, coord);
         }
       }
       ++write;

@@ -1,0 +1,204 @@
+"""Fused-epilogue benchmark: jax_tma.dense / gated_dense against XLA's unfused expressions and
+XLA's dot alone (the floor: the same product with nothing after it), in one run and one harness
+(jax_tma._timing.compare: CUPTI kernel time on a GPU, operands rotated over distinct buffers,
+rounds alternating between contenders).
+
+Patterns, bf16 in and out, bias bf16:
+  gelu      gelu(x @ w + b)                  (jax.nn.gelu, tanh approximation)
+  residual  x @ w + b + r
+  swiglu    silu(x @ wg) * (x @ wu)          XLA: two dots, and one dot of [wg | wu] (the
+                                             concatenated weights made once, outside the timing),
+                                             the faster taken as XLA's best; the floor is the
+                                             dot of twice the width
+Shapes M x N x K: 16384x14336x4096, 8192x4096x4096, 4096x11008x4096, 8192x28672x8192, and
+decode rows M = 16, 64 against 14336x4096.
+
+    python benchmarks/bench_epilogues.py             # the suite
+    python benchmarks/bench_epilogues.py --quick     # two shapes
+    python benchmarks/bench_epilogues.py --dry-run   # tiny shapes; runs without a GPU (CI)
+
+Before timing, jax_tma's result is compared with XLA's (relative error). Writes
+bench_epilogues.json, .md and .png under benchmarks/results/<device>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_tma
+from jax_tma import _timing
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_gemm import banner, environment, pyplot, save_figure, write_report  # noqa: E402
+
+SHAPES = [(16384, 14336, 4096), (8192, 4096, 4096), (4096, 11008, 4096), (8192, 28672, 8192),
+          (16, 14336, 4096), (64, 14336, 4096)]
+DRY_RUN = [(64, 128, 64)]
+PATTERNS = ("gelu", "residual", "swiglu")
+
+
+@dataclasses.dataclass
+class Row:
+    pattern: str
+    shape: tuple[int, int, int]
+    contender: str
+    seconds: float
+    spread_s: float
+    note: str = ""
+
+    def tflops(self) -> float:
+        m, n, k = self.shape
+        width = 2 * n if self.pattern == "swiglu" else n
+        return 2.0 * m * width * k / self.seconds / 1e12
+
+
+def _contenders(pattern):
+    dot = lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)  # noqa: E731
+    if pattern == "gelu":
+        return {
+            "jax_tma": lambda x, w, b, r, w2, wc: jax_tma.dense(x, w, b, "gelu"),
+            "xla": lambda x, w, b, r, w2, wc: jax.nn.gelu(x @ w + b),
+            "xla_dot": lambda x, w, b, r, w2, wc: dot(x, w),
+        }
+    if pattern == "residual":
+        return {
+            "jax_tma": lambda x, w, b, r, w2, wc: jax_tma.dense(x, w, b, residual=r),
+            "xla": lambda x, w, b, r, w2, wc: x @ w + b + r,
+            "xla_dot": lambda x, w, b, r, w2, wc: dot(x, w),
+        }
+    n = None
+
+    def concat_form(x, w, b, r, w2, wc):
+        gu = x @ wc
+        half = gu.shape[-1] // 2
+        return jax.nn.silu(gu[..., :half]) * gu[..., half:]
+
+    del n
+    return {
+        "jax_tma": lambda x, w, b, r, w2, wc: jax_tma.gated_dense(x, w, w2, "silu"),
+        "xla": lambda x, w, b, r, w2, wc: jax.nn.silu(x @ w) * (x @ w2),
+        "xla_concat": concat_form,
+        "xla_dot": lambda x, w, b, r, w2, wc: dot(x, wc),
+    }
+
+
+def _operand_sets(shape, count, seed):
+    m, n, k = shape
+    keys = jax.random.split(jax.random.key(seed), 5 * count)
+    sets = []
+    for i in range(count):
+        kk = keys[5 * i: 5 * i + 5]
+        x = jax.random.normal(kk[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+        w = (jax.random.normal(kk[1], (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+        b = jax.random.normal(kk[2], (n,), jnp.float32).astype(jnp.bfloat16)
+        r = jax.random.normal(kk[3], (m, n), jnp.float32).astype(jnp.bfloat16)
+        w2 = (jax.random.normal(kk[4], (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+        sets.append((x, w, b, r, w2, jnp.concatenate([w, w2], axis=1)))
+    return sets
+
+
+def bench(pattern, shape, args) -> list[Row]:
+    sets = _operand_sets(shape, args.sets, args.seed)
+    contenders = _contenders(pattern)
+    ours = np.asarray(jax.jit(contenders["jax_tma"])(*sets[0]), np.float32)
+    xla = np.asarray(jax.jit(contenders["xla"])(*sets[0]), np.float32)
+    err = float(np.linalg.norm(ours - xla) / max(np.linalg.norm(xla), 1e-30))
+    timings = _timing.compare(contenders, sets, rounds=args.rounds, iterations=args.iterations)
+    rows = [Row(pattern, shape, name, t.median_s, t.spread_s,
+                f"rel. difference from XLA {err:.1e}" if name == "jax_tma" else "")
+            for name, t in timings.items()]
+    for r in rows:
+        print(f"  {pattern:8s} {'x'.join(map(str, shape)):18s} {r.contender:10s} "
+              f"{r.seconds * 1e6:10.1f} us {r.tflops():8.1f} TFLOP/s {r.note}", flush=True)
+    return rows
+
+
+def _table(rows: list[Row], env: dict) -> str:
+    lines = [
+        f"{env['device']}, driver {env['driver']}, CUDA {env.get('cuda_runtime')}, jax "
+        f"{env['jax']}, {env['date']}, commit {str(env.get('commit'))[:10]}, bf16, timing: "
+        f"{env['timing']}. × XLA: XLA's best unfused form's time / jax_tma's; vs dot: the "
+        "dot alone's time / jax_tma's (1.0 = the epilogue costs nothing)",
+        "",
+        "| pattern | M×N×K | jax_tma µs | jax_tma TFLOP/s | XLA µs | XLA dot µs | × XLA | vs dot |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r.pattern, r.shape), {})[r.contender] = r
+    for (pattern, shape), found in groups.items():
+        ours, dot = found["jax_tma"], found["xla_dot"]
+        xla = min((found[c] for c in ("xla", "xla_concat") if c in found),
+                  key=lambda r: r.seconds)
+        lines.append(f"| {pattern} | {'×'.join(map(str, shape))} | {ours.seconds * 1e6:.1f} ± "
+                     f"{ours.spread_s * 1e6:.1f} | {ours.tflops():.1f} | {xla.seconds * 1e6:.1f}"
+                     f"{' (concat)' if xla.contender == 'xla_concat' else ''} | "
+                     f"{dot.seconds * 1e6:.1f} | {xla.seconds / ours.seconds:.3f} | "
+                     f"{dot.seconds / ours.seconds:.3f} |")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[Row], path: pathlib.Path, title: str) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    keys = list(dict.fromkeys((r.pattern, r.shape) for r in rows))
+    names = ["jax_tma", "xla", "xla_concat", "xla_dot"]
+    value = {(r.pattern, r.shape, r.contender): r.tflops() for r in rows}
+    fig, ax = plt.subplots(figsize=(max(8, 0.8 * len(keys)), 5))
+    x = np.arange(len(keys))
+    width = 0.8 / len(names)
+    for i, name in enumerate(names):
+        ax.bar(x + i * width, [value.get((*k, name), 0.0) for k in keys], width, label=name)
+    ax.set_title(title)
+    ax.set_ylabel("TFLOP/s")
+    ax.set_xticks(x + width * 1.5, [f"{p} {'x'.join(map(str, s))}" for p, s in keys],
+                  rotation=50, ha="right", fontsize=7)
+    ax.legend()
+    return save_figure(plt, fig, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--shapes", nargs="*", metavar="M,N,K")
+    p.add_argument("--patterns", nargs="*", choices=PATTERNS, default=list(PATTERNS))
+    p.add_argument("--sets", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit")
+    p.add_argument("--out", type=pathlib.Path)
+    args = p.parse_args(argv)
+    if args.dry_run:
+        shapes, args.rounds, args.iterations = DRY_RUN, 1, 1
+    elif args.shapes:
+        shapes = [tuple(map(int, s.split(","))) for s in args.shapes]
+    else:
+        shapes = SHAPES[1:3] if args.quick else SHAPES
+    env = environment(args.commit)
+    print(banner(env, "bf16"))
+    rows = []
+    for shape in shapes:
+        for pattern in args.patterns:
+            rows += bench(pattern, shape, args)
+    table = _table(rows, env)
+    print(table)
+    if args.dry_run and args.out is None:
+        return 0
+    payload = {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]}
+    write_report(args.out, env, "bench_epilogues", payload, table,
+                 lambda path: _plot(rows, path, f"fused epilogues, {env['device']}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,46 @@
+// What a fused GEMM epilogue computes (the host-visible half: kinds, activations, run-time
+// arguments; the device functions are in epilogue/fusion.cuh).
+//
+//   Plain            out = acc
+//   BiasActivation   z = acc + bias[col] (bias optional, fp32); out = act(z) (+ aux[row, col],
+//                    the residual, optional); the pre-activation z may be stored as a second
+//                    output (for the backward pass)
+//   ActivationGrad   out = acc * act'(aux[row, col]): the cotangent of a pre-activation, where
+//                    acc = dy @ w^T and aux = the saved pre-activation z
+//   Gated            the accumulator's 64-column blocks alternate gate and up columns of the same
+//                    output columns: out = act(gate) * up (one output block per two accumulator
+//                    blocks); gate and up may be stored as two more outputs (backward pass)
+// Activations: relu, gelu (tanh approximation, as jax.nn.gelu; or erf, exact), silu. The aux
+// operand arrives through TMA in the epilogue's staging buffer (epilogue/tma_store.cuh).
+#pragma once
+
+#include <cstdint>
+
+namespace jax_tma {
+
+enum class Activation : int { kNone = 0, kRelu = 1, kGeluTanh = 2, kGeluErf = 3, kSilu = 4 };
+
+enum class FusionKind : int { kPlain = 0, kBiasActivation = 1, kActivationGrad = 2, kGated = 3 };
+
+// What a fused epilogue reads at run time (kernel parameter).
+struct FusionArgs {
+  const float* bias;            // BiasActivation: [N] fp32, or null
+  bool aux;                     // BiasActivation: add the residual; ActivationGrad: always
+  bool store_pre;               // BiasActivation: also store z; gated: the gate's and the up's
+};
+
+template <FusionKind kKind_, Activation kAct_ = Activation::kNone>
+struct Fusion {
+  static constexpr FusionKind kKind = kKind_;
+  static constexpr Activation kAct = kAct_;
+  // Reads an [M, N] operand in the staging buffer before writing it (residual, saved z).
+  static constexpr bool kMayReadAux =
+      kKind == FusionKind::kBiasActivation || kKind == FusionKind::kActivationGrad;
+  static constexpr bool kGated = kKind == FusionKind::kGated;
+  // Output columns per accumulator column.
+  static constexpr int kOutPerAcc = kGated ? 2 : 1;
+};
+
+using PlainFusion = Fusion<FusionKind::kPlain>;
+
+}  // namespace jax_tma

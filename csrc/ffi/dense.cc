@@ -1,0 +1,310 @@
+// XLA FFI handler of the fused dense products on Hopper (sm_90a): argument checks, tensor maps
+// and the launch of the (tile, layout, fusion) kernel the attributes name
+// (kernels/sm90_dense.h).
+//
+// Dense row-major operands; every one is passed, unused ones as 1-element placeholders:
+//   a     [m, k]                       x (forward, gated) or dy (gradient)
+//   b     [k, n] (b_k_major=0)         w; gradient: [n, k] (b_k_major=1), w read transposed
+//   b2    [k, n]                       gated: the up weights
+//   bias  [n] fp32                     has_bias
+//   aux   [m, n]                       has_aux: the residual (forward) or the saved
+//                                      pre-activation (gradient)
+// -> out [m, n], pre (store_pre; else [1]): [m, n] the pre-activation z, gated [2, m, n] the gate's
+// and the up's; workspace (stream-K; any size without).
+// kind: 1 bias + activation, 2 activation gradient, 3 gated (epilogue/fusion.h); activation:
+// 0 none, 1 relu, 2 gelu (tanh), 3 gelu (erf), 4 silu. a, b, b2, aux, out and pre share one
+// 16-bit type; k and n are multiples of 8.
+#include "ffi/dense.h"
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "ffi/cuda_check.h"
+#include "ffi/device_info.h"
+#include "ffi/gemm_maps.h"
+#include "ffi/tensor_map.h"
+#include "kernels/sm90_dense.h"
+#include "kernels/sm90_gemm.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_tma::ffi_handlers {
+
+struct DenseAttrs {
+  int64_t kind, activation, has_bias, has_aux, store_pre, b_k_major;
+  int64_t block_m, block_n, stages, cluster_m, stream_k;
+  int64_t m, n, k;
+};
+
+namespace {
+
+using ffi_util::str;
+using ffi_util::ViewDim;
+using sm90_gemm::DType;
+using sm90_gemm::FusedLaunch;
+using sm90_gemm::LaunchArgs;
+using sm90_gemm::Major;
+
+struct Buffers {
+  const ffi::AnyBuffer* a;
+  const ffi::AnyBuffer* b;
+  const ffi::AnyBuffer* b2;
+  const ffi::AnyBuffer* bias;
+  const ffi::AnyBuffer* aux;
+  ffi::AnyBuffer* out;
+  ffi::AnyBuffer* pre;
+  ffi::AnyBuffer* workspace;
+};
+
+template <class Tile>
+bool tile_matches(const DenseAttrs& p) {
+  return p.block_m == Tile::kBlockM && p.block_n == Tile::kBlockN && p.stages == Tile::kStages &&
+         p.cluster_m == Tile::kClusterM;
+}
+
+template <class Fusion>
+bool fusion_matches(const DenseAttrs& p) {
+  return p.kind == static_cast<int64_t>(Fusion::kKind) &&
+         p.activation == static_cast<int64_t>(Fusion::kAct);
+}
+
+template <class Tile, class Layout, class Fusion>
+ffi::Error run(const DenseAttrs& p, DType in, const Buffers& buf, LaunchArgs args) {
+  using Boxes = sm90_gemm::OperandBoxes<Tile, Layout>;
+  const int64_t acc_n = Fusion::kGated ? 2 * p.n : p.n;  // accumulator columns
+  const int64_t units = (p.m + Tile::kBlockM - 1) / Tile::kBlockM *
+                        ((acc_n + Tile::kBlockN - 1) / Tile::kBlockN);
+  if (units > INT32_MAX / 2) {
+    return ffi::Error::InvalidArgument("jax_tma dense: " + str(units) +
+                                       " work units exceed the scheduler's int32 numbering");
+  }
+  if (p.stream_k && !Tile::kStreamK) {
+    return ffi::Error::InvalidArgument("jax_tma dense: stream_k=1 needs a 128-row tile without "
+                                       "a cluster");
+  }
+  const int box_a[3] = {Boxes::kBoxA[0], Boxes::a_rows(p.m), 1};
+  args.shape.a_stage_bytes = Boxes::a_stage_bytes(p.m);
+  CUtensorMap map_a, map_b, map_b2 = {}, map_d, map_aux = {}, map_pre = {}, map_pre2 = {};
+  std::string err = ffi_util::encode_tensor_map(
+      &map_a, buf.a->untyped_data(),
+      ffi_util::operand_spec<Major::kK>(in, {p.m, p.k, "m"}, {p.k, 1, "k"}, {1, 0, "batch"},
+                                        box_a));
+  const ViewDim b_n = Layout::kB == Major::kK ? ViewDim{p.n, p.k, "n"} : ViewDim{p.n, 1, "n"};
+  const ViewDim b_k = Layout::kB == Major::kK ? ViewDim{p.k, 1, "k"} : ViewDim{p.k, p.n, "k"};
+  if (err.empty()) {
+    err = ffi_util::encode_tensor_map(
+        &map_b, buf.b->untyped_data(),
+        ffi_util::operand_spec<Layout::kB>(in, b_n, b_k, {1, 0, "batch"}, Boxes::kBoxB));
+  }
+  if (err.empty() && Fusion::kGated) {
+    err = ffi_util::encode_tensor_map(
+        &map_b2, buf.b2->untyped_data(),
+        ffi_util::operand_spec<Layout::kB>(in, b_n, b_k, {1, 0, "batch"}, Boxes::kBoxB));
+  }
+  // D, and the aux operand and second output in D's shape and boxes.
+  const auto out_spec = ffi_util::output_spec(in, {p.n, 1, "n"}, {p.m, p.n, "m"},
+                                              {1, 0, "batch"}, {1, 0, "split"},
+                                              Tile::kEpilogueRowBytes, Tile::kEpilogueRows);
+  if (err.empty()) err = ffi_util::encode_tensor_map(&map_d, buf.out->untyped_data(), out_spec);
+  if (err.empty() && p.has_aux) {
+    err = ffi_util::encode_tensor_map(&map_aux, buf.aux->untyped_data(), out_spec);
+  }
+  if (err.empty() && p.store_pre) {
+    err = ffi_util::encode_tensor_map(&map_pre, buf.pre->untyped_data(), out_spec);
+  }
+  if (err.empty() && p.store_pre && Fusion::kGated) {
+    auto* up = static_cast<uint8_t*>(buf.pre->untyped_data()) + p.m * p.n * sm90_gemm::dtype_bytes(in);
+    err = ffi_util::encode_tensor_map(&map_pre2, up, out_spec);
+  }
+  if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma dense: " + err);
+  args.shape.m = static_cast<int>(p.m);
+  args.shape.n = static_cast<int>(acc_n);
+  args.shape.k = static_cast<int>(p.k);
+  args.tmap_a = &map_a;
+  args.tmap_b = &map_b;
+  args.tmap_d = &map_d;
+  args.d = buf.out->untyped_data();
+  FusedLaunch fused{Fusion::kGated ? &map_b2 : nullptr, p.has_aux ? &map_aux : nullptr,
+                    p.store_pre ? &map_pre : nullptr,
+                    p.store_pre && Fusion::kGated ? &map_pre2 : nullptr, {}};
+  fused.args.bias = p.has_bias ? static_cast<const float*>(buf.bias->untyped_data()) : nullptr;
+  fused.args.aux = p.has_aux != 0;
+  fused.args.store_pre = p.store_pre != 0;
+  const cudaError_t launched =
+      in == DType::kBF16
+          ? sm90_gemm::launch_fused<__nv_bfloat16, Tile, Layout, Fusion>(args, fused)
+          : sm90_gemm::launch_fused<__half, Tile, Layout, Fusion>(args, fused);
+  return ffi_util::cuda_error(launched, "jax_tma dense launch");
+}
+
+ffi::Error dispatch(const DenseAttrs& p, DType in, const Buffers& buf, const LaunchArgs& args) {
+  const Major b_major = p.b_k_major ? Major::kK : Major::kMN;
+#define JAX_TMA_TRY_KERNEL(TILE, LAYOUT, FUSION)                                            \
+  if (tile_matches<sm90_gemm::TILE>(p) && fusion_matches<sm90_gemm::FUSION>(p) &&           \
+      sm90_gemm::LAYOUT::kB == b_major) {                                                   \
+    return run<sm90_gemm::TILE, sm90_gemm::LAYOUT, sm90_gemm::FUSION>(p, in, buf, args);    \
+  }
+  JAX_TMA_SM90_DENSE_KERNELS(JAX_TMA_TRY_KERNEL)
+#undef JAX_TMA_TRY_KERNEL
+  return ffi::Error::InvalidArgument(
+      "jax_tma dense: no compiled kernel with kind=" + str(p.kind) + ", activation=" +
+      str(p.activation) + ", b_k_major=" + str(p.b_k_major) + ", block_m=" + str(p.block_m) +
+      ", block_n=" + str(p.block_n) + ", stages=" + str(p.stages) + ", cluster_m=" +
+      str(p.cluster_m));
+}
+
+ffi::Error dense(cudaStream_t stream, int32_t device, const Buffers& buf, const DenseAttrs& p) {
+  const std::string dims = "m=" + str(p.m) + ", n=" + str(p.n) + ", k=" + str(p.k);
+  for (int64_t v : {p.m, p.n, p.k}) {
+    if (v < 1 || v > INT32_MAX / 2) {
+      return ffi::Error::InvalidArgument("jax_tma dense: m, n and k must be in [1, 2^30), got " +
+                                         dims);
+    }
+  }
+  DType in = DType::kF32;
+  bool typed = ffi_util::to_dtype(buf.a->element_type(), &in) && in != DType::kF32;
+  for (const ffi::AnyBuffer* b : {buf.b, buf.b2, buf.aux, static_cast<const ffi::AnyBuffer*>(buf.out),
+                                  static_cast<const ffi::AnyBuffer*>(buf.pre)}) {
+    DType t;
+    typed = typed && ffi_util::to_dtype(b->element_type(), &t) && t == in;
+  }
+  if (!typed) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma dense: a, b, b2, aux, out and pre must share one type, bf16 or fp16");
+  }
+  if (buf.bias->element_type() != ffi::DataType::F32) {
+    return ffi::Error::InvalidArgument("jax_tma dense: bias must be fp32");
+  }
+  const bool gated = p.kind == 3;
+  struct Need {
+    const char* name;
+    int64_t elements;
+    size_t have;
+  };
+  for (const Need& need :
+       {Need{"a", p.m * p.k, buf.a->element_count()},
+        Need{"b", p.k * p.n, buf.b->element_count()},
+        Need{"b2", gated ? p.k * p.n : 1, buf.b2->element_count()},
+        Need{"bias", p.has_bias ? p.n : 1, buf.bias->element_count()},
+        Need{"aux", p.has_aux ? p.m * p.n : 1, buf.aux->element_count()},
+        Need{"out", p.m * p.n, buf.out->element_count()},
+        Need{"pre", p.store_pre ? (gated ? 2 : 1) * p.m * p.n : 1, buf.pre->element_count()}}) {
+    if (static_cast<size_t>(need.elements) != need.have) {
+      return ffi::Error::InvalidArgument(std::string("jax_tma dense: ") + need.name + " holds " +
+                                         std::to_string(need.have) + " elements, the attributes "
+                                         "need " + str(need.elements) + " (" + dims + ")");
+    }
+  }
+  if (p.k % 8 || p.n % 8) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma dense: TMA needs rows of 16-byte multiples: k and n must be multiples of 8 (" +
+        dims + ")");
+  }
+  if (p.kind < 1 || p.kind > 3 || (p.kind == 2 && (!p.has_aux || p.store_pre)) ||
+      (p.kind != 1 && p.has_bias) || (p.kind == 3 && p.has_aux)) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma dense: kind=" + str(p.kind) + " takes has_bias=" + str(p.has_bias) +
+        ", has_aux=" + str(p.has_aux) + ", store_pre=" + str(p.store_pre) +
+        " (kind 1: any; kind 2: aux, no bias or store_pre; kind 3: store_pre only)");
+  }
+  const auto& info = ffi_util::device_info(device);
+  if (!info.error.empty()) return ffi::Error::Internal("jax_tma dense: " + info.error);
+  if (info.major != 9 || info.minor != 0) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma dense: the sm_90a kernel needs a compute capability 9.0 GPU, device " +
+        std::to_string(device) + " is " + std::to_string(info.major) + "." +
+        std::to_string(info.minor));
+  }
+  if (std::string use = ffi_util::use_device(device); !use.empty()) {
+    return ffi::Error::Internal("jax_tma dense: " + use);
+  }
+  LaunchArgs args{};
+  args.shape.batch = 1;
+  args.shape.splits = 1;
+  args.shape.k_blocks_per_split = static_cast<int>((p.k + 63) / 64);
+  args.shape.d_m_stride = p.n;
+  args.stream_k = p.stream_k == 1;
+  args.workspace = buf.workspace->untyped_data();
+  args.workspace_bytes = static_cast<int64_t>(buf.workspace->size_bytes());
+  args.num_sms = info.num_sms;
+  args.stream = stream;
+  return dispatch(p, in, buf, args);
+}
+
+ffi::Error dense_sm90(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                      ffi::AnyBuffer b2, ffi::AnyBuffer bias, ffi::AnyBuffer aux,
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> pre,
+                      ffi::Result<ffi::AnyBuffer> workspace, DenseAttrs attrs) {
+  return dense(stream, device, Buffers{&a, &b, &b2, &bias, &aux, &*out, &*pre, &*workspace},
+               attrs);
+}
+
+ffi::Error dense_sm90_into(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
+                           ffi::AnyBuffer b, ffi::AnyBuffer b2, ffi::AnyBuffer bias,
+                           ffi::AnyBuffer aux, ffi::AnyBuffer /*out_in, aliased to out*/,
+                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> pre,
+                           ffi::Result<ffi::AnyBuffer> workspace, DenseAttrs attrs) {
+  return dense(stream, device, Buffers{&a, &b, &b2, &bias, &aux, &*out, &*pre, &*workspace},
+               attrs);
+}
+
+}  // namespace
+}  // namespace jax_tma::ffi_handlers
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jax_tma::ffi_handlers::DenseAttrs,
+    xla::ffi::StructMember<int64_t>("kind"),        // 1 bias+activation, 2 gradient, 3 gated
+    xla::ffi::StructMember<int64_t>("activation"),  // epilogue/fusion.h Activation
+    xla::ffi::StructMember<int64_t>("has_bias"),
+    xla::ffi::StructMember<int64_t>("has_aux"),
+    xla::ffi::StructMember<int64_t>("store_pre"),
+    xla::ffi::StructMember<int64_t>("b_k_major"),   // b stored [n, k]
+    xla::ffi::StructMember<int64_t>("block_m"),
+    xla::ffi::StructMember<int64_t>("block_n"),
+    xla::ffi::StructMember<int64_t>("stages"),
+    xla::ffi::StructMember<int64_t>("cluster_m"),
+    xla::ffi::StructMember<int64_t>("stream_k"),
+    xla::ffi::StructMember<int64_t>("m"),
+    xla::ffi::StructMember<int64_t>("n"),           // output columns
+    xla::ffi::StructMember<int64_t>("k"));
+
+namespace jax_tma::ffi_handlers {
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DenseSm90, dense_sm90,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
+                                  .Ctx<ffi::DeviceOrdinal>()  // device of the call
+                                  .Arg<ffi::AnyBuffer>()      // a
+                                  .Arg<ffi::AnyBuffer>()      // b
+                                  .Arg<ffi::AnyBuffer>()      // b2 (gated up weights)
+                                  .Arg<ffi::AnyBuffer>()      // bias, fp32
+                                  .Arg<ffi::AnyBuffer>()      // aux
+                                  .Ret<ffi::AnyBuffer>()      // out
+                                  .Ret<ffi::AnyBuffer>()      // pre
+                                  .Ret<ffi::AnyBuffer>()      // stream-K workspace
+                                  .Attrs<DenseAttrs>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(DenseSm90Into, dense_sm90_into,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
+                                  .Ctx<ffi::DeviceOrdinal>()  // device of the call
+                                  .Arg<ffi::AnyBuffer>()      // a
+                                  .Arg<ffi::AnyBuffer>()      // b
+                                  .Arg<ffi::AnyBuffer>()      // b2 (gated up weights)
+                                  .Arg<ffi::AnyBuffer>()      // bias, fp32
+                                  .Arg<ffi::AnyBuffer>()      // aux
+                                  .Arg<ffi::AnyBuffer>()      // out_in
+                                  .Ret<ffi::AnyBuffer>()      // out, aliases out_in
+                                  .Ret<ffi::AnyBuffer>()      // pre
+                                  .Ret<ffi::AnyBuffer>()      // stream-K workspace
+                                  .Attrs<DenseAttrs>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jax_tma::ffi_handlers

@@ -1,0 +1,34 @@
+// EpilogueLoad: one TMA load of an [M, N] operand (residual, saved pre-activation) into the
+// epilogue's staging buffers, completing on one mbarrier that each use re-arms. The issuing
+// thread arms it with the bytes of the boxes; every thread of the warpgroup then waits, and
+// the phase flips. Only this file and the pipelines touch phases.
+#pragma once
+
+#include <cstdint>
+
+#include "pipeline/barrier_wait.cuh"
+#include "ptx/mbarrier.cuh"
+
+namespace jax_tma {
+
+struct EpilogueLoad {
+  uint64_t* bar;
+  uint32_t phase = 0;
+
+  // One thread, before the barrier is used (made visible with the kernel's other barriers).
+  __device__ static void init(uint64_t* bar) { ptx::mbarrier_init(bar, 1); }
+
+  // Issuer: expect `bytes` of loads on the barrier; returns it for the copies.
+  __device__ uint64_t* arm(uint32_t bytes) {
+    ptx::mbarrier_arrive_expect_tx(bar, bytes);
+    return bar;
+  }
+
+  // Every thread that reads the loaded data (all must call it, to keep the phase in step).
+  __device__ void wait() {
+    wait_parity(bar, phase, "epilogue load barrier", 0);
+    phase ^= 1u;
+  }
+};
+
+}  // namespace jax_tma

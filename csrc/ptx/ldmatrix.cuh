@@ -1,0 +1,36 @@
+// ldmatrix and shared-memory vector loads: the epilogue's shared -> register step for an
+// operand it combines with the accumulators (the inverse of ptx/stmatrix.cuh's stores, so the
+// values land in the accumulators' register layout).
+#pragma once
+
+#include <cstdint>
+
+#include "ptx/common.cuh"
+
+namespace jax_tma::ptx {
+
+// ldmatrix.m8n8.x4: four 8x8 b16 matrices; lanes 8i..8i+7 give the shared addresses of rows
+// 0..7 of matrix i (16 contiguous bytes each), and register i of every lane receives two
+// adjacent elements (lower column in the low half) of row lane/4 of matrix i, columns
+// 2 * (lane % 4) and + 1.
+struct Fragment4 {
+  uint32_t r[4];
+};
+__device__ __forceinline__ Fragment4 ldmatrix_x4(uint32_t smem_row_addr) {
+  Fragment4 f;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(f.r[0]), "=r"(f.r[1]), "=r"(f.r[2]), "=r"(f.r[3])
+               : "r"(smem_row_addr)
+               : "memory");
+  return f;
+}
+
+// ld.shared.v2.f32: 8 bytes from a shared address.
+__device__ __forceinline__ float2 ld_shared_v2_f32(uint32_t smem_addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(smem_addr)
+               : "memory");
+  return v;
+}
+
+}  // namespace jax_tma::ptx

@@ -1,0 +1,591 @@
+"""Dense layers with fused epilogues: ``jax_tma.dense``, ``jax_tma.gated_dense``,
+``jax_tma.mlp`` and the primitive behind them.
+
+  dense(x, w, bias, activation, residual)   act(x @ w + bias) + residual
+  gated_dense(x, w_gate, w_up, activation)  act(x @ w_gate) * (x @ w_up)
+  mlp(x, w1, b1, w2, b2, activation, residual)
+                                            act(x @ w1 + b1) @ w2 + b2 + residual
+
+On Hopper, bf16 or fp16 operands of one type run the sm90 GEMM kernel with the elementwise work
+in its epilogue (csrc/epilogue/fusion.h): applied to the fp32 accumulators and rounded once, at
+the store, to the output type (the operands' type). That is where the results differ from the
+unfused 16-bit expression ``act(x @ w + b) + r``, which rounds after the product, after the bias,
+after the activation and after the sum; the XLA path of these functions (other dtypes, other
+devices) computes what the kernel computes, in fp32 with one rounding.
+
+Gradients (``jax.custom_vjp``): the forward pass also stores the pre-activation when
+differentiated (a second output of the same kernel); the backward pass multiplies by the
+activation's derivative, then runs the products of ``jax_tma.dot_general``, and reduces the bias
+gradient with one XLA reduction. ``mlp`` fuses across its two layers: the product
+``dy @ w2^T`` applies the hidden activation's derivative in its epilogue (the saved
+pre-activation read by TMA), so the hidden gradient never round-trips through memory unscaled.
+Backward functions are differentiable again (second order).
+
+Activations: None, "relu", "gelu" (tanh approximation, ``jax.nn.gelu``'s default), "gelu_tanh",
+"gelu_erf" (exact), "silu". Gated: "silu" (SwiGLU), "gelu", "gelu_tanh", "gelu_erf" (GeGLU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import dispatch
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
+
+from jax_tma import _ext, epilogues_sharding
+from jax_tma.gemm import _dram_bytes_per_s, _l2_bytes, _num_sms
+from jax_tma.gemm import dot_general as _dot_general
+from jax_tma.gemm_config import KERNEL_INPUT_DTYPES, GemmConfig, estimate_seconds
+
+KERNEL_TARGET = "jax_tma_dense_sm90"
+# Fusion kinds and activations of csrc/epilogue/fusion.h.
+FORWARD, GRADIENT, GATED = "forward", "gradient", "gated"
+_KIND = {FORWARD: 1, GRADIENT: 2, GATED: 3}
+ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 2, "gelu_erf": 3, "silu": 4}
+GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "gelu_erf")
+# (block_m, block_n, stages, cluster_m) of JAX_TMA_SM90_DENSE_TILES; the forward gelu with erf
+# is compiled on JAX_TMA_SM90_DENSE_NARROW_TILES only (csrc/kernels/sm90_dense.h).
+_DENSE_TILES = ((128, 256, 3, 2), (128, 256, 3, 1), (128, 128, 6, 1), (64, 128, 8, 1))
+_NARROW_TILES = ((128, 128, 6, 1), (64, 128, 8, 1))
+DENSE_CONFIGS: tuple[GemmConfig, ...] = tuple(GemmConfig(*t) for t in _DENSE_TILES)
+_STRIDE = 8  # k and n multiples of 8: 16-byte rows
+
+
+def _canonical(activation, allowed, what: str) -> str | None:
+    if activation not in allowed:
+        raise ValueError(f"jax_tma.{what}: activation must be one of "
+                         f"{sorted(map(str, allowed))}, got {activation!r}")
+    return "gelu_tanh" if activation == "gelu" else activation
+
+
+def activate(name: str | None, z):
+    """The activation in fp32 jnp (the XLA path, and the reference of the kernel's)."""
+    if name is None:
+        return z
+    if name == "relu":
+        return jnp.maximum(z, 0)
+    if name == "gelu_tanh":
+        return jax.nn.gelu(z, approximate=True)
+    if name == "gelu_erf":
+        return jax.nn.gelu(z, approximate=False)
+    if name == "silu":
+        return jax.nn.silu(z)
+    raise ValueError(name)
+
+
+def activation_grad(name: str | None, z):
+    """d act / dz at z, elementwise in jnp (differentiable again: second-order gradients)."""
+    if name is None:
+        return jnp.ones_like(z)
+    flat = z.reshape(-1)
+    return jax.vmap(jax.grad(lambda v: activate(name, v)))(flat).reshape(z.shape)
+
+
+def _activation_second(name: str, z):
+    flat = z.reshape(-1)
+    return jax.vmap(jax.grad(jax.grad(lambda v: activate(name, v))))(flat).reshape(z.shape)
+
+
+def _configs_for(kind: str, activation: str | None) -> tuple[GemmConfig, ...]:
+    narrow_only = kind == FORWARD and activation == "gelu_erf"
+    return tuple(c for c in DENSE_CONFIGS if not narrow_only or c.tile in _NARROW_TILES)
+
+
+def default_config(kind: str, activation, m: int, n: int, k: int,
+                   num_sms: int | None = None) -> GemmConfig:
+    """The compiled fused tile with the least estimated time (the dense GEMM's cost model,
+    gemm_config.estimate_seconds; a gated product is 2n accumulator columns wide)."""
+    num_sms = _num_sms() if num_sms is None else num_sms
+    acc_n = 2 * n if kind == GATED else n
+    best, best_key = None, None
+    for cfg in _configs_for(kind, activation):
+        for stream_k in (False, True) if cfg.takes_stream_k else (False,):
+            if stream_k and m < cfg.block_m:
+                continue
+            c = dataclasses.replace(cfg, stream_k=stream_k)
+            seconds = estimate_seconds(c, m, acc_n, k, num_sms, dram_bytes_per_s=_dram_bytes_per_s(),
+                                       l2_bytes=_l2_bytes())
+            key = (round(seconds, 9), -c.stages, -c.cluster_m, int(stream_k))
+            if best_key is None or key < best_key:
+                best, best_key = c, key
+    return best
+
+
+def _check_config(config: GemmConfig, kind: str, activation) -> None:
+    if not isinstance(config, GemmConfig):
+        raise TypeError(f"jax_tma.dense: config must be a GemmConfig or None, got {config!r}")
+    tiles = {c.tile for c in _configs_for(kind, activation)}
+    if config.tile not in tiles or config.split_k != 1:
+        choices = "; ".join(c.describe() for c in _configs_for(kind, activation))
+        raise ValueError(f"jax_tma.dense: GemmConfig({config.describe()}) is not compiled for the "
+                         f"{kind} fusion with activation {activation!r}; choose one of: {choices}")
+
+
+# --------------------------------------------------------------------------------------
+# The primitive: a = [M, K]; b = [K, N] (or [N, K] with b_k_major: the gradient reads w as
+# stored); then b2 (gated), bias (fp32 [N]) and aux ([M, N]) where present. Results: out
+# [M, N], and with save_pre the pre-activation(s): [M, N], gated [2, M, N].
+
+dense_p = Primitive("jax_tma_dense")
+dense_p.multiple_results = True
+
+
+def _shapes(a, b, *, kind, b_k_major, save_pre):
+    m, _ = a.shape
+    n = b.shape[0] if b_k_major else b.shape[1]
+    out = (m, n)
+    if not save_pre:
+        return out, None
+    return out, ((2, m, n) if kind == GATED else (m, n))
+
+
+def _abstract_eval(a, b, *rest, kind, activation, has_bias, has_aux, save_pre, b_k_major,
+                   out_dtype, config, local):
+    del rest, activation, has_bias, has_aux, config, local
+    out, pre = _shapes(a, b, kind=kind, b_k_major=b_k_major, save_pre=save_pre)
+    results = [jax.core.ShapedArray(out, out_dtype)]
+    if pre is not None:
+        results.append(jax.core.ShapedArray(pre, out_dtype))
+    return results
+
+
+def _split_rest(rest, kind, has_bias, has_aux):
+    rest = list(rest)
+    b2 = rest.pop(0) if kind == GATED else None
+    bias = rest.pop(0) if has_bias else None
+    aux = rest.pop(0) if has_aux else None
+    return b2, bias, aux
+
+
+def _reference(a, b, *rest, kind, activation, has_bias, has_aux, save_pre, b_k_major, out_dtype,
+               config, local):
+    """What the kernel computes, in XLA: fp32 accumulation and epilogue, one rounding."""
+    del config, local
+    b2, bias, aux = _split_rest(rest, kind, has_bias, has_aux)
+    dims = (((1,), (1,)), ((), ())) if b_k_major else (((1,), (0,)), ((), ()))
+    acc = lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+    pre = []
+    if kind == FORWARD:
+        if bias is not None:
+            acc = acc + bias.astype(jnp.float32)
+        pre = [acc]
+        out = activate(activation, acc)
+        if aux is not None:
+            out = out + aux.astype(jnp.float32)
+    elif kind == GRADIENT:
+        out = acc * activation_grad(activation, aux.astype(jnp.float32))
+    else:
+        up = lax.dot_general(a, b2, dims, preferred_element_type=jnp.float32)
+        pre = [jnp.stack([acc, up])]
+        out = activate(activation, acc) * up
+    results = [out.astype(out_dtype)]
+    if save_pre:
+        results.append(pre[0].astype(out_dtype))
+    return results
+
+
+@functools.cache
+def _jitted_bind(**params):
+    return jax.jit(functools.partial(dense_p.bind, **params))
+
+
+def _impl(*args, **params):
+    return _jitted_bind(**params)(*args)
+
+
+def kernel_applies(a, b, rest, *, kind, activation, has_bias, has_aux, b_k_major,
+                   out_dtype) -> bool:
+    """Whether the fused kernel computes this call: operands of one 16-bit type (the output
+    too), fp32 bias, k and n multiples of 8, sizes in the kernel's range, a compiled fusion."""
+    b2, bias, aux = _split_rest(rest, kind, has_bias, has_aux)
+    dtype = jnp.dtype(a.dtype)
+    same = [x for x in (b, b2, aux) if x is not None]
+    if (dtype not in KERNEL_INPUT_DTYPES or jnp.dtype(out_dtype) != dtype
+            or any(jnp.dtype(x.dtype) != dtype for x in same)
+            or (bias is not None and jnp.dtype(bias.dtype) != jnp.float32)):
+        return False
+    m, k = a.shape
+    n = b.shape[0] if b_k_major else b.shape[1]
+    if min(m, n, k) < 1 or k % _STRIDE or n % _STRIDE or max(m, 2 * n, k) >= 2**30:
+        return False
+    return (kind != FORWARD or activation in ACTIVATIONS) and bool(_configs_for(kind, activation))
+
+
+def _kernel_call(a, b, *rest, kind, activation, has_bias, has_aux, save_pre, b_k_major,
+                 out_dtype, config, poison=False):
+    b2, bias, aux = _split_rest(rest, kind, has_bias, has_aux)
+    m, k = a.shape
+    n = b.shape[0] if b_k_major else b.shape[1]
+    cfg = config if config is not None else default_config(kind, activation, m, n, k)
+    dtype = jnp.dtype(out_dtype)
+    placeholder = jnp.zeros((1,), dtype)
+    out_shape, pre_shape = _shapes(a, b, kind=kind, b_k_major=b_k_major, save_pre=save_pre)
+    workspace = cfg.stream_k_workspace_bytes(_num_sms())
+    out_types = (jax.ShapeDtypeStruct(out_shape, dtype),
+                 jax.ShapeDtypeStruct(pre_shape or (1,), dtype),
+                 jax.ShapeDtypeStruct((max(workspace, 1),), jnp.uint8))
+    i64 = np.int64
+    attrs = dict(kind=i64(_KIND[kind]), activation=i64(ACTIVATIONS[activation]),
+                 has_bias=i64(has_bias), has_aux=i64(has_aux), store_pre=i64(save_pre),
+                 b_k_major=i64(b_k_major), block_m=i64(cfg.block_m), block_n=i64(cfg.block_n),
+                 stages=i64(cfg.stages), cluster_m=i64(cfg.cluster_m),
+                 stream_k=i64(cfg.stream_k), m=i64(m), n=i64(n), k=i64(k))
+    operands = (a, b, b2 if b2 is not None else placeholder,
+                bias if bias is not None else jnp.zeros((1,), jnp.float32),
+                aux if aux is not None else placeholder)
+    if poison:
+        out, pre, _ = jax.ffi.ffi_call(KERNEL_TARGET + "_into", out_types,
+                                       input_output_aliases={5: 0})(
+            *operands, jnp.full(out_shape, jnp.nan, dtype), **attrs)
+    else:
+        out, pre, _ = jax.ffi.ffi_call(KERNEL_TARGET, out_types)(*operands, **attrs)
+    return [out, pre] if save_pre else [out]
+
+
+def _local_lowering(ctx, *args, platform: str, **params):
+    applies = platform == "cuda" and _ext.cuda_lowering_blocker() is None and kernel_applies(
+        ctx.avals_in[0], ctx.avals_in[1], ctx.avals_in[2:], kind=params["kind"],
+        activation=params["activation"], has_bias=params["has_bias"],
+        has_aux=params["has_aux"], b_k_major=params["b_k_major"],
+        out_dtype=params["out_dtype"])
+    if applies:
+        fn = functools.partial(_kernel_call, **{k: v for k, v in params.items() if k != "local"})
+    else:
+        fn = functools.partial(_reference, **params)
+    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+
+
+def _lowering(ctx, *args, platform: str, **params):
+    if params["local"]:
+        return _local_lowering(ctx, *args, platform=platform, **params)
+    partitioned = functools.partial(epilogues_sharding.partitioned_dense, local_op=_bind_local,
+                                    reference=_reference, params=params)
+    return mlir.lower_fun(partitioned, multiple_results=True)(ctx, *args)
+
+
+def _bind_local(*args, **params):
+    return dense_p.bind(*args, **{**params, "local": True})
+
+
+def _batch_rule(args, dims, **params):
+    """vmap: the mapped axes of a (and aux) fold into M when the weights are shared; mapped
+    weights or biases run the reference (a batched XLA product and epilogue)."""
+    a, b, *rest = args
+    b2, bias, aux = _split_rest(rest, params["kind"], params["has_bias"], params["has_aux"])
+    weights_mapped = any(d is not None for d in dims[1:2]) or (
+        params["kind"] == GATED and dims[2] is not None) or (
+        bias is not None and dims[2 + (params["kind"] == GATED)] is not None)
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    if weights_mapped:
+        moved = [jnp.moveaxis(x, d, 0) if d is not None else
+                 jnp.broadcast_to(x, (size, *x.shape)) for x, d in zip(args, dims)]
+        outs = jax.vmap(functools.partial(_reference, **params))(*moved)
+        return outs, [0] * len(outs)
+    a = jnp.moveaxis(a, dims[0], 0) if dims[0] is not None else jnp.broadcast_to(
+        a, (size, *a.shape))
+    m = a.shape[1]
+    flat = [a.reshape(size * m, -1), b, *rest]
+    if aux is not None:
+        i = len(flat) - 1
+        aux_dim = dims[len(args) - 1]
+        aux = jnp.moveaxis(aux, aux_dim, 0) if aux_dim is not None else jnp.broadcast_to(
+            aux, (size, *aux.shape))
+        flat[i] = aux.reshape(size * m, -1)
+    outs = dense_p.bind(*flat, **params)
+    result, result_dims = [outs[0].reshape(size, m, -1)], [0]
+    if params["save_pre"]:
+        if params["kind"] == GATED:  # [2, size * m, n]: the batch is dim 1
+            result.append(outs[1].reshape(2, size, m, -1))
+            result_dims.append(1)
+        else:
+            result.append(outs[1].reshape(size, m, -1))
+            result_dims.append(0)
+    return result, result_dims
+
+
+def _jvp(primals, tangents, **params):
+    """The primitive's JVP through the XLA reference (second-order gradients of the public ops
+    differentiate the saved pre-activation; first-order ones never reach this rule)."""
+    tangents = [jnp.zeros_like(p) if type(t) is ad.Zero else t for p, t in zip(primals, tangents)]
+    ref = functools.partial(_reference, **params)
+    outs = dense_p.bind(*primals, **params)
+    _, tangent_outs = jax.jvp(ref, tuple(primals), tuple(tangents))
+    return outs, tangent_outs
+
+
+dense_p.def_impl(_impl)
+ad.primitive_jvps[dense_p] = _jvp
+dispatch.prim_requires_devices_during_lowering.add(dense_p)
+dense_p.def_abstract_eval(_abstract_eval)
+batching.primitive_batchers[dense_p] = _batch_rule
+mlir.register_lowering(dense_p, functools.partial(_lowering, platform="default"))
+mlir.register_lowering(dense_p, functools.partial(_lowering, platform="cuda"),
+                       platform="cuda")
+
+
+def _bind(a, b, *rest, kind, activation=None, has_bias=False, has_aux=False, save_pre=False,
+          b_k_major=False, out_dtype, config=None):
+    return dense_p.bind(a, b, *rest, kind=kind, activation=activation, has_bias=bool(has_bias),
+                        has_aux=bool(has_aux), save_pre=bool(save_pre),
+                        b_k_major=bool(b_k_major), out_dtype=jnp.dtype(out_dtype),
+                        config=config, local=False)
+
+
+# --------------------------------------------------------------------------------------
+# Public ops and their gradients.
+
+_MATMUL = (((1,), (0,)), ((), ()))
+
+
+def _as_2d(x):
+    return x.reshape(-1, x.shape[-1]), x.shape[:-1]
+
+
+def _is_zero(t) -> bool:
+    return isinstance(t, jax.custom_derivatives.SymbolicZero)
+
+
+def _add(a, b):
+    return b if a is None else a + b
+
+
+def _linear_terms(x, w, dx, dw, dims=_MATMUL):
+    """dx @ w + x @ dw (the tangent of the product) as fp32, None when both are zero. The
+    products keep the operands' type, so their transposes (the backward pass) are kernels too:
+    the cotangent reaches them rounded to that type, as the pre-activation's does in the
+    unfused expression."""
+    t = None
+    if not _is_zero(dx):
+        t = _add(t, _dot_general(dx, w, dims).astype(jnp.float32))
+    if not _is_zero(dw):
+        t = _add(t, _dot_general(x, dw, dims).astype(jnp.float32))
+    return t
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4, 5, 6, 7))
+def _dense(x, w, bias, residual, has_bias, has_residual, activation, config):
+    out, = _bind(x, w, *([bias] if has_bias else []), *([residual] if has_residual else []),
+                 kind=FORWARD, activation=activation, has_bias=has_bias, has_aux=has_residual,
+                 out_dtype=x.dtype, config=config)
+    return out
+
+
+def _dense_jvp(has_bias, has_residual, activation, config, primals, tangents):
+    x, w, bias, residual = primals
+    dx, dw, db, dr = tangents
+    save = activation is not None
+    outs = _bind(x, w, *([bias] if has_bias else []), *([residual] if has_residual else []),
+                 kind=FORWARD, activation=activation, has_bias=has_bias, has_aux=has_residual,
+                 save_pre=save, out_dtype=x.dtype, config=config)
+    y = outs[0]
+    t = _linear_terms(x, w, dx, dw)
+    if has_bias and not _is_zero(db):
+        t = _add(t, jnp.broadcast_to(db.astype(jnp.float32), y.shape))
+    if t is not None and save:  # the pre-activation from the same kernel
+        t = t * activation_grad(activation, outs[1].astype(jnp.float32))
+    if has_residual and not _is_zero(dr):
+        t = _add(t, dr.astype(jnp.float32))
+    return y, (jnp.zeros_like(y) if t is None else t.astype(y.dtype))
+
+
+_dense.defjvp(_dense_jvp, symbolic_zeros=True)
+
+
+def _prepare(name: str, x, weights: dict, extras: dict, activation):
+    """Checks shapes and dtypes like the unfused expression; returns the common dtype."""
+    x = jnp.asarray(x)
+    for key, w in weights.items():
+        if jnp.ndim(w) != 2 or jnp.shape(w)[0] != x.shape[-1]:
+            raise ValueError(f"jax_tma.{name}: {key} must be [K, N] with K = x.shape[-1] = "
+                             f"{x.shape[-1]}, got shape {jnp.shape(w)}")
+    dtype = jnp.result_type(x, *weights.values(), *(v for v in extras.values() if v is not None))
+    return dtype
+
+
+def dense(x: Any, w: Any, bias: Any = None, activation: str | None = None,
+          residual: Any = None, *, config: GemmConfig | None = None) -> jax.Array:
+    """``act(x @ w + bias) + residual`` with the bias, activation and residual in the epilogue.
+
+    Args:
+      x: [..., K]. w: [K, N]. bias: [N] (any float type; added in fp32) or None.
+      activation: None, "relu", "gelu" (tanh approximation), "gelu_tanh", "gelu_erf", "silu".
+      residual: [..., N] like the result, or None.
+      config: a ``GemmConfig`` among ``DENSE_CONFIGS`` for the forward product.
+
+    Returns:
+      [..., N] in the promoted type of x, w, bias and residual. bf16/fp16 run the fused kernel
+      (fp32 epilogue, one rounding at the store); other types compute the same in XLA.
+    """
+    activation = _canonical(activation, ACTIVATIONS, "dense")
+    dtype = _prepare("dense", x, {"w": w}, {"bias": bias, "residual": residual}, activation)
+    x, w = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
+    n = w.shape[1]
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.shape != (n,):
+            raise ValueError(f"jax_tma.dense: bias must be [N] = [{n}], got {bias.shape}")
+        bias = bias.astype(jnp.float32)
+    x2, lead = _as_2d(x)
+    if residual is not None:
+        residual = jnp.asarray(residual, dtype)
+        if residual.shape != (*lead, n):
+            raise ValueError(f"jax_tma.dense: residual must have the result's shape "
+                             f"{(*lead, n)}, got {residual.shape}")
+        residual = residual.reshape(-1, n)
+    if config is not None:
+        _check_config(config, FORWARD, activation)
+    _ext.warn_if_unavailable()
+    placeholder = jnp.zeros((), dtype)
+    out = _dense(x2, w, placeholder if bias is None else bias,
+                 placeholder if residual is None else residual, bias is not None,
+                 residual is not None, activation, config)
+    return out.reshape(*lead, n)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _gated(x, wg, wu, activation, config):
+    out, = _bind(x, wg, wu, kind=GATED, activation=activation, out_dtype=x.dtype,
+                 config=config)
+    return out
+
+
+def _gated_jvp(activation, config, primals, tangents):
+    x, wg, wu = primals
+    dx, dwg, dwu = tangents
+    out, pre = _bind(x, wg, wu, kind=GATED, activation=activation, save_pre=True,
+                     out_dtype=x.dtype, config=config)
+    g, u = pre[0].astype(jnp.float32), pre[1].astype(jnp.float32)
+    dg, du = _linear_terms(x, wg, dx, dwg), _linear_terms(x, wu, dx, dwu)
+    t = None
+    if dg is not None:
+        t = _add(t, dg * activation_grad(activation, g) * u)
+    if du is not None:
+        t = _add(t, du * activate(activation, g))
+    return out, (jnp.zeros_like(out) if t is None else t.astype(out.dtype))
+
+
+_gated.defjvp(_gated_jvp, symbolic_zeros=True)
+
+
+def gated_dense(x: Any, w_gate: Any, w_up: Any, activation: str = "silu", *,
+                config: GemmConfig | None = None) -> jax.Array:
+    """``act(x @ w_gate) * (x @ w_up)`` (SwiGLU with "silu", GeGLU with "gelu") in one kernel:
+    the gate and up columns of the same outputs are computed by one CTA and combined in its
+    epilogue, so neither product is written to memory.
+
+    Args:
+      x: [..., K]. w_gate, w_up: [K, N]. activation: "silu", "gelu", "gelu_tanh", "gelu_erf".
+      config: a ``GemmConfig`` among ``DENSE_CONFIGS`` (its block_n counts gate and up columns).
+
+    Returns:
+      [..., N] in the promoted type; bf16/fp16 run the kernel (fp32 epilogue, one rounding).
+    """
+    activation = _canonical(activation, GATED_ACTIVATIONS, "gated_dense")
+    dtype = _prepare("gated_dense", x, {"w_gate": w_gate, "w_up": w_up}, {}, activation)
+    if jnp.shape(w_gate) != jnp.shape(w_up):
+        raise ValueError(f"jax_tma.gated_dense: w_gate and w_up must have one shape, got "
+                         f"{jnp.shape(w_gate)} and {jnp.shape(w_up)}")
+    x, wg, wu = (jnp.asarray(v, dtype) for v in (x, w_gate, w_up))
+    if config is not None:
+        _check_config(config, GATED, activation)
+    _ext.warn_if_unavailable()
+    x2, lead = _as_2d(x)
+    return _gated(x2, wg, wu, activation, config).reshape(*lead, wg.shape[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _act_grad_product(g, w, z, activation):
+    """(g @ w^T) * act'(z), act' applied in the product's epilogue (w [K, N], g [M, N], z
+    [M, K]: the cotangent of a layer's input pre-activation z)."""
+    out, = _bind(g, w, z, kind=GRADIENT, activation=activation, has_aux=True, b_k_major=True,
+                 out_dtype=g.dtype)
+    return out
+
+
+def _agp_fwd(g, w, z, activation):
+    return _act_grad_product(g, w, z, activation), (g, w, z)
+
+
+def _agp_bwd(activation, saved, ct):
+    g, w, z = saved
+    z32 = z.astype(jnp.float32)
+    t = (ct.astype(jnp.float32) * activation_grad(activation, z32)).astype(ct.dtype)
+    dg = _dot_general(t, w, _MATMUL)
+    dw = _dot_general(t, g, (((0,), (0,)), ((), ())))
+    gw = _dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dz = (ct.astype(jnp.float32) * gw * _activation_second(activation, z32)).astype(z.dtype)
+    return dg, dw, dz
+
+
+_act_grad_product.defvjp(_agp_fwd, _agp_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
+def _mlp(x, w1, b1, w2, b2, residual, activation, config):
+    return _mlp_fwd(x, w1, b1, w2, b2, residual, activation, config)[0]
+
+
+def _mlp_fwd(x, w1, b1, w2, b2, residual, activation, config):
+    del config
+    save = activation is not None
+    first = _bind(x, w1, *([b1] if b1 is not None else []), kind=FORWARD, activation=activation,
+                  has_bias=b1 is not None, save_pre=save, out_dtype=x.dtype)
+    h, z = (first[0], first[1]) if save else (first[0], None)
+    y, = _bind(h, w2, *([b2] if b2 is not None else []),
+               *([residual] if residual is not None else []), kind=FORWARD,
+               has_bias=b2 is not None, has_aux=residual is not None, out_dtype=x.dtype)
+    return y, (x, w1, w2, h, z, b1 is not None, b2 is not None, residual is not None)
+
+
+def _mlp_bwd(activation, config, saved, dy):
+    del config
+    x, w1, w2, h, z, has_b1, has_b2, has_residual = saved
+    tn = (((0,), (0,)), ((), ()))
+    # The hidden pre-activation's cotangent straight from the product's epilogue.
+    dz = (_act_grad_product(dy, w2, z, activation) if activation is not None
+          else _dot_general(dy, w2, (((1,), (1,)), ((), ()))))
+    dw2 = _dot_general(h, dy, tn)
+    dx = _dot_general(dz, w1, (((1,), (1,)), ((), ())))
+    dw1 = _dot_general(x, dz, tn)
+    db1 = jnp.sum(dz, axis=0, dtype=jnp.float32) if has_b1 else None
+    db2 = jnp.sum(dy, axis=0, dtype=jnp.float32) if has_b2 else None
+    return dx, dw1, db1, dw2, db2, dy if has_residual else None
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def mlp(x: Any, w1: Any, b1: Any, w2: Any, b2: Any, activation: str | None = "gelu",
+        residual: Any = None) -> jax.Array:
+    """``act(x @ w1 + b1) @ w2 + b2 + residual``: a transformer MLP block's two layers.
+
+    Two fused kernels forward (bias and activation in the first's epilogue, which also saves
+    the pre-activation when differentiated; bias and residual in the second's); backward, the
+    product dy @ w2^T multiplies by act'(pre-activation) in its epilogue, then three more
+    products and two bias reductions.
+
+    Args:
+      x: [..., D]. w1: [D, F]. b1: [F] or None. w2: [F, D']. b2: [D'] or None.
+      activation: as for ``dense``. residual: [..., D'] or None.
+    """
+    activation = _canonical(activation, ACTIVATIONS, "mlp")
+    dtype = _prepare("mlp", x, {"w1": w1}, {"b1": b1, "residual": residual}, activation)
+    x, w1, w2 = (jnp.asarray(v, dtype) for v in (x, w1, w2))
+    if jnp.ndim(w2) != 2 or w2.shape[0] != w1.shape[1]:
+        raise ValueError(f"jax_tma.mlp: w2 must be [F, D'] with F = w1.shape[1] = {w1.shape[1]}, "
+                         f"got shape {w2.shape}")
+    b1 = None if b1 is None else jnp.asarray(b1).astype(jnp.float32)
+    b2 = None if b2 is None else jnp.asarray(b2).astype(jnp.float32)
+    x2, lead = _as_2d(x)
+    if residual is not None:
+        residual = jnp.asarray(residual, dtype).reshape(-1, w2.shape[1])
+    _ext.warn_if_unavailable()
+    return _mlp(x2, w1, b1, w2, b2, residual, activation, None).reshape(*lead, w2.shape[1])

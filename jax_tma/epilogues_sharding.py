@@ -1,0 +1,123 @@
+"""Sharding of the fused dense primitive (jax_tma/epilogues.py): ``custom_partitioning`` with a
+Shardy rule.
+
+Operands a [M, K], b [K, N] (or [N, K]), then b2 [K, N] (gated), bias [N], aux [M, N] where
+present; results out [M, N] and pre [M, N] (gated: [2, M, N]). M and N keep the operands'
+sharding (rows of a and aux, columns of b, b2, bias and aux) and every device runs the fused
+kernel on its block, with no communication. K is never split: the activation of a partial sum
+is not the partial sum of the activation, so a sharded K is gathered (a Shardy "need
+replication" factor) before the kernel runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Callable
+
+import jax
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jax_tma.gemm_sharding import _spec_of
+
+
+def _one(axes: tuple[str, ...]):
+    return None if not axes else (axes[0] if len(axes) == 1 else axes)
+
+
+def _layout(params):
+    """(b's N dim, names of the operands present in order)."""
+    n_dim = 0 if params["b_k_major"] else 1
+    names = ["a", "b"]
+    if params["kind"] == "gated":
+        names.append("b2")
+    if params["has_bias"]:
+        names.append("bias")
+    if params["has_aux"]:
+        names.append("aux")
+    return n_dim, names
+
+
+def _choose(mesh, params, arg_shapes):
+    n_dim, names = _layout(params)
+    specs = [_spec_of(a.sharding, len(a.shape)) for a in arg_shapes]
+    a_shape, b_shape = arg_shapes[0].shape, arg_shapes[1].shape
+
+    def fits(axes, size):
+        return bool(axes) and size % math.prod(mesh.shape[x] for x in axes) == 0
+
+    m = specs[0][0] if fits(specs[0][0], a_shape[0]) else ()
+    n = tuple(x for x in specs[1][n_dim] if x not in m)
+    n = n if fits(n, b_shape[n_dim]) else ()
+    shardings = []
+    for name in names:
+        if name == "a":
+            spec = (m, ())
+        elif name in ("b", "b2"):
+            spec = [(), ()]
+            spec[n_dim if name == "b" else 1] = n
+        elif name == "bias":
+            spec = (n,)
+        else:  # aux
+            spec = (m, n)
+        shardings.append(NamedSharding(mesh, PartitionSpec(*map(_one, spec))))
+    out = NamedSharding(mesh, PartitionSpec(_one(m), _one(n)))
+    pre = NamedSharding(mesh, PartitionSpec(None, _one(m), _one(n)) if params["kind"] == "gated"
+                        else PartitionSpec(_one(m), _one(n)))
+    return shardings, out, pre
+
+
+def _infer(local_op, reference, params, mesh, arg_shapes, result_shape):
+    del local_op, reference, result_shape
+    _, out, pre = _choose(mesh, params, arg_shapes)
+    return [out, pre] if params["save_pre"] else [out]
+
+
+def _partition(local_op, reference, params, mesh, arg_shapes, result_shape):
+    del reference, result_shape
+    args, out, pre = _choose(mesh, params, arg_shapes)
+    sharded = any(s.spec != PartitionSpec(*([None] * len(s.spec))) for s in args)
+    local_params = dict(params, config=None) if sharded else params
+
+    def per_device(*operands):
+        return local_op(*operands, **local_params)
+
+    results = [out, pre] if params["save_pre"] else [out]
+    return mesh, per_device, results, tuple(args)
+
+
+def _sharding_rule(local_op, reference, params, mesh, operand_types, result_types):
+    del local_op, reference, mesh, result_types
+    n_dim, names = _layout(params)
+    b = "n k" if n_dim == 0 else "k n"
+    parts = {"a": "m k", "b": b, "b2": "k n", "bias": "n", "aux": "m n"}
+    rule = ", ".join(parts[name] for name in names[: len(operand_types)])
+    outs = ["m n"] + (["p m n" if params["kind"] == "gated" else "m n"]
+                      if params["save_pre"] else [])
+    return f"{rule} -> {', '.join(outs)}", dict(need_replication_factors=("k",))
+
+
+class _Params(dict):
+    """The primitive's parameters as one hashable static argument."""
+
+    def __hash__(self):
+        return hash(tuple(sorted((k, repr(v)) for k, v in self.items())))
+
+
+@functools.partial(custom_partitioning, static_argnums=(0, 1, 2))
+def _partitioned(local_op, reference, params, *operands):
+    return local_op(*operands, **params)
+
+
+_partitioned.def_partition(
+    partition=_partition,
+    infer_sharding_from_operands=_infer,
+    sharding_rule=_sharding_rule,
+)
+
+
+def partitioned_dense(*operands, local_op: Callable, reference: Callable, params: dict):
+    """``local_op(*operands, **params)`` under the partitioning rules above."""
+    params = _Params({k: v for k, v in params.items() if k != "local"})
+    return _partitioned(local_op, reference, params, *operands)

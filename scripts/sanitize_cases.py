@@ -1,0 +1,176 @@
+"""Every compiled jax_tma kernel configuration once, on small products with ragged edges, for
+scripts/sanitize.sh (compute-sanitizer runs this process).
+
+Dense GEMM: every tile of jax_tma.COMPILED_CONFIGS in the four operand layouts (NN, NT, TN,
+TT), split-K and stream-K, and the direct-store epilogue (output rows that are not 16-byte
+multiples). Fused epilogues: every compiled (tile, fusion) of jax_tma.DENSE_CONFIGS (bias,
+activation, residual and pre-activation output; activation gradients; gated pairs). Ragged: every tile of jax_tma.RAGGED_CONFIGS in the rows mode (weights N- and
+K-major) and the contraction mode, with an empty group and rows past the last group. All cases
+run in one jitted function (one XLA compile), on operands made by numpy and copied to the device
+(no jax.random kernels: initcheck reports uninitialised reads there that are not jax_tma's), over
+NaN-poisoned outputs, and each result is checked against a float64 reference. Prints one line
+per case and a summary; exit status 1 when any case is wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+import jax_tma
+from jax_tma import _testing, gemm
+from jax_tma import epilogues as ep
+from jax_tma import ragged as rd
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+LAYOUTS = {  # lhs shape, rhs shape, dimension numbers of A @ B for M, N, K
+    "NN": (lambda m, k: (m, k), lambda k, n: (k, n), (((1,), (0,)), ((), ()))),
+    "NT": (lambda m, k: (m, k), lambda k, n: (n, k), (((1,), (1,)), ((), ()))),
+    "TN": (lambda m, k: (k, m), lambda k, n: (k, n), (((0,), (0,)), ((), ()))),
+    "TT": (lambda m, k: (k, m), lambda k, n: (n, k), (((0,), (1,)), ((), ()))),
+}
+
+
+@dataclasses.dataclass
+class Case:
+    name: str
+    run: object  # () -> jax.Array (traced inside the one jit)
+    reference: np.ndarray
+    tolerance: float
+
+
+def _f64(x):
+    return np.asarray(x, np.float64)
+
+
+def _dense_cases(rng, m, n, k) -> list[Case]:
+    cases = []
+    configs = list(gemm.COMPILED_CONFIGS)
+    configs += [jax_tma.GemmConfig(128, 128, 6, 1, split_k=3),
+                *(dataclasses.replace(c, stream_k=True) for c in gemm.COMPILED_CONFIGS
+                  if c.takes_stream_k)]
+    for layout, (lhs_of, rhs_of, dims) in LAYOUTS.items():
+        lhs = rng.standard_normal(lhs_of(m, k)).astype(BF16)
+        rhs = rng.standard_normal(rhs_of(k, n)).astype(BF16)
+        ref = np.asarray(jax.lax.dot_general(_f64(lhs), _f64(rhs), dims))
+        for cfg in configs:
+            out_dtype = jnp.float32 if cfg.split_k > 1 else BF16
+            run = (lambda lhs=lhs, rhs=rhs, cfg=cfg, dims=dims, out_dtype=out_dtype:
+                   _testing.gemm_poisoned(lhs, rhs, out_dtype, config=cfg,
+                                          dimension_numbers=dims))
+            cases.append(Case(f"gemm {layout} {cfg.describe()}", run, ref, 1e-2))
+    # Direct-store epilogue: 100 bf16 columns are 200-byte rows.
+    lhs = rng.standard_normal((m, k)).astype(BF16)
+    rhs = rng.standard_normal((k, 100)).astype(BF16)
+    for cfg in gemm.COMPILED_CONFIGS:
+        if cfg.has_direct_store:
+            run = (lambda cfg=cfg, lhs=lhs, rhs=rhs:
+                   _testing.gemm_poisoned(lhs, rhs, BF16, config=cfg))
+            cases.append(Case(f"gemm direct-store {cfg.describe()}", run,
+                              _f64(lhs) @ _f64(rhs), 1e-2))
+    return cases
+
+
+def _fused_cases(rng, m, n, k) -> list[Case]:
+    x = rng.standard_normal((m, k)).astype(BF16)
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(BF16)
+    w2 = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(BF16)
+    bias = rng.standard_normal(n).astype(np.float32)
+    aux = rng.standard_normal((m, n)).astype(BF16)
+    wt = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(BF16)  # gradient: [n, k] read K-major
+    z = rng.standard_normal((m, n)).astype(BF16)
+    x64 = _f64(x)
+    cases = []
+    for cfg in ep.DENSE_CONFIGS:
+        for act in ("none", "relu", "gelu_tanh", "gelu_erf", "silu"):
+            activation = None if act == "none" else act
+            if act == "gelu_erf" and cfg.tile not in ep._NARROW_TILES:
+                continue
+            ref = _f64(ep.activate(activation, jnp.asarray(x64 @ _f64(w) + bias, jnp.float32)))
+            ref = ref + _f64(aux)
+            run = (lambda cfg=cfg, activation=activation: ep._kernel_call(
+                jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), jnp.asarray(aux),
+                kind=ep.FORWARD, activation=activation, has_bias=True, has_aux=True,
+                save_pre=True, b_k_major=False, out_dtype=BF16, config=cfg, poison=True)[0])
+            cases.append(Case(f"dense forward {act} {cfg.describe()}", run, ref, 1e-2))
+        for act in ("relu", "gelu_tanh", "gelu_erf", "silu"):
+            slope = _f64(ep.activation_grad(act, jnp.asarray(z, jnp.float32)))
+            ref = (x64 @ _f64(wt).T) * slope
+            run = (lambda cfg=cfg, act=act: ep._kernel_call(
+                jnp.asarray(x), jnp.asarray(wt), jnp.asarray(z), kind=ep.GRADIENT,
+                activation=act, has_bias=False, has_aux=True, save_pre=False, b_k_major=True,
+                out_dtype=BF16, config=cfg, poison=True)[0])
+            cases.append(Case(f"dense gradient {act} {cfg.describe()}", run, ref, 1e-2))
+        for act in ("silu", "gelu_tanh", "gelu_erf"):
+            g = jnp.asarray(x64 @ _f64(w), jnp.float32)
+            ref = _f64(ep.activate(act, g)) * (x64 @ _f64(w2))
+            run = (lambda cfg=cfg, act=act: ep._kernel_call(
+                jnp.asarray(x), jnp.asarray(w), jnp.asarray(w2), kind=ep.GATED, activation=act,
+                has_bias=False, has_aux=False, save_pre=True, b_k_major=False, out_dtype=BF16,
+                config=cfg, poison=True)[0])
+            cases.append(Case(f"dense gated {act} {cfg.describe()}", run, ref, 1e-2))
+    return cases
+
+
+def _ragged_cases(rng, m, n, k, g) -> list[Case]:
+    sizes = rng.multinomial(m - m // 5, np.ones(g) / g).astype(np.int32)
+    sizes[1] = 0  # an empty group; rows past the last group stay zero
+    x = rng.standard_normal((m, k)).astype(BF16)
+    w = rng.standard_normal((g, k, n)).astype(BF16)
+    dy = rng.standard_normal((m, n)).astype(BF16)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    rows_ref = np.zeros((m, n))
+    grad_ref = np.zeros((g, k, n))
+    for i in range(g):
+        rows = slice(starts[i], starts[i + 1])
+        rows_ref[rows] = _f64(x[rows]) @ _f64(w[i])
+        grad_ref[i] = _f64(x[rows]).T @ _f64(dy[rows])
+    cases = []
+    for cfg in rd.RAGGED_CONFIGS:
+        for mode, w_k_major, second, ref in (
+                (rd.ROWS, False, w, rows_ref),
+                (rd.ROWS, True, np.ascontiguousarray(np.swapaxes(w, 1, 2)), rows_ref),
+                (rd.CONTRACTION, False, dy, grad_ref)):
+            def run(cfg=cfg, mode=mode, w_k_major=w_k_major, second=second):
+                args = (jnp.asarray(x)[None], jnp.asarray(second)[None],
+                        jnp.asarray(sizes)[None])
+                plan = rd.kernel_plan(*args, mode, w_k_major, jnp.float32)
+                return rd._kernel_call(*args, plan=plan, w_k_major=w_k_major,
+                                       out_dtype=jnp.float32, config=cfg, poison=True)[0]
+            name = f"ragged {mode}{' k-major' if w_k_major else ''} {cfg.describe()}"
+            cases.append(Case(name, run, ref, 1e-4))
+    return cases
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    status = jax_tma.kernel_status()
+    if not status.available:
+        print(f"jax_tma kernels unavailable here: {status.reason}")
+        return 1
+    rng = np.random.default_rng(args.seed)
+    cases = (_dense_cases(rng, 200, 320, 264) + _fused_cases(rng, 300, 328, 200)
+             + _ragged_cases(rng, 500, 192, 136, 6))
+    outputs = jax.jit(lambda: [c.run() for c in cases])()
+    failed = 0
+    for case, out in zip(cases, outputs):
+        out = np.asarray(out, np.float64)
+        ref = case.reference
+        err = float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-300))
+        ok = not np.isnan(out).any() and err <= case.tolerance
+        failed += not ok
+        print(f"case {case.name}: rel. error {err:.2e} {'ok' if ok else 'WRONG'}")
+    print(f"{len(cases)} cases, {failed} wrong")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

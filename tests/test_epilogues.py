@@ -1,0 +1,415 @@
+"""jax_tma.dense / gated_dense / mlp: fused epilogues against float64 references, their
+gradients, vmap, sharding, the CUDA lowering, and the fused kernels on a Hopper GPU.
+
+The fused kernel applies the epilogue in fp32 and rounds once; the references are float64 of
+the same math. Bounds (Frobenius-norm relative error): bf16 output 1e-2, fp16 2e-3; gradients
+twice that (two roundings: the saved pre-activation and the cotangent).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.test_util import check_grads
+
+import jax_tma
+from jax_tma import epilogues as ep
+from conftest import cuda_hlo, needs_extension, random_array, rel_error
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+TOL = {BF16: 1e-2, F16: 2e-3, F32: 1e-5}
+ACTIVATIONS = [None, "relu", "gelu", "gelu_erf", "silu"]
+
+
+def f64_act(name, z):
+    z = np.asarray(z, np.float64)
+    if name is None:
+        return z
+    if name == "relu":
+        return np.maximum(z, 0)
+    if name in ("gelu", "gelu_tanh"):
+        return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+    if name == "gelu_erf":
+        from math import erf
+        return 0.5 * z * (1 + np.vectorize(erf)(z / np.sqrt(2)))
+    if name == "silu":
+        return z / (1 + np.exp(-z))
+    raise ValueError(name)
+
+
+def f64_dense(x, w, bias=None, activation=None, residual=None):
+    z = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    if bias is not None:
+        z = z + np.asarray(bias, np.float64)
+    y = f64_act(activation, z)
+    return y + np.asarray(residual, np.float64) if residual is not None else y
+
+
+def f64_gated(x, wg, wu, activation):
+    x64 = np.asarray(x, np.float64)
+    return f64_act(activation, x64 @ np.asarray(wg, np.float64)) * (x64 @ np.asarray(wu, np.float64))
+
+
+def _operands(rng, m, k, n, dtype):
+    x = random_array(rng, (m, k), dtype)
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
+    return x, w
+
+
+# ---------------------------------------------------------------- semantics (CPU)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("with_bias,with_residual", [(True, True), (False, False), (True, False)])
+def test_dense_matches_float64(rng, activation, with_bias, with_residual):
+    x, w = _operands(rng, 24, 16, 40, BF16)
+    bias = rng.standard_normal(40).astype(BF16) if with_bias else None
+    residual = random_array(rng, (24, 40), BF16) if with_residual else None
+    out = jax_tma.dense(x, w, bias, activation, residual)
+    assert out.dtype == BF16 and out.shape == (24, 40)
+    assert rel_error(out, f64_dense(x, w, bias, activation, residual)) <= TOL[BF16]
+
+
+def test_dense_result_type_follows_promotion(rng):
+    x, w = _operands(rng, 8, 8, 8, BF16)
+    assert jax_tma.dense(x, w, np.zeros(8, np.float32)).dtype == F32  # as x @ w + b in jnp
+    assert jax_tma.dense(x.astype(F16), w.astype(F16)).dtype == F16
+
+
+def test_dense_leading_dims_and_errors(rng):
+    x = random_array(rng, (2, 3, 16), BF16)
+    w = (rng.standard_normal((16, 8)) / 4).astype(BF16)
+    out = jax_tma.dense(x, w, activation="relu")
+    assert out.shape == (2, 3, 8)
+    assert rel_error(out, f64_dense(x.reshape(6, 16), w, activation="relu").reshape(2, 3, 8)) <= TOL[BF16]
+    with pytest.raises(ValueError, match="activation must be one of"):
+        jax_tma.dense(x, w, activation="tanh")
+    with pytest.raises(ValueError, match=r"w must be \[K, N\]"):
+        jax_tma.dense(x, w.T)
+    with pytest.raises(ValueError, match="bias must be"):
+        jax_tma.dense(x, w, bias=np.zeros(7, np.float32))
+    with pytest.raises(ValueError, match="residual must have"):
+        jax_tma.dense(x, w, residual=np.zeros((6, 8), BF16))
+    with pytest.raises(ValueError, match="not compiled for the forward fusion"):
+        jax_tma.dense(x, w, activation="gelu_erf", config=jax_tma.GemmConfig(128, 256, 3, 2))
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_erf"])
+def test_gated_matches_float64(rng, activation):
+    x, wg = _operands(rng, 20, 24, 32, BF16)
+    wu = (rng.standard_normal((24, 32)) / 5).astype(BF16)
+    out = jax_tma.gated_dense(x, wg, wu, activation)
+    assert rel_error(out, f64_gated(x, wg, wu, activation)) <= TOL[BF16]
+    with pytest.raises(ValueError, match="one shape"):
+        jax_tma.gated_dense(x, wg, wu[:, :16])
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "silu", None])
+def test_mlp_matches_float64(rng, activation):
+    x, w1 = _operands(rng, 24, 16, 48, BF16)
+    w2 = (rng.standard_normal((48, 16)) / 7).astype(BF16)
+    b1, b2 = rng.standard_normal(48).astype(F32), rng.standard_normal(16).astype(F32)
+    out = jax_tma.mlp(x, w1, b1, w2, b2, activation, residual=x)
+    h = np.asarray(jnp.asarray(f64_dense(x, w1, b1, activation), BF16), np.float64)
+    assert rel_error(out, f64_dense(h, w2, b2, residual=x)) <= 2 * TOL[BF16]
+
+
+# ---------------------------------------------------------------- gradients, vmap (CPU)
+
+
+@pytest.mark.parametrize("activation", ["gelu", "silu", "gelu_erf", None])
+def test_dense_check_grads(rng, activation):
+    x, w = _operands(rng, 6, 8, 8, F32)
+    b, r = rng.standard_normal(8).astype(F32), random_array(rng, (6, 8), F32)
+    f = lambda x, w, b, r: jax_tma.dense(x, w, b, activation, r)  # noqa: E731
+    check_grads(f, (x, w, b, r), order=2, modes=("fwd", "rev"), atol=1e-2, rtol=1e-2)
+
+
+def test_relu_check_grads_order_1(rng):
+    x, w = _operands(rng, 6, 8, 8, F32)
+    check_grads(lambda x, w: jax_tma.dense(x, w, activation="relu"), (x, w), order=1,
+                modes=("fwd", "rev"), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_gated_and_mlp_check_grads(rng, activation):
+    x, wg = _operands(rng, 6, 8, 8, F32)
+    wu = rng.standard_normal((8, 8)).astype(F32) / 3
+    check_grads(lambda x, a, b: jax_tma.gated_dense(x, a, b, activation), (x, wg, wu), order=2,
+                modes=("fwd", "rev"), atol=1e-2, rtol=1e-2)
+    # mlp is a custom_vjp (its backward fuses across the two layers): reverse mode only.
+    b1, b2 = rng.standard_normal(8).astype(F32), rng.standard_normal(8).astype(F32)
+    check_grads(lambda x, a, b1, b, b2: jax_tma.mlp(x, a, b1, b, b2, activation, x),
+                (x, wg, b1, wu, b2), order=2, modes=("rev",), atol=1e-2, rtol=1e-2)
+
+
+def test_bf16_gradients_match_float64(rng):
+    x, w = _operands(rng, 32, 16, 24, BF16)
+    b = rng.standard_normal(24).astype(BF16)
+    dy = random_array(rng, (32, 24), BF16)
+    _, vjp = jax.vjp(lambda x, w, b: jax_tma.dense(x, w, b, "gelu"), x, w, b)
+    dx, dw, db = vjp(jnp.asarray(dy))
+    z = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(b, np.float64)
+    dz = np.asarray(dy, np.float64) * np.asarray(ep.activation_grad("gelu_tanh", jnp.asarray(z)), np.float64)
+    assert rel_error(dx, dz @ np.asarray(w, np.float64).T) <= 2 * TOL[BF16]
+    assert rel_error(dw, np.asarray(x, np.float64).T @ dz) <= 2 * TOL[BF16]
+    assert rel_error(db, dz.sum(0)) <= 2 * TOL[BF16]
+
+
+def test_vmap_matches_unbatched(rng):
+    x = random_array(rng, (3, 10, 16), BF16)
+    w = (rng.standard_normal((16, 8)) / 4).astype(BF16)
+    out = jax.vmap(lambda x: jax_tma.dense(x, w, activation="silu"))(x)
+    for i in range(3):
+        assert rel_error(out[i], f64_dense(x[i], w, activation="silu")) <= TOL[BF16]
+    ws = np.stack([w, w * 2])
+    out = jax.vmap(lambda w: jax_tma.dense(x[0], w, activation="relu"))(ws)  # mapped weights
+    assert rel_error(out[1], f64_dense(x[0], ws[1], activation="relu")) <= TOL[BF16]
+
+
+# ---------------------------------------------------------------- sharding (8 CPU devices)
+
+
+def _mesh(shape, names):
+    devices = jax.devices("cpu")
+    if len(devices) < np.prod(shape):
+        pytest.skip("needs 8 CPU devices")
+    return Mesh(np.array(devices[: np.prod(shape)]).reshape(shape), names)
+
+
+@pytest.mark.parametrize("x_spec,w_spec", [(P("x", None), P()), (P(), P(None, "x")),
+                                           (P("x", "y"), P("y", None)), (P("x", None), P(None, "y"))])
+def test_sharded_matches_unsharded(rng, x_spec, w_spec):
+    mesh = _mesh((4, 2), ("x", "y"))
+    x, w = _operands(rng, 32, 16, 24, BF16)
+    b = rng.standard_normal(24).astype(BF16)
+    xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, x_spec))
+    ws = jax.device_put(jnp.asarray(w), NamedSharding(mesh, w_spec))
+    out = jax.jit(lambda x, w: jax_tma.dense(x, w, b, "gelu", x @ w))(xs, ws)
+    assert rel_error(out, f64_dense(x, w, b, "gelu", np.asarray(jnp.asarray(x) @ jnp.asarray(w)))) <= TOL[BF16]
+    grads = jax.jit(jax.grad(lambda x, w: jnp.sum(jax_tma.dense(x, w, b, "gelu").astype(F32) ** 2),
+                             (0, 1)))(xs, ws)
+    ref = jax.grad(lambda x, w: jnp.sum(jax_tma.dense(x, w, b, "gelu").astype(F32) ** 2), (0, 1))(
+        jnp.asarray(x), jnp.asarray(w))
+    for a, r in zip(grads, ref):
+        assert rel_error(a, r) <= 2 * TOL[BF16]
+
+
+# ---------------------------------------------------------------- CUDA lowering (no GPU)
+
+
+def _calls(hlo: str) -> dict:
+    found = re.findall(r"@(jax_tma_\w+)\(", hlo) + re.findall(r'custom_call_target="(jax_tma_\w+)"', hlo)
+    return {name: found.count(name) for name in set(found)}
+
+
+def _spec(shape, dtype=BF16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+@needs_extension
+def test_cuda_lowering_is_one_fused_kernel():
+    x, w, b = _spec((4096, 1024)), _spec((1024, 2048)), _spec((2048,))
+    r = _spec((4096, 2048))
+    assert _calls(cuda_hlo(lambda x, w, b, r: jax_tma.dense(x, w, b, "gelu", r), x, w, b, r)) == {
+        ep.KERNEL_TARGET: 1}
+    assert _calls(cuda_hlo(lambda x, w, u: jax_tma.gated_dense(x, w, u), x, w, w)) == {
+        ep.KERNEL_TARGET: 1}
+
+
+@needs_extension
+def test_cuda_lowering_of_the_gradients():
+    x, w1, w2 = _spec((4096, 1024)), _spec((1024, 2048)), _spec((2048, 1024))
+    hlo = cuda_hlo(jax.grad(lambda x, w: jnp.sum(jax_tma.dense(x, w, activation="gelu")), (0, 1)),
+                   x, w1)
+    assert _calls(hlo) == {ep.KERNEL_TARGET: 1, "jax_tma_gemm_sm90": 2}
+    # mlp backward: the act-grad product is fused; the second forward product is not needed.
+    hlo = cuda_hlo(jax.grad(lambda x, a, b: jnp.sum(jax_tma.mlp(x, a, None, b, None, "gelu")),
+                            (0, 1, 2)), x, w1, w2)
+    assert _calls(hlo) == {ep.KERNEL_TARGET: 2, "jax_tma_gemm_sm90": 3}
+    assert "stablehlo.transpose" not in hlo
+
+
+# ---------------------------------------------------------------- the fused kernels (GPU)
+
+
+def _poisoned(a, b, *rest, **params):
+    """The kernel's outputs, the main one written over a NaN-poisoned buffer."""
+    params = dict(dict(activation=None, has_bias=False, has_aux=False, save_pre=False,
+                       b_k_major=False, config=None), **params)
+    assert ep.kernel_applies(a, b, rest, kind=params["kind"], activation=params["activation"],
+                             has_bias=params["has_bias"], has_aux=params["has_aux"],
+                             b_k_major=params["b_k_major"], out_dtype=params["out_dtype"])
+    fn = jax.jit(functools.partial(ep._kernel_call, poison=True, **params))
+    outs = [np.asarray(o, np.float64) for o in fn(a, b, *rest)]
+    assert not np.isnan(outs[0]).any(), "kernel left poisoned (unwritten) outputs"
+    return outs
+
+
+def _config_ids(configs):
+    return ["x".join(map(str, c.tile)) + ("sk" if c.stream_k else "") for c in configs]
+
+
+FORWARD_CONFIGS = [*ep.DENSE_CONFIGS, jax_tma.GemmConfig(128, 256, 3, 1, stream_k=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", FORWARD_CONFIGS, ids=_config_ids(FORWARD_CONFIGS))
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_kernel_forward_matches_float64(rng, dtype, activation, config):
+    if activation == "gelu_erf" and config.tile not in ep._NARROW_TILES:
+        pytest.skip("gelu_erf forward is compiled on the narrow tiles only")
+    m, k, n = (1000, 512, 776) if dtype == BF16 else (300, 1088, 264)
+    x, w = _operands(rng, m, k, n, dtype)
+    bias = rng.standard_normal(n).astype(F32)
+    residual = random_array(rng, (m, n), dtype)
+    act = "gelu_tanh" if activation == "gelu" else activation
+    out, pre = _poisoned(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), jnp.asarray(residual),
+                         kind=ep.FORWARD, activation=act, has_bias=True, has_aux=True,
+                         save_pre=True, out_dtype=dtype, config=config)
+    assert rel_error(out, f64_dense(x, w, bias, act, residual)) <= TOL[dtype]
+    assert rel_error(pre, f64_dense(x, w, bias)) <= TOL[dtype]
+    plain, = _poisoned(jnp.asarray(x), jnp.asarray(w), kind=ep.FORWARD, activation=act,
+                       out_dtype=dtype, config=config)
+    assert rel_error(plain, f64_dense(x, w, activation=act)) <= TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ep.DENSE_CONFIGS, ids=_config_ids(ep.DENSE_CONFIGS))
+@pytest.mark.parametrize("activation", ["relu", "gelu_tanh", "gelu_erf", "silu"])
+def test_kernel_activation_grad_matches_float64(rng, activation, config):
+    m, k, n = 900, 640, 392  # dz [m, n] = (dy [m, k] @ w[n, k]^T) * act'(z [m, n])
+    dy = random_array(rng, (m, k), BF16)
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(BF16)
+    z = random_array(rng, (m, n), BF16)
+    out, = _poisoned(jnp.asarray(dy), jnp.asarray(w), jnp.asarray(z), kind=ep.GRADIENT,
+                     activation=activation, has_aux=True, b_k_major=True, out_dtype=BF16,
+                     config=config)
+    slope = np.asarray(ep.activation_grad(activation, jnp.asarray(z, F32)), np.float64)
+    ref = (np.asarray(dy, np.float64) @ np.asarray(w, np.float64).T) * slope
+    assert rel_error(out, ref) <= TOL[BF16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", ep.DENSE_CONFIGS, ids=_config_ids(ep.DENSE_CONFIGS))
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu_erf"])
+def test_kernel_gated_matches_float64(rng, activation, config):
+    m, k, n = 1000, 384, 456
+    x, wg = _operands(rng, m, k, n, BF16)
+    wu = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(BF16)
+    out, pre = _poisoned(jnp.asarray(x), jnp.asarray(wg), jnp.asarray(wu), kind=ep.GATED,
+                         activation=activation, save_pre=True, out_dtype=BF16, config=config)
+    assert rel_error(out, f64_gated(x, wg, wu, activation)) <= TOL[BF16]
+    x64 = np.asarray(x, np.float64)
+    assert rel_error(pre[0], x64 @ np.asarray(wg, np.float64)) <= TOL[BF16]
+    assert rel_error(pre[1], x64 @ np.asarray(wu, np.float64)) <= TOL[BF16]
+
+
+@pytest.mark.gpu
+def test_kernel_residual_may_alias_the_output(rng):
+    """out = x @ w + r written over r's buffer (donated): each chunk is read before written."""
+    x, w = _operands(rng, 512, 256, 512, BF16)
+    r = random_array(rng, (512, 512), BF16)
+    expected = f64_dense(x, w, residual=r)
+    f = jax.jit(lambda x, w, r: jax_tma.dense(x, w, residual=r), donate_argnums=2)
+    assert rel_error(f(jnp.asarray(x), jnp.asarray(w), jnp.asarray(r)), expected) <= TOL[BF16]
+
+
+@pytest.mark.gpu
+def test_kernel_training_step_matches_xla(rng):
+    """mlp's gradients on the kernels against the same block built from lax ops."""
+    x, w1 = _operands(rng, 1024, 512, 1536, BF16)
+    w2 = (rng.standard_normal((1536, 512)) / 40).astype(BF16)
+    b1, b2 = rng.standard_normal(1536).astype(F32), rng.standard_normal(512).astype(F32)
+
+    def ours(x, w1, w2):
+        return jnp.sum(jax_tma.mlp(x, w1, b1, w2, b2, "gelu", x).astype(F32) ** 2)
+
+    def ref(x, w1, w2):
+        h = jax.nn.gelu(jnp.dot(x, w1, preferred_element_type=F32) + b1).astype(BF16)
+        y = jnp.dot(h, w2, preferred_element_type=F32) + b2 + x.astype(F32)
+        return jnp.sum(y.astype(BF16).astype(F32) ** 2)
+
+    got = jax.jit(jax.grad(ours, (0, 1, 2)))(x, w1, w2)
+    want = jax.jit(jax.grad(ref, (0, 1, 2)))(x, w1, w2)
+    for a, b in zip(got, want):
+        assert rel_error(a, b) <= 3e-2
+
+
+@pytest.mark.gpu
+def test_kernel_decode_rows(rng):
+    for m in (1, 16, 64):
+        x, w = _operands(rng, m, 1024, 2048, BF16)
+        b = rng.standard_normal(2048).astype(BF16)
+        out = jax.jit(lambda x, w, b: jax_tma.dense(x, w, b, "silu"))(x, w, b)
+        assert rel_error(out, f64_dense(x, w, b, "silu")) <= TOL[BF16]
+
+
+# ---------------------------------------------------------------- Flax layers (CPU)
+
+
+def test_flax_linen_layers_match_their_definitions(rng):
+    import flax.linen as nn
+    import jax_tma.flax as tflax
+
+    x = random_array(rng, (4, 6, 32), BF16)
+    dense = tflax.Dense(48, activation="gelu", dtype=jnp.bfloat16)
+    params = dense.init(jax.random.key(0), x)
+    ref = nn.Dense(48, dtype=jnp.bfloat16)  # same parameter names and layout
+    want = jax.nn.gelu(ref.apply(params, x).astype(F32))
+    assert rel_error(dense.apply(params, x), want) <= 2 * TOL[BF16]
+
+    mlp = tflax.MLP(64, activation="silu", dtype=jnp.bfloat16)
+    params = mlp.init(jax.random.key(1), x)["params"]
+    h = jax.nn.silu(x.astype(F32) @ params["up_kernel"] + params["up_bias"])
+    want = h.astype(BF16).astype(F32) @ params["down_kernel"] + params["down_bias"] + x.astype(F32)
+    got = mlp.apply({"params": params}, x, x)
+    assert rel_error(got, want) <= 3 * TOL[BF16]
+
+    gated = tflax.GatedMLP(64, dtype=jnp.bfloat16)
+    params = gated.init(jax.random.key(2), x)["params"]
+    h = jax.nn.silu(x.astype(F32) @ params["gate_kernel"]) * (x.astype(F32) @ params["up_kernel"])
+    want = h.astype(BF16).astype(F32) @ params["down_kernel"]
+    assert rel_error(gated.apply({"params": params}, x), want) <= 3 * TOL[BF16]
+    grads = jax.grad(lambda p: jnp.sum(gated.apply({"params": p}, x).astype(F32) ** 2))(params)
+    assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+
+
+def test_flax_nnx_layers_train(rng):
+    from flax import nnx
+    import optax
+    import jax_tma.flax as tflax
+
+    x = random_array(rng, (64, 32), BF16)
+    y = random_array(rng, (64, 32), F32)
+
+    class Block(nnx.Module):
+        def __init__(self, rngs):
+            self.mlp = tflax.NnxMLP(32, 64, dtype=jnp.bfloat16, rngs=rngs)
+            self.gated = tflax.NnxGatedMLP(32, 48, dtype=jnp.bfloat16, rngs=rngs)
+            self.head = tflax.NnxDense(32, 32, activation="relu", dtype=jnp.bfloat16, rngs=rngs)
+
+        def __call__(self, x):
+            return self.head(self.gated(self.mlp(x, x), x)).astype(F32)
+
+    model = Block(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, optimizer):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return loss
+
+    losses = [float(step(model, optimizer)) for _ in range(20)]
+    assert losses[-1] < losses[0]

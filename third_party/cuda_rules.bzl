@@ -1,0 +1,50 @@
+"""nvcc compilation for Bazel without rules_cuda: one action per .cu file with the flags of
+cmake/kernels/CMakeLists.txt (tests/test_packaging.py checks they agree), objects wrapped in a
+cc_library so cc_binary links them like any other."""
+
+# The kernels' own flags: sm_90a only (wgmma, setmaxnreg); a spill or local memory is an error.
+NVCC_FLAGS = [
+    "-gencode=arch=compute_90a,code=sm_90a",
+    "-lineinfo",
+    "--expt-relaxed-constexpr",
+    "-Xptxas=-warn-spills,-warn-lmem-usage,-Werror",
+]
+
+# What CMake adds for a position-independent Release object in C++17.
+_BUILD_FLAGS = ["-O3", "-DNDEBUG", "-Xcompiler=-fPIC", "-std=c++17"]
+
+def cuda_objects(name, srcs, hdrs, nvcc, include_dir, deps = [], **kwargs):
+    """A cc_library of the objects nvcc makes from `srcs` (.cu), one genrule per file.
+
+    Args:
+      name: the cc_library.
+      srcs: .cu files, each compiled on its own (they compile in parallel).
+      hdrs: headers they include (inputs of every compile).
+      nvcc: absolute path of the CUDA compiler.
+      include_dir: the directory their #includes are relative to.
+      deps: libraries the objects need at link time (the CUDA runtime).
+      **kwargs: passed to the cc_library.
+    """
+    objects = []
+    for src in srcs:
+        stem = src.rsplit("/", 1)[-1].replace(".cu", "")
+        out = "%s_objs/%s.pic.o" % (name, stem)
+        native.genrule(
+            name = "%s_%s" % (name, stem),
+            srcs = [src] + hdrs,
+            outs = [out],
+            cmd = " ".join([nvcc] + _BUILD_FLAGS + NVCC_FLAGS + [
+                "-I" + include_dir,
+                "-x cu -c $(location %s)" % src,
+                "-o $@",
+            ]),
+            message = "nvcc %s" % src,
+        )
+        objects.append(out)
+    native.cc_library(
+        name = name,
+        srcs = objects,
+        linkstatic = True,
+        deps = deps,
+        **kwargs
+    )

@@ -1,0 +1,8 @@
+#!/bin/sh
+# Bazel test entry point (//:cpu_tests): runs tools/bazel_pytest.py with the Python that
+# @local_config_jax_tma found (passed as $1), in the test's runfiles tree.
+set -eu
+root="${TEST_SRCDIR}/${TEST_WORKSPACE}"
+python="$1"
+shift
+exec "$python" -S "$root/tools/bazel_pytest.py" "$root" "$@"
