@@ -6,7 +6,8 @@ Public API:
   dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *,
     out_sharding=None): ``lax.dot_general`` on the TMA/wgmma kernel, with jvp, transpose,
     vmap and sharding rules (a drop-in ``dot_general=`` for Flax layers).
-  matmul(a, b, *, out_dtype=None, config=None): ``jnp.matmul`` on the same kernel.
+  matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=None,
+    out_dtype=None, config=None): ``jnp.matmul`` on the same kernel.
   dense(x, w, bias, activation, residual), gated_dense(x, w_gate, w_up, activation),
     mlp(x, w1, b1, w2, b2, activation, residual): dense layers with the bias, activation,
     residual or gating fused into the GEMM epilogue, with their gradients.
@@ -14,8 +15,10 @@ Public API:
     ``lax.ragged_dot_general`` on the grouped (MoE) kernel, group sizes read on the device.
   GemmConfig: a compiled tile configuration to pass as ``config=``.
   kernel_status(): whether the kernels run on the default backend, and why not.
+  export_disabled_checks(): what ``jax.export`` needs to serialize the kernels' custom calls.
 """
 
+from jax_tma._export import export_disabled_checks
 from jax_tma._ext import KernelStatus, kernel_status
 from jax_tma.epilogues import DENSE_CONFIGS, dense, gated_dense, mlp
 from jax_tma.gemm import COMPILED_CONFIGS, GemmConfig, default_config, dot_general, matmul
@@ -31,6 +34,7 @@ __all__ = [
     "default_config",
     "dense",
     "dot_general",
+    "export_disabled_checks",
     "gated_dense",
     "kernel_status",
     "matmul",

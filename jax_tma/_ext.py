@@ -82,9 +82,27 @@ def _register() -> str | None:
 _REGISTRATION_ERROR = _register()
 
 
+_DISABLE_TRUE = ("1", "true", "yes", "on", "y", "t")
+_DISABLE_FALSE = ("", "0", "false", "no", "off", "n", "f")
+
+
 def disabled_by_env() -> bool:
-    """True when ``JAX_TMA_DISABLE`` asks for the XLA path everywhere."""
-    return os.environ.get("JAX_TMA_DISABLE", "").strip().lower() not in ("", "0", "false", "no")
+    """True when ``JAX_TMA_DISABLE`` asks for the XLA path everywhere.
+
+    Read (case-insensitive, surrounding spaces ignored) each time a decision is made: 1, true,
+    yes, on, y, t disable the kernels; unset, empty, 0, false, no, off, n, f keep them. Any
+    other value raises ValueError (at the first op, not at import)."""
+    value = os.environ.get("JAX_TMA_DISABLE", "")
+    word = value.strip().lower()
+    if word in _DISABLE_TRUE:
+        return True
+    if word in _DISABLE_FALSE:
+        return False
+    raise ValueError(
+        f"JAX_TMA_DISABLE={value!r} is not a boolean: use one of "
+        f"{', '.join(_DISABLE_TRUE)} to run every op through XLA, or one of "
+        f"{', '.join(repr(v) for v in _DISABLE_FALSE)} (or leave it unset) to use the kernels"
+    )
 
 
 def extension_error() -> str | None:

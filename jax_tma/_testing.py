@@ -22,14 +22,15 @@ def gemm_poisoned(a: jax.Array, b: jax.Array, out_dtype, config: gemm.GemmConfig
                   dimension_numbers=(((1,), (0,)), ((), ()))):
     """Kernel result of ``dot_general(a, b, dimension_numbers)`` as out_dtype (by default
     ``a @ b``), written over NaN-filled buffers (the output, or the split-K partial products),
-    so that any element the kernel skips shows up as NaN. Raises ValueError when the kernel
-    cannot read the operands in place."""
+    so that any element the kernel skips shows up as NaN. Operands the kernel cannot read in
+    place are transposed first, as the lowering does (gemm.kernel_route). Raises ValueError
+    when the kernel cannot compute the product, or `config` cannot."""
     out_dtype = jnp.dtype(out_dtype)
-    plan = gemm.kernel_plan(a, b, dimension_numbers, out_dtype)
-    if plan is None:
+    route = gemm.kernel_route(a, b, dimension_numbers, out_dtype)
+    if route is None:
         raise ValueError(f"jax_tma: no kernel plan for {a.shape} x {b.shape}, {dimension_numbers}")
-    return gemm._kernel_call(a, b, plan=plan, dimension_numbers=dimension_numbers,
-                             out_dtype=out_dtype, config=config, poison=True)
+    return gemm._kernel_call(a, b, plan=route.plan, dimension_numbers=dimension_numbers,
+                             out_dtype=out_dtype, config=config, poison=True, route=route)
 
 
 # ---------------------------------------------------------------- primitive test kernels

@@ -2,7 +2,8 @@
 
 ``dot_general(lhs, rhs, dimension_numbers, ...)`` has the results, dtypes and errors of
 ``lax.dot_general``. Operands of one 16-bit float type (bf16 or fp16) with an output of that
-type or fp32 bind the ``jax_tma_dot_general`` primitive; everything else goes straight to
+type or fp32, and a ``precision`` that asks for what the kernel computes (``kernel_precision``),
+bind the ``jax_tma_dot_general`` primitive; everything else goes straight to
 ``lax.dot_general``. The primitive carries its own rules:
 
 - JVP by bilinearity and transposes that bind the same primitive with other dimension numbers,
@@ -13,14 +14,20 @@ type or fp32 bind the ``jax_tma_dot_general`` primitive; everything else goes st
 - sharding through ``custom_partitioning`` (jax_tma/gemm_sharding.py), in the path on every
   platform.
 
-It lowers to XLA's dot everywhere, and on CUDA to the ``jax_tma_gemm_sm90`` FFI kernel when the
-operands can be read in place (jax_tma/gemm_plan.py) and the kernel can run there.
+It lowers to XLA's dot everywhere (with the product's precision), and on CUDA to the
+``jax_tma_gemm_sm90`` FFI kernel when the operands can be read in place (jax_tma/gemm_plan.py)
+or after a transpose (``kernel_route``), the sizes are within what the kernel takes
+(gemm_config.MAX_DIM, MAX_WORK_UNITS, MAX_BUFFER_BYTES) and the kernel can run there. Every
+other product lowers to XLA's dot: none is left to fail at run time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
+import numbers
+import operator
 from typing import Any
 
 import jax
@@ -29,6 +36,9 @@ import numpy as np
 from jax import lax
 from jax.extend.core import Primitive
 from jax._src import dispatch
+# NOTE: lax.dot_general's own canonical precision (it reads jax_default_matmul_precision for
+# None) and the weak-typed convert that jnp uses; both present in jax 0.10 and 0.11.
+from jax._src.lax.lax import _convert_element_type, canonicalize_precision
 from jax.interpreters import ad, batching, mlir
 
 from jax_tma import _ext, gemm_plan, gemm_sharding
@@ -39,7 +49,10 @@ from jax_tma.gemm_config import (  # noqa: F401 - re-exported: the gemm module's
     DEFAULT_L2_BYTES,
     DEFAULT_NUM_SMS,
     KERNEL_INPUT_DTYPES,
+    MAX_BUFFER_BYTES,
+    MAX_DIM,
     MAX_SPLIT_K,
+    MAX_WORK_UNITS,
     STRIDE_ELEMS,
     GemmConfig,
     check_config,
@@ -54,6 +67,9 @@ from jax_tma.gemm_config import _EPILOGUE_DIRECT, _EPILOGUE_TMA_STORE
 from jax_tma.gemm_plan import DimensionNumbers, GemmPlan, free_axes
 
 KERNEL_TARGET = "jax_tma_gemm_sm90"
+# Every FFI target a lowering of these ops can emit (the second writes over a given buffer:
+# jax_tma._testing). Names are stable: serialized modules (jax.export) refer to them.
+FFI_TARGETS = (KERNEL_TARGET, KERNEL_TARGET + "_into")
 MATMUL_DIMS: DimensionNumbers = (((1,), (0,)), ((), ()))  # a[M, K] @ b[K, N]
 
 
@@ -94,9 +110,158 @@ def _kernel_dtypes(lhs_dtype, rhs_dtype, out_dtype) -> bool:
             and jnp.dtype(out_dtype) in kernel_output_dtypes(lhs_dtype))
 
 
+_KERNEL_PRESETS = {
+    lax.DotAlgorithmPreset.BF16_BF16_F32: jnp.dtype(jnp.bfloat16),
+    lax.DotAlgorithmPreset.F16_F16_F32: jnp.dtype(jnp.float16),
+}
+
+
+def kernel_precision(precision, in_dtype) -> bool:
+    """Whether `precision` (canonical, as ``lax.dot_general`` holds it) asks, for operands of
+    in_dtype, for what the kernel computes: products of the 16-bit operands as they are,
+    accumulated in fp32.
+
+    That is None, any ``lax.Precision`` pair (16-bit products are exact in fp32 whatever the
+    precision), ``DotAlgorithmPreset.DEFAULT``, ``BF16_BF16_F32`` on bf16 operands,
+    ``F16_F16_F32`` on fp16 ones, and the ``DotAlgorithm`` that spells one of those two out.
+    Every other algorithm rounds the operands to another type (F16_F16_F32 on bf16), accumulates
+    in another (BF16_BF16_BF16, F16_F16_F16) or splits them (the _X3 ones): those products go to
+    ``lax.dot_general``, which computes them, or raises where the platform has no such
+    algorithm.
+    """
+    in_dtype = jnp.dtype(in_dtype)
+    if precision is None or precision == lax.DotAlgorithmPreset.DEFAULT:
+        return True
+    if isinstance(precision, lax.DotAlgorithm):
+        return (jnp.dtype(precision.lhs_precision_type) == in_dtype
+                and jnp.dtype(precision.rhs_precision_type) == in_dtype
+                and jnp.dtype(precision.accumulation_type) == jnp.float32
+                and (precision.lhs_component_count, precision.rhs_component_count,
+                     precision.num_primitive_operations) == (1, 1, 1)
+                and not precision.allow_imprecise_accumulation)
+    if isinstance(precision, lax.DotAlgorithmPreset):
+        return _KERNEL_PRESETS.get(precision) == in_dtype
+    return (isinstance(precision, tuple) and len(precision) == 2
+            and all(isinstance(p, lax.Precision) for p in precision))
+
+
+def _is_algorithm(precision) -> bool:
+    return isinstance(precision, (lax.DotAlgorithm, lax.DotAlgorithmPreset))
+
+
+_FP8_KINDS = ("float8",)
+
+
+def _kernel_input_dtype(lhs_dtype, rhs_dtype, out_dtype, precision):
+    """The 16-bit type the kernel would read for ``lax.dot_general`` of these operand types
+    into out_dtype with `precision` (canonical), or None when the kernel does not compute it.
+
+    Operands of one type are read as they are. Operands of two types are what lax converts, on
+    CUDA (and CPU), to the output type before an XLA dot when no algorithm is named (bf16 x
+    weak fp32 from ``jnp.matmul``, bf16 x fp16 into bf16): the kernel reads them converted
+    alike."""
+    lhs_dtype, rhs_dtype, out_dtype = jnp.dtype(lhs_dtype), jnp.dtype(rhs_dtype), jnp.dtype(out_dtype)
+    if lhs_dtype == rhs_dtype:
+        in_dtype = lhs_dtype
+    elif (_is_algorithm(precision) or out_dtype not in KERNEL_INPUT_DTYPES
+          or all(d.name.startswith(_FP8_KINDS) for d in (lhs_dtype, rhs_dtype))):
+        return None  # lax keeps the types (algorithms, pairs of fp8 types) or computes wider
+    else:
+        in_dtype = out_dtype
+    if not _kernel_dtypes(in_dtype, in_dtype, out_dtype) or not kernel_precision(precision, in_dtype):
+        return None
+    return in_dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelRoute:
+    """How the kernel computes a product: transpose the operands by `lhs_perm` / `rhs_perm`
+    (None: as they are), reshape them to `lhs_shape` / `rhs_shape` (None: keep the shape; a
+    reshape of adjacent axes moves no data), then read them as `plan` says. The kernel's
+    dense [batch, M, N] output is the product's output, whatever the route."""
+
+    plan: GemmPlan
+    lhs_perm: tuple[int, ...] | None = None
+    rhs_perm: tuple[int, ...] | None = None
+    lhs_shape: tuple[int, ...] | None = None
+    rhs_shape: tuple[int, ...] | None = None
+
+    @property
+    def copies(self) -> bool:
+        """Whether an operand is transposed (a copy) before the kernel."""
+        return self.lhs_perm is not None or self.rhs_perm is not None
+
+
+def _permuted(perm, dims_of_operand):
+    """Axes of an operand after ``lax.transpose(x, perm)``."""
+    return tuple(perm.index(a) for a in dims_of_operand)
+
+
+def _route_candidates(lhs_shape, rhs_shape, dimension_numbers):
+    """(lhs perm, rhs perm, lhs reshape, rhs reshape, dimension numbers after them) of each
+    way to lay the operands out for the kernel, from fewest copies to most: in place; one
+    operand transposed into [batch, free, contracting] (lhs) or [batch, contracting, free]
+    (rhs) order, contracting dims in the other's order; both; both, each group of dims merged
+    into one axis (rows that span several axes can then be padded)."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    lf, rf = free_axes(len(lhs_shape), lc, lb), free_axes(len(rhs_shape), rc, rb)
+    lhs_by_rhs = tuple(l for _, l in sorted(zip(rc, lc)))  # contracting pairs in rhs's order
+    rhs_by_lhs = tuple(r for _, r in sorted(zip(lc, rc)))
+    lhs_canonical, rhs_canonical = (*lb, *lf, *lhs_by_rhs), (*rb, *rhs_by_lhs, *rf)
+    both_lhs, both_rhs = (*lb, *lf, *lc), (*rb, *rc, *rf)
+    yield None, None, None, None, dimension_numbers
+    for lhs_perm, rhs_perm in ((None, rhs_canonical), (lhs_canonical, None), (both_lhs, both_rhs)):
+        lp = lhs_perm or tuple(range(len(lhs_shape)))
+        rp = rhs_perm or tuple(range(len(rhs_shape)))
+        dims = ((_permuted(lp, lc), _permuted(rp, rc)), (_permuted(lp, lb), _permuted(rp, rb)))
+        yield lhs_perm, rhs_perm, None, None, dims
+    size = lambda shape, axes: math.prod(shape[a] for a in axes)  # noqa: E731
+    batch, k = size(lhs_shape, lb), size(lhs_shape, lc)
+    yield (both_lhs, both_rhs, (batch, size(lhs_shape, lf), k), (batch, k, size(rhs_shape, rf)),
+           (((2,), (1,)), ((0,), (0,))))
+
+
+def kernel_route(lhs_aval, rhs_aval, dimension_numbers: DimensionNumbers, out_dtype,
+                 precision=None) -> KernelRoute | None:
+    """The cheapest way for the kernel to compute this product, or None when it runs through
+    XLA (types or a precision the kernel does not compute, an empty product, sizes past the
+    kernel's limits, a batch that is an operand's only dimension of more than one element).
+
+    Operands are read in place where gemm_plan finds a view of them. Otherwise the layout that
+    copies the fewest elements (transposes, and the pads of rows that are not 16-byte
+    multiples) among _route_candidates: e.g. the smaller operand transposed for two
+    contracting dims in opposite orders ([M, K1, K2] . [K2, K1, N]) or a batch axis innermost;
+    merged dims for free dims over several axes whose rows are not 16-byte multiples."""
+    if not _kernel_dtypes(lhs_aval.dtype, rhs_aval.dtype, out_dtype):
+        return None
+    if not kernel_precision(precision, lhs_aval.dtype):
+        return None
+    lhs_shape, rhs_shape = tuple(lhs_aval.shape), tuple(rhs_aval.shape)
+    if min(math.prod(lhs_shape), math.prod(rhs_shape)) == 0:
+        return None
+    best = None
+    for lhs_perm, rhs_perm, lhs_reshape, rhs_reshape, dims in _route_candidates(
+            lhs_shape, rhs_shape, dimension_numbers):
+        identity = lambda perm: perm is not None and list(perm) == sorted(perm)  # noqa: E731
+        lhs_perm = None if identity(lhs_perm) else lhs_perm
+        rhs_perm = None if identity(rhs_perm) else rhs_perm
+        lhs_now = lhs_reshape or tuple(lhs_shape[a] for a in (lhs_perm or range(len(lhs_shape))))
+        rhs_now = rhs_reshape or tuple(rhs_shape[a] for a in (rhs_perm or range(len(rhs_shape))))
+        found = gemm_plan.plan(lhs_now, rhs_now, dims)
+        if found is None:
+            continue
+        copied = (math.prod(lhs_shape) * ((lhs_perm is not None) + bool(found.lhs.pad))
+                  + math.prod(rhs_shape) * ((rhs_perm is not None) + bool(found.rhs.pad)))
+        if best is None or copied < best[0]:
+            best = (copied, KernelRoute(found, lhs_perm, rhs_perm, lhs_reshape, rhs_reshape))
+        if lhs_perm is None and rhs_perm is None:
+            break  # in place: nothing copies less (a pad it needs, any other layout needs too)
+    return None if best is None else best[1]
+
+
 def kernel_plan(lhs_aval, rhs_aval, dimension_numbers: DimensionNumbers, out_dtype) -> GemmPlan | None:
-    """The kernel's view of this product, or None when it runs through XLA (dtypes the kernel
-    does not take, an empty product, or operands that cannot be read in place)."""
+    """The kernel's view of this product read in place, or None (dtypes the kernel does not
+    take, an empty product, operands that cannot be read in place, sizes past its limits)."""
     if not _kernel_dtypes(lhs_aval.dtype, rhs_aval.dtype, out_dtype):
         return None
     return gemm_plan.plan(lhs_aval.shape, rhs_aval.shape, dimension_numbers)
@@ -111,15 +276,17 @@ def out_strides(plan: GemmPlan) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def config_for(plan: GemmPlan, out_dtype, config: GemmConfig | None) -> GemmConfig:
-    """`config`, checked against the product, or the heuristic's choice."""
+def config_for(plan: GemmPlan, out_dtype, config: GemmConfig | None) -> GemmConfig | None:
+    """`config`, checked against the product (ValueError naming the shapes if it cannot
+    compute it), or the heuristic's choice: None when no configuration can (the product
+    runs on XLA)."""
     out_dtype = jnp.dtype(out_dtype)
     if config is None:
         return default_config(plan.m, plan.n, plan.k, _num_sms(), out_dtype, batch=plan.batch,
                               out_strides=out_strides(plan),
                               misaligned_rows=plan.misaligned_rows,
                               dram_bytes_per_s=_dram_bytes_per_s(), l2_bytes=_l2_bytes())
-    check_config(config, plan.m, plan.n, plan.k, out_dtype, out_strides(plan))
+    check_config(config, plan.m, plan.n, plan.k, out_dtype, out_strides(plan), plan.batch)
     return config
 
 
@@ -129,14 +296,15 @@ def config_for(plan: GemmPlan, out_dtype, config: GemmConfig | None) -> GemmConf
 dot_general_p = Primitive("jax_tma_dot_general")
 
 
-def _abstract_eval(lhs, rhs, *, dimension_numbers, out_dtype, config, local):
-    del config, local
+def _abstract_eval(lhs, rhs, *, dimension_numbers, out_dtype, precision, config, local):
+    del precision, config, local
     return jax.core.ShapedArray(output_shape(lhs.shape, rhs.shape, dimension_numbers), out_dtype)
 
 
-def _reference(lhs, rhs, *, dimension_numbers, out_dtype, config, local):
+def _reference(lhs, rhs, *, dimension_numbers, out_dtype, precision, config, local):
     del config, local
-    return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=out_dtype)
+    return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                           preferred_element_type=out_dtype)
 
 
 @functools.cache
@@ -156,14 +324,31 @@ def _pad(x: jax.Array, view: gemm_plan.OperandView) -> jax.Array:
     return jnp.pad(x, widths)
 
 
-def _kernel_call(lhs, rhs, *, plan: GemmPlan, dimension_numbers, out_dtype, config, poison=False):
-    """The FFI call for `plan`: pads rows that are not 16-byte multiples, runs the kernel and
-    sums split-K partial products. With `poison`, the kernel writes over NaN-filled buffers
-    (tests)."""
+def _kernel_call(lhs, rhs, *, plan: GemmPlan, dimension_numbers, out_dtype, config,
+                 poison=False, route: KernelRoute | None = None):
+    """The FFI call for `plan`: lays the operands out as `route` says (transposes, reshapes),
+    pads rows that are not 16-byte multiples, runs the kernel and sums split-K partial
+    products. `config` None: the heuristic's. With `poison`, the kernel writes over NaN-filled
+    buffers (tests)."""
     out_dtype = jnp.dtype(out_dtype)
     out_shape = output_shape(lhs.shape, rhs.shape, dimension_numbers)
+    if route is not None:
+        if route.lhs_perm is not None:
+            lhs = lax.transpose(lhs, route.lhs_perm)
+        if route.rhs_perm is not None:
+            rhs = lax.transpose(rhs, route.rhs_perm)
+        if route.lhs_shape is not None:
+            lhs = lhs.reshape(route.lhs_shape)
+        if route.rhs_shape is not None:
+            rhs = rhs.reshape(route.rhs_shape)
     lhs, rhs = _pad(lhs, plan.lhs), _pad(rhs, plan.rhs)
     cfg = config_for(plan, out_dtype, config)
+    if cfg is None:
+        raise ValueError(
+            f"jax_tma: no kernel configuration computes {plan.batch} x ({plan.m}, {plan.n}) "
+            f"outputs with K={plan.k} (more than {MAX_WORK_UNITS} work units, or "
+            f"{MAX_BUFFER_BYTES} output bytes)"
+        )
     splits = cfg.splits_for(plan.k)
     d_dtype = jnp.dtype(jnp.float32) if splits > 1 else out_dtype
     out_size = math.prod(out_shape)
@@ -198,42 +383,61 @@ def _kernel_call(lhs, rhs, *, plan: GemmPlan, dimension_numbers, out_dtype, conf
 
 def _local_lowering(ctx, lhs, rhs, *, platform: str, **params):
     """Lowering of one device's product: the kernel where it applies, else XLA's dot."""
-    plan = None
+    route, cfg = None, None
     if platform == "cuda" and _ext.cuda_lowering_blocker() is None:
-        plan = kernel_plan(*ctx.avals_in, params["dimension_numbers"], params["out_dtype"])
-    if plan is None:
+        route = kernel_route(*ctx.avals_in, params["dimension_numbers"], params["out_dtype"],
+                             params["precision"])
+        if route is not None:
+            cfg = config_for(route.plan, params["out_dtype"], params["config"])
+    if cfg is None:
         fn = functools.partial(_reference, **params)
     else:
         fn = functools.partial(
-            _kernel_call, plan=plan, dimension_numbers=params["dimension_numbers"],
-            out_dtype=params["out_dtype"], config=params["config"],
+            _kernel_call, plan=route.plan, dimension_numbers=params["dimension_numbers"],
+            out_dtype=params["out_dtype"], config=cfg, route=route,
         )
     return mlir.lower_fun(fn, multiple_results=False)(ctx, lhs, rhs)
 
 
+def _for_export(ctx) -> bool:
+    return bool(getattr(getattr(ctx.module_context, "lowering_parameters", None), "for_export", False))
+
+
 def _lowering(ctx, lhs, rhs, *, platform: str, **params):
-    if params["local"]:
+    # NOTE: jax.export cannot serialize custom_partitioning (its partition callback lives in
+    # this process). An exported module holds the product itself, which XLA's partitioner
+    # treats as any custom call: it gives each device the whole operands.
+    if params["local"] or _for_export(ctx):
         return _local_lowering(ctx, lhs, rhs, platform=platform, **params)
     # The partitioner splits the product across devices; each device's share binds the
     # primitive again with local=True.
     partitioned = functools.partial(
-        gemm_sharding.partitioned_dot, local_dot=_bind_local,
+        gemm_sharding.partitioned_dot, local_dot=_local_dot(params["precision"]),
         dimension_numbers=params["dimension_numbers"], out_dtype=params["out_dtype"],
         config=params["config"],
     )
     return mlir.lower_fun(partitioned, multiple_results=False)(ctx, lhs, rhs)
 
 
-def _bind_local(lhs, rhs, dimension_numbers, out_dtype, config):
-    return dot_general_p.bind(lhs, rhs, dimension_numbers=dimension_numbers, out_dtype=out_dtype,
-                              config=config, local=True)
+@functools.cache
+def _local_dot(precision):
+    """One device's product with `precision`, in the form gemm_sharding calls (one function
+    per precision: it is a static argument of the partitioned call)."""
+
+    def local_dot(lhs, rhs, dimension_numbers, out_dtype, config):
+        return dot_general_p.bind(lhs, rhs, dimension_numbers=dimension_numbers,
+                                  out_dtype=out_dtype, precision=precision, config=config,
+                                  local=True)
+
+    return local_dot
 
 
-def _bind(lhs, rhs, dimension_numbers, out_dtype, local=False):
+def _bind(lhs, rhs, dimension_numbers, out_dtype, precision, local=False):
     # Products derived by the rules (gradients, vmapped products) have their own shapes:
     # the heuristic picks their configuration.
     return dot_general_p.bind(lhs, rhs, dimension_numbers=dimension_numbers,
-                              out_dtype=jnp.dtype(out_dtype), config=None, local=local)
+                              out_dtype=jnp.dtype(out_dtype), precision=precision, config=None,
+                              local=local)
 
 
 # ---------------------------------------------------------------- autodiff
@@ -249,8 +453,9 @@ def _transpose_to(result: jax.Array, axes: list[int]) -> jax.Array:
     return result if perm == tuple(range(len(perm))) else lax.transpose(result, perm)
 
 
-def _transpose_lhs(g, x, y, *, dimension_numbers, out_dtype, config, local):
-    """Cotangent of lhs: g contracted with rhs over rhs's free dims, batch dims kept."""
+def _transpose_lhs(g, x, y, *, dimension_numbers, out_dtype, precision, config, local):
+    """Cotangent of lhs: g contracted with rhs over rhs's free dims, batch dims kept (with
+    the product's precision, as lax's rule)."""
     del out_dtype, config
     (xc, yc), (xb, yb) = dimension_numbers
     x_ndim, y_ndim = len(x.aval.shape), _ranks(y)
@@ -258,13 +463,13 @@ def _transpose_lhs(g, x, y, *, dimension_numbers, out_dtype, config, local):
     nb = len(xb)
     g_y_free = tuple(range(nb + len(x_free), nb + len(x_free) + len(y_free)))
     dims = ((g_y_free, tuple(y_free)), (tuple(range(nb)), tuple(yb)))
-    result = _bind(g, y, dims, x.aval.dtype, local)
+    result = _bind(g, y, dims, x.aval.dtype, precision, local)
     # result: [batch, x's free dims, y's contracting dims in y's axis order]
     axes = [*xb, *x_free, *(xc[yc.index(a)] for a in sorted(yc))]
     return _transpose_to(result, axes)
 
 
-def _transpose_rhs(g, x, y, *, dimension_numbers, out_dtype, config, local):
+def _transpose_rhs(g, x, y, *, dimension_numbers, out_dtype, precision, config, local):
     """Cotangent of rhs: lhs contracted with g over lhs's free dims, batch dims kept."""
     del out_dtype, config
     (xc, yc), (xb, yb) = dimension_numbers
@@ -273,7 +478,7 @@ def _transpose_rhs(g, x, y, *, dimension_numbers, out_dtype, config, local):
     nb = len(xb)
     g_x_free = tuple(range(nb, nb + len(x_free)))
     dims = ((tuple(x_free), g_x_free), (tuple(xb), tuple(range(nb))))
-    result = _bind(x, g, dims, y.aval.dtype, local)
+    result = _bind(x, g, dims, y.aval.dtype, precision, local)
     # result: [batch, x's contracting dims in x's axis order, y's free dims]
     axes = [*yb, *(yc[xc.index(a)] for a in sorted(xc)), *y_free]
     return _transpose_to(result, axes)
@@ -282,30 +487,72 @@ def _transpose_rhs(g, x, y, *, dimension_numbers, out_dtype, config, local):
 # ---------------------------------------------------------------- batching
 
 
-def _batch_rule(args, dims, *, dimension_numbers, out_dtype, config, local):
+def _shift(axes, inserted):
+    return tuple(a + (a >= inserted) for a in axes)
+
+
+def _broadcast_instead(mapped, other, axis: int, other_is_lhs: bool, dims, out_dtype,
+                       precision) -> DimensionNumbers | None:
+    """Dimension numbers for `other` broadcast along a new leading axis of the size of
+    `mapped`'s axis `axis` (so both are mapped and it joins the batch dims), when the kernel
+    cannot read `mapped` in place with that axis among its free dims but can read the pair
+    this way, and broadcasting copies fewer elements than the transpose of `mapped` and the
+    move of vmap's result that the other way costs; else None.
+
+    dims: the dimension numbers with the mapped axis free (the default)."""
+    lhs, rhs = (other, mapped) if other_is_lhs else (mapped, other)
+    if _kernel_input_dtype(lhs.dtype, rhs.dtype, out_dtype, precision) is None:
+        return None
+    if gemm_plan.plan(lhs.shape, rhs.shape, dims) is not None:
+        return None
+    (lc, rc), (lb, rb) = dims
+    size = mapped.shape[axis]
+    if other_is_lhs:
+        new = ((_shift(lc, 0), rc), ((0, *_shift(lb, 0)), (axis, *rb)))
+        shapes = ((size, *lhs.shape), rhs.shape)
+    else:
+        new = ((lc, _shift(rc, 0)), ((axis, *lb), (0, *_shift(rb, 0))))
+        shapes = (lhs.shape, (size, *rhs.shape))
+    if gemm_plan.plan(*shapes, new) is None:
+        return None
+    out_size = math.prod(output_shape(lhs.shape, rhs.shape, dims))
+    if size * math.prod(other.shape) > math.prod(mapped.shape) + out_size:
+        return None
+    return new
+
+
+def _batch_rule(args, dims, *, dimension_numbers, out_dtype, precision, config, local):
     """vmap: a mapped axis of both operands joins the batch dims; a mapped axis of one
-    operand becomes one of its free dims (the kernel folds it into M or a batch axis)."""
+    operand becomes one of its free dims (the kernel folds it into M or a batch axis), or,
+    where the kernel could not then read that operand in place (vmap(vmap(f), (0, None))
+    maps an operand that has batch dims already), the other operand is broadcast along it
+    when that copies less than transposing the mapped operand would."""
     del config
     lhs, rhs = args
     ld, rd = dims
     (lc, rc), (lb, rb) = dimension_numbers
 
-    def shift(axes, inserted):
-        return tuple(a + (a >= inserted) for a in axes)
-
     if ld is not None and rd is not None:
-        new = ((shift(lc, ld), shift(rc, rd)), ((ld, *shift(lb, ld)), (rd, *shift(rb, rd))))
-        return _bind(lhs, rhs, new, out_dtype, local), 0
+        new = ((_shift(lc, ld), _shift(rc, rd)), ((ld, *_shift(lb, ld)), (rd, *_shift(rb, rd))))
+        return _bind(lhs, rhs, new, out_dtype, precision, local), 0
     if ld is not None:
-        lc, lb = shift(lc, ld), shift(lb, ld)
+        lc, lb = _shift(lc, ld), _shift(lb, ld)
+        new = _broadcast_instead(lhs, rhs, ld, False, ((lc, rc), (lb, rb)), out_dtype, precision)
+        if new is not None:
+            rhs = jnp.broadcast_to(rhs, (lhs.shape[ld], *rhs.shape))
+            return _bind(lhs, rhs, new, out_dtype, precision, local), 0
         free = free_axes(lhs.ndim, lc, lb)
         out_dim = len(lb) + free.index(ld)
-        return _bind(lhs, rhs, ((lc, rc), (lb, rb)), out_dtype, local), out_dim
-    rc, rb = shift(rc, rd), shift(rb, rd)
+        return _bind(lhs, rhs, ((lc, rc), (lb, rb)), out_dtype, precision, local), out_dim
+    rc, rb = _shift(rc, rd), _shift(rb, rd)
+    new = _broadcast_instead(rhs, lhs, rd, True, ((lc, rc), (lb, rb)), out_dtype, precision)
+    if new is not None:
+        lhs = jnp.broadcast_to(lhs, (rhs.shape[rd], *lhs.shape))
+        return _bind(lhs, rhs, new, out_dtype, precision, local), 0
     free = free_axes(rhs.ndim, rc, rb)
     lhs_free = lhs.ndim - len(lc) - len(lb)
     out_dim = len(lb) + lhs_free + free.index(rd)
-    return _bind(lhs, rhs, ((lc, rc), (lb, rb)), out_dtype, local), out_dim
+    return _bind(lhs, rhs, ((lc, rc), (lb, rb)), out_dtype, precision, local), out_dim
 
 
 dot_general_p.def_impl(_impl)
@@ -324,13 +571,51 @@ mlir.register_lowering(dot_general_p, functools.partial(_lowering, platform="cud
 # Public ops.
 
 
+def _index_tuple(x) -> tuple[int, ...]:
+    """An axis or a sequence of axes as a tuple (lax.dot_general takes both)."""
+    try:
+        return (operator.index(x),)
+    except TypeError:
+        return tuple(operator.index(a) for a in x)
+
+
 def _normalize(dimension_numbers, lhs_ndim: int, rhs_ndim: int) -> DimensionNumbers:
+    """lax.dot_general's dimension numbers (already validated by lax) as tuples of axes:
+    None (un-batched matrix/vector products) and bare ints as lax reads them."""
+    if dimension_numbers is None:
+        dimension_numbers = (((lhs_ndim - 1,), (0,)), ((), ()))
     (lc, rc), (lb, rb) = dimension_numbers
 
     def axes(seq, ndim):
-        return tuple(int(a) % ndim for a in seq)
+        return tuple(a % ndim for a in _index_tuple(seq))
 
     return ((axes(lc, lhs_ndim), axes(rc, rhs_ndim)), (axes(lb, lhs_ndim), axes(rb, rhs_ndim)))
+
+
+def _is_arraylike(x) -> bool:
+    """What lax and jnp take as an operand: arrays, numpy scalars, Python numbers."""
+    return (isinstance(x, (jax.Array, np.ndarray, np.generic, bool, numbers.Number))
+            or hasattr(x, "__jax_array__"))
+
+
+def _as_config(config, op: str) -> GemmConfig | None:
+    """`config` as this module's GemmConfig. A GemmConfig of another copy of the class (made
+    before ``importlib.reload(jax_tma.gemm_config)``) is rebuilt from its fields, and checked
+    again."""
+    if config is None or isinstance(config, GemmConfig):
+        return config
+    names = [f.name for f in dataclasses.fields(GemmConfig)]
+    if (type(config).__name__ == GemmConfig.__name__ and dataclasses.is_dataclass(config)
+            and [f.name for f in dataclasses.fields(config)] == names):
+        return GemmConfig(**{name: getattr(config, name) for name in names})
+    raise TypeError(f"{op}: config must be a jax_tma.GemmConfig or None, got {config!r}")
+
+
+def _weak_as(out: jax.Array, expected) -> jax.Array:
+    """`out` weakly typed where the reference's result is (lax and jnp keep weak types)."""
+    if getattr(expected, "weak_type", False):
+        return _convert_element_type(out, jnp.dtype(out.dtype), weak_type=True)
+    return out
 
 
 def dot_general(lhs: Any, rhs: Any, dimension_numbers, precision=None,
@@ -338,85 +623,112 @@ def dot_general(lhs: Any, rhs: Any, dimension_numbers, precision=None,
                 config: GemmConfig | None = None) -> jax.Array:
     """``jax.lax.dot_general`` on the Hopper TMA kernel where it applies.
 
-    Same signature, results, dtypes and errors as ``lax.dot_general``, so it can be passed as
-    ``dot_general=`` to ``flax.linen.Dense``, ``DenseGeneral``, ``flax.nnx.Linear`` and
-    ``LinearGeneral``. bf16 or fp16 operands of one dtype with an output of that dtype or fp32
-    run the kernel (fp32 accumulation; `precision` changes nothing for 16-bit inputs) when
-    each operand's batch, free and contracting dimensions are runs of adjacent axes and its
-    rows are 16-byte multiples (else padded once); transposed operands are read in place.
-    Other inputs, and calls with `out_sharding`, run ``lax.dot_general``.
+    Same signature, results, dtypes (weak types included) and errors as ``lax.dot_general``,
+    so it can be passed as ``dot_general=`` to ``flax.linen.Dense``, ``DenseGeneral``,
+    ``flax.nnx.Linear`` and ``LinearGeneral``. bf16 or fp16 operands of one dtype with an output
+    of that dtype or fp32 run the kernel (fp32 accumulation), as do operands of two types that
+    lax converts to a bf16 or fp16 output type before its dot. `precision` must ask for what
+    the kernel computes (``kernel_precision``: None, any ``lax.Precision``, the DEFAULT preset,
+    BF16_BF16_F32 on bf16, F16_F16_F32 on fp16); other algorithms run ``lax.dot_general``.
+    Operands are read in place when each one's batch, free and contracting dimensions are runs
+    of adjacent axes (rows that are not 16-byte multiples are padded once); otherwise one
+    operand, the smaller, is transposed first (two contracting dims in opposite orders, say).
+    Products larger than the kernel takes (m, n, k or batch past 2^31 - 1, more than
+    gemm_config.MAX_WORK_UNITS tiles) and calls with `out_sharding` run ``lax.dot_general``.
 
     Args:
       lhs, rhs: arrays.
-      dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))``.
+      dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))``, or
+        None for an un-batched matrix/vector product, as for ``lax.dot_general``.
       precision, preferred_element_type, out_sharding: as for ``lax.dot_general``.
       config: a ``GemmConfig`` for this product (not for the products of its gradient or of
         ``vmap``, which the heuristic configures); a ValueError names the shapes if it cannot
         compute it.
     """
-    if config is not None and not isinstance(config, GemmConfig):
-        raise TypeError(f"jax_tma.dot_general: config must be a GemmConfig or None, got {config!r}")
-    reference = functools.partial(
-        lax.dot_general, dimension_numbers=dimension_numbers, precision=precision,
-        preferred_element_type=preferred_element_type, out_sharding=out_sharding,
-    )
+    config = _as_config(config, "jax_tma.dot_general")
+
+    def reference(x, y):
+        return lax.dot_general(x, y, dimension_numbers, precision=precision,
+                               preferred_element_type=preferred_element_type,
+                               out_sharding=out_sharding)
+
+    if not (_is_arraylike(lhs) and _is_arraylike(rhs)):
+        return reference(lhs, rhs)  # lax's TypeError
     expected = jax.eval_shape(reference, lhs, rhs)  # lax's errors, lax's result type
     _ext.warn_if_unavailable()
-    lhs_dtype, rhs_dtype = jnp.result_type(lhs), jnp.result_type(rhs)
-    if (out_sharding is not None or math.prod(expected.shape) == 0
-            or not _kernel_dtypes(lhs_dtype, rhs_dtype, expected.dtype)):
-        return reference(lhs, rhs)
+    out_dtype = jnp.dtype(expected.dtype)
+    canonical = canonicalize_precision(precision)  # hashable: lax refused anything else
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+    in_dtype = _kernel_input_dtype(lhs.dtype, rhs.dtype, out_dtype, canonical)
+    if out_sharding is not None or math.prod(expected.shape) == 0 or in_dtype is None:
+        return reference(lhs, rhs)
+    lhs, rhs = lhs.astype(in_dtype), rhs.astype(in_dtype)  # no-ops but for lax's conversions
     dims = _normalize(dimension_numbers, lhs.ndim, rhs.ndim)
     if config is not None:
-        plan = kernel_plan(lhs, rhs, dims, expected.dtype)
-        if plan is not None:
-            config_for(plan, expected.dtype, config)
-    return dot_general_p.bind(lhs, rhs, dimension_numbers=dims, out_dtype=jnp.dtype(expected.dtype),
-                              config=config, local=False)
+        route = kernel_route(lhs, rhs, dims, out_dtype, canonical)
+        if route is not None:
+            config_for(route.plan, out_dtype, config)
+    out = dot_general_p.bind(lhs, rhs, dimension_numbers=dims, out_dtype=out_dtype,
+                             precision=canonical, config=config, local=False)
+    return _weak_as(out, expected)
 
 
-def matmul(a: Any, b: Any, *, out_dtype: Any = None, config: GemmConfig | None = None) -> jax.Array:
+def matmul(a: Any, b: Any, *, precision=None, preferred_element_type=None, out_sharding=None,
+           out_dtype: Any = None, config: GemmConfig | None = None) -> jax.Array:
     """Matrix product with ``jnp.matmul`` semantics, on the Hopper TMA kernel where it applies.
 
     Args:
       a: array of shape [..., M, K] or [K] (any dtype ``jnp.matmul`` accepts).
       b: array of shape [..., K, N] or [K].
-      out_dtype: result dtype, as ``preferred_element_type`` of ``jnp.matmul``; by default the
-        promoted input dtype.
+      precision, preferred_element_type, out_sharding: as for ``jnp.matmul``.
+      out_dtype: the same as `preferred_element_type` (both given: they must agree).
       config: a ``GemmConfig`` to force a kernel tile configuration; by default a heuristic
         picks one. Ignored where the kernel does not apply.
 
     Returns:
-      ``jnp.matmul(a, b, preferred_element_type=out_dtype)``. bf16/fp16 operands of one dtype
-      run the kernel (fp32 accumulation) through ``dot_general``: batch dims of equal shape
-      become the kernel's batch axis, batch dims of `a` alone fold into M; other broadcasts
-      run through XLA. Errors are ``jnp.matmul``'s.
+      ``jnp.matmul(a, b, precision=precision, preferred_element_type=...)``. bf16/fp16
+      operands run the kernel (fp32 accumulation) through ``dot_general``, with its rules for
+      precisions and operand types: batch dims of equal shape become the kernel's batch axis,
+      batch dims of `a` alone fold into M; other broadcasts, and calls with `out_sharding`,
+      run ``jnp.matmul``. Errors are ``jnp.matmul``'s.
     """
-    if config is not None and not isinstance(config, GemmConfig):
-        raise TypeError(f"jax_tma.matmul: config must be a GemmConfig or None, got {config!r}")
-    expected = jax.eval_shape(
-        functools.partial(jnp.matmul, preferred_element_type=out_dtype), a, b
-    )
+    config = _as_config(config, "jax_tma.matmul")
+    if out_dtype is not None:
+        if preferred_element_type is not None and jnp.dtype(out_dtype) != jnp.dtype(preferred_element_type):
+            raise ValueError(
+                "jax_tma.matmul: out_dtype is another name for preferred_element_type; got "
+                f"out_dtype={out_dtype!r} and preferred_element_type={preferred_element_type!r}"
+            )
+        preferred_element_type = out_dtype
+    reference = functools.partial(jnp.matmul, precision=precision,
+                                  preferred_element_type=preferred_element_type,
+                                  out_sharding=out_sharding)
+    if not (_is_arraylike(a) and _is_arraylike(b)):
+        return reference(a, b)  # jnp's TypeError
+    expected = jax.eval_shape(reference, a, b)
     _ext.warn_if_unavailable()
-    a_dtype, b_dtype = jnp.result_type(a), jnp.result_type(b)
-    if not _kernel_dtypes(a_dtype, b_dtype, expected.dtype):
-        return jnp.matmul(a, b, preferred_element_type=out_dtype)
     a, b = jnp.asarray(a), jnp.asarray(b)
-    kw = dict(preferred_element_type=expected.dtype, config=config)
+    out_type = jnp.dtype(expected.dtype)
+    if (out_sharding is not None or _kernel_input_dtype(
+            a.dtype, b.dtype, out_type, canonicalize_precision(precision)) is None):
+        return reference(a, b)
+    kw = dict(precision=precision, preferred_element_type=out_type, config=config)
     if a.ndim == 1 and b.ndim == 1:
-        return dot_general(a, b, (((0,), (0,)), ((), ())), **kw)
-    if b.ndim == 1:
-        return dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())), **kw)
-    if a.ndim == 1:
-        return dot_general(a, b, (((0,), (b.ndim - 2,)), ((), ())), **kw)
-    if b.ndim == 2:  # a's batch dims fold into M
-        return dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())), **kw)
-    if a.shape[:-2] == b.shape[:-2]:
+        out = dot_general(a, b, (((0,), (0,)), ((), ())), **kw)
+    elif b.ndim == 1:
+        out = dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())), **kw)
+    elif a.ndim == 1:
+        out = dot_general(a, b, (((0,), (b.ndim - 2,)), ((), ())), **kw)
+    elif b.ndim == 2:  # a's batch dims fold into M
+        out = dot_general(a, b, (((a.ndim - 1,), (0,)), ((), ())), **kw)
+    elif a.shape[:-2] == b.shape[:-2]:
         batch = tuple(range(a.ndim - 2))
-        return dot_general(a, b, (((a.ndim - 1,), (b.ndim - 2,)), (batch, batch)), **kw)
-    if a.ndim == 2 and b.ndim == 3:
+        out = dot_general(a, b, (((a.ndim - 1,), (b.ndim - 2,)), (batch, batch)), **kw)
+    elif a.ndim == 2 and b.ndim == 3:
         # [M, K] @ [B, K, N]: the kernel broadcasts a over b's batch and writes [M, B, N].
-        out = dot_general(a, b, (((1,), (1,)), ((), ())), **kw)
-        return jnp.moveaxis(out, 1, 0)
-    return jnp.matmul(a, b, preferred_element_type=out_dtype)
+        out = jnp.moveaxis(dot_general(a, b, (((1,), (1,)), ((), ())), **kw), 1, 0)
+    else:
+        return reference(a, b)
+    if getattr(out, "weak_type", False) != getattr(expected, "weak_type", False):
+        out = _convert_element_type(out, out_type, weak_type=bool(expected.weak_type))
+    return out

@@ -10,8 +10,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
+import numbers
 
 import jax.numpy as jnp
+import numpy as np
 
 KERNEL_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # TMA needs 16-byte global strides: every stride of an operand except its unit one is a
@@ -43,6 +45,19 @@ MAX_SPLIT_K = 16
 _STREAM_K_SLOTS_PER_CTA = 2  # sm90_gemm::kStreamKSlotsPerCta: one per consumer warpgroup
 # EpilogueKind (csrc/kernels/sm90_gemm.h).
 _EPILOGUE_TMA_STORE, _EPILOGUE_DIRECT = 0, 1
+
+# Sizes the kernel takes, as the FFI handler checks them (csrc/ffi/gemm.cc: gemm_sm90() and
+# run()); the lowering sends every other product to XLA, so none fails at run time.
+# - m, n, k and batch each in [1, MAX_DIM] (the kernel's shape is int32; TMA's tensor-map
+#   dimensions, below 2^32, follow);
+MAX_DIM = 2**31 - 1
+# - at most MAX_WORK_UNITS (split, batch entry, cluster row of M blocks, N block) units: the
+#   scheduler numbers them in int32 and steps past the last by the grid's cluster count;
+MAX_WORK_UNITS = (2**31 - 1) // 2
+# - every TMA byte stride below 2^40. A stride that steps through a buffer is smaller than the
+#   buffer, and the stride of a dimension of extent 1 is the dense one (at most the buffer
+#   rounded up to 16 bytes), so buffers of at most this many bytes keep every stride below it.
+MAX_BUFFER_BYTES = 2**40 - 16
 
 
 def kernel_output_dtypes(in_dtype) -> tuple:
@@ -80,6 +95,17 @@ class GemmConfig:
     stream_k: bool = False
 
     def __post_init__(self) -> None:
+        # Integers of any kind (numpy's too) are stored as int; bools and floats are refused.
+        for name in ("block_m", "block_n", "stages", "cluster_m", "split_k"):
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+                raise ValueError(
+                    f"jax_tma: GemmConfig {name} must be an int, got {value!r} "
+                    f"({type(value).__name__})"
+                )
+            object.__setattr__(self, name, int(value))
+        if isinstance(self.stream_k, np.bool_):
+            object.__setattr__(self, "stream_k", bool(self.stream_k))
         if self.tile not in _TILE_KEYS:
             choices = "; ".join(
                 f"block_m={bm}, block_n={bn}, stages={st}, cluster_m={cm}"
@@ -89,7 +115,7 @@ class GemmConfig:
                 f"jax_tma: GemmConfig({self.describe()}) is not a compiled configuration; "
                 f"choose one of: {choices}"
             )
-        if not (isinstance(self.split_k, int) and 1 <= self.split_k <= MAX_SPLIT_K):
+        if not 1 <= self.split_k <= MAX_SPLIT_K:
             raise ValueError(
                 f"jax_tma: GemmConfig split_k must be an int in [1, {MAX_SPLIT_K}], "
                 f"got {self.split_k!r}"
@@ -127,6 +153,12 @@ class GemmConfig:
         per_split = -(-k_blocks // min(self.split_k, k_blocks))
         return -(-k_blocks // per_split)
 
+    def work_units(self, m: int, n: int, k: int, batch: int = 1) -> int:
+        """(split, batch entry, cluster row, N block) units the scheduler numbers for `batch`
+        products of M x N x K (the FFI handler's count; at most MAX_WORK_UNITS)."""
+        cluster_rows = -(-(-(-m // self.block_m)) // self.cluster_m)
+        return cluster_rows * -(-n // self.block_n) * batch * self.splits_for(k)
+
     def describe(self) -> str:
         return (
             f"block_m={self.block_m}, block_n={self.block_n}, stages={self.stages}, "
@@ -158,13 +190,30 @@ def tma_store_aligned(strides: int | tuple[int, ...], out_dtype) -> bool:
 
 
 def check_config(config: GemmConfig, m: int, n: int, k: int, out_dtype,
-                 out_strides: tuple[int, ...] | None = None) -> None:
-    """Raises ValueError when `config` cannot compute an M x N x K product into out_dtype.
+                 out_strides: tuple[int, ...] | None = None, batch: int = 1) -> None:
+    """Raises ValueError when `config` cannot compute `batch` M x N x K products into
+    out_dtype: output rows TMA cannot store, or more work units or output bytes than the
+    kernel takes (MAX_WORK_UNITS, MAX_BUFFER_BYTES).
 
     `out_strides`: the element strides between the output's rows (and batch entries), by
     default (n,) for a dense [M, N] output."""
     # Split-K writes fp32 partial products; otherwise the kernel writes out_dtype.
-    stored = jnp.float32 if config.splits_for(k) > 1 else out_dtype
+    splits = config.splits_for(k)
+    stored = jnp.float32 if splits > 1 else out_dtype
+    shape = f"{batch} x ({m}, {n}) output, K={k}" if batch > 1 else f"({m}, {n}) output, K={k}"
+    units = config.work_units(m, n, k, batch)
+    if units > MAX_WORK_UNITS:
+        raise ValueError(
+            f"jax_tma: GemmConfig({config.describe()}) cuts a {shape} into {units} work units; "
+            f"the kernel's scheduler takes at most {MAX_WORK_UNITS}. Use larger tiles, fewer "
+            "splits, or config=None (the heuristic, or XLA where no configuration fits)"
+        )
+    out_bytes = splits * batch * m * n * jnp.dtype(stored).itemsize
+    if out_bytes > MAX_BUFFER_BYTES:
+        raise ValueError(
+            f"jax_tma: GemmConfig({config.describe()}) writes {out_bytes} bytes for a {shape} "
+            f"of {jnp.dtype(stored).name}; TMA strides must stay below 2^40 bytes"
+        )
     strides = (n,) if out_strides is None else tuple(out_strides)
     if not tma_store_aligned(strides, stored) and not config.has_direct_store:
         itemsize = jnp.dtype(stored).itemsize
@@ -376,8 +425,8 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
 
 
 def legal_configs(m: int, n: int, k: int, out_dtype, out_strides: tuple[int, ...] | None = None,
-                  splits: tuple[int, ...] = _SPLIT_CHOICES):
-    """Yields every compiled tile that can compute an M x N x K product into out_dtype
+                  splits: tuple[int, ...] = _SPLIT_CHOICES, batch: int = 1):
+    """Yields every compiled tile that can compute `batch` M x N x K products into out_dtype
     (check_config), with each split-K factor of `splits` that a depth of k uses in full, and
     with stream-K where the tile takes it."""
     for tile in COMPILED_CONFIGS:
@@ -386,7 +435,7 @@ def legal_configs(m: int, n: int, k: int, out_dtype, out_strides: tuple[int, ...
             if split_k > 1 and cfg.splits_for(k) != split_k:
                 continue
             try:
-                check_config(cfg, m, n, k, out_dtype, out_strides)
+                check_config(cfg, m, n, k, out_dtype, out_strides, batch)
             except ValueError:
                 continue
             yield cfg
@@ -399,8 +448,9 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
                    out_strides: tuple[int, ...] | None = None,
                    misaligned_rows: str = "",
                    dram_bytes_per_s: float = DEFAULT_DRAM_BYTES_PER_S,
-                   l2_bytes: int = DEFAULT_L2_BYTES) -> GemmConfig:
-    """Picks a configuration for `batch` products of M x N x K.
+                   l2_bytes: int = DEFAULT_L2_BYTES) -> GemmConfig | None:
+    """Picks a configuration for `batch` products of M x N x K, or None when none can compute
+    them (more work units or output bytes than the kernel takes: the product runs on XLA).
 
     Every compiled tile with every split-K choice is scored by ``estimate_seconds`` (waves,
     last-wave utilization, tile efficiency and a fixed cost per tile, or memory traffic for
@@ -424,7 +474,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
                          f"got {l2_bytes!r}")
     out_bytes = jnp.dtype(out_dtype).itemsize
     best, best_key = None, None
-    for cfg in legal_configs(m, n, k, out_dtype, out_strides):
+    for cfg in legal_configs(m, n, k, out_dtype, out_strides, batch=batch):
         # Stream-K only where the matrix fills the tile's rows: on 64 rows, 128-row stream-K
         # took 35.2 us against 23.4 for 64 x 128 tiles (64 x 7000 x 4096, H100, B misaligned),
         # 8.8 against 5.3 for 64 x 64 tiles split 4 ways on 64 x 1000 x 1000.

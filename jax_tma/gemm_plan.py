@@ -13,7 +13,8 @@ free, contracting) must be a run of adjacent axes in order, so that it merges in
 strided index; the transposes a user or an autodiff rule asks for become strides. When the
 free dimensions of one operand are not adjacent (``vmap`` over only one operand puts the
 mapped axis in front of them), the outer one becomes a batch axis over which the other operand
-is broadcast. Anything else returns None and runs through XLA.
+is broadcast. Anything else returns None and runs through XLA, as do products larger than the
+kernel takes (gemm_config.MAX_DIM, MAX_BUFFER_BYTES).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ import dataclasses
 import math
 from typing import Sequence
 
-from jax_tma.gemm_config import PAD_ELEMS, STRIDE_ELEMS
+from jax_tma.gemm_config import MAX_BUFFER_BYTES, MAX_DIM, PAD_ELEMS, STRIDE_ELEMS
+
+_IN_BYTES = 2  # the kernel reads 16-bit operands
 
 DimensionNumbers = tuple[tuple[tuple[int, ...], tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]]
 
@@ -137,12 +140,33 @@ def _operand(shape: Sequence[int], batch_group, free_group, contract_group,
     return found
 
 
+def _within_limits(found: GemmPlan | None, lhs_shape, rhs_shape) -> GemmPlan | None:
+    """`found`, or None where its sizes exceed what the kernel takes: m, n, k or batch past
+    MAX_DIM, or an operand (padded) past MAX_BUFFER_BYTES. (The output's bytes depend on the
+    configuration: gemm_config.check_config.)"""
+    if found is None or max(found.m, found.n, found.k, found.batch) > MAX_DIM:
+        return None
+    for shape, view in ((lhs_shape, found.lhs), (rhs_shape, found.rhs)):
+        elements = math.prod(shape)
+        if view.pad:
+            elements = elements // shape[view.pad_axis] * (shape[view.pad_axis] + view.pad)
+        if elements * _IN_BYTES > MAX_BUFFER_BYTES:
+            return None
+    return found
+
+
 def plan(lhs_shape: Sequence[int], rhs_shape: Sequence[int],
          dimension_numbers: DimensionNumbers) -> GemmPlan | None:
     """The kernel view of ``dot_general(lhs, rhs, dimension_numbers)`` on row-major operands,
-    or None when the operands cannot be read in place (the op then runs through XLA)."""
-    (lc, rc), (lb, rb) = dimension_numbers
+    or None when the operands cannot be read in place or are larger than the kernel takes
+    (the op then runs through XLA)."""
     lhs_shape, rhs_shape = tuple(lhs_shape), tuple(rhs_shape)
+    return _within_limits(_plan(lhs_shape, rhs_shape, dimension_numbers), lhs_shape, rhs_shape)
+
+
+def _plan(lhs_shape: tuple[int, ...], rhs_shape: tuple[int, ...],
+          dimension_numbers: DimensionNumbers) -> GemmPlan | None:
+    (lc, rc), (lb, rb) = dimension_numbers
     # Contracting (and batch) pairs index alike when both sides merge in the same order:
     # order the pairs by the lhs axis.
     lc, rc = zip(*sorted(zip(lc, rc))) if lc else ((), ())

@@ -72,3 +72,12 @@ def rel_error(x, ref) -> float:
 def rng(request) -> np.random.Generator:
     """A generator seeded from the test id, so every case draws its own reproducible data."""
     return np.random.default_rng(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def on_cpu():
+    """Runs the test on the CPU device: lax-parity tests that compare bits hold on a GPU
+    machine too (there the kernel's results differ from XLA's dot within the error bounds,
+    which the GPU tests check)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield

@@ -12,6 +12,7 @@ finite differences mean nothing in bf16.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -83,7 +84,8 @@ def _bound_error(out, lhs, rhs, dims) -> float:
 def prim_dot(lhs, rhs, dims):
     """The primitive itself, for any dtype (the public op sends fp32 straight to lax)."""
     return gemm.dot_general_p.bind(lhs, rhs, dimension_numbers=dims,
-                                   out_dtype=jnp.result_type(lhs), config=None, local=False)
+                                   out_dtype=jnp.result_type(lhs), precision=None, config=None,
+                                   local=False)
 
 
 def spec(shape, dtype=BF16):
@@ -318,7 +320,7 @@ def test_cuda_lowering_nested_vmap_is_one_kernel():
 
 # (in_axes, whether vmap's out_axes=0 moves the mapped axis of the result): only rhs mapped
 # puts it after lhs's free dims. A mapped axis that is an operand's innermost (unit-stride)
-# axis cannot be read in place: such products run through XLA.
+# axis cannot be read in place: that operand is transposed first (test below).
 VMAP_KERNEL_AXES = [((0, None), False), ((None, 0), True), ((0, 0), False), ((1, None), True),
                     ((None, 1), True), ((1, 0), False)]
 
@@ -328,6 +330,20 @@ VMAP_KERNEL_AXES = [((0, None), False), ((None, 0), True), ((0, 0), False), ((1,
 def test_cuda_lowering_vmap_is_one_kernel(in_axes, moves_result):
     lhs, rhs = spec(_mapped_shape((64, 32), in_axes[0])), spec(_mapped_shape((32, 48), in_axes[1]))
     _assert_kernels(cuda_hlo(jax.vmap(jax_tma.matmul, in_axes), lhs, rhs), 1, moves_result)
+
+
+@needs_extension
+@pytest.mark.parametrize("in_axes", [(2, None), (None, 2), (2, 2)], ids=str)
+def test_cuda_lowering_vmap_of_an_innermost_axis_is_one_kernel(in_axes):
+    """A mapped axis that is an operand's innermost axis: one kernel, after at most one copy
+    (padded rows, or a transpose) of each such operand (none for rhs, whose mapped axis joins
+    its free dims: N = 48 x 3)."""
+    lhs, rhs = spec(_mapped_shape((64, 32), in_axes[0])), spec(_mapped_shape((32, 48), in_axes[1]))
+    hlo = cuda_hlo(jax.vmap(jax_tma.matmul, in_axes), lhs, rhs)
+    assert hlo.count(KERNEL_CALL) == 1 and "stablehlo.dot_general" not in hlo
+    before = hlo.rpartition(KERNEL_CALL)[0]
+    copies = before.count("stablehlo.transpose") + before.count("call @_pad")
+    assert copies <= sum(a is not None for a in in_axes)
 
 
 def _dense_loss(x, w):
@@ -433,3 +449,427 @@ def test_vmap_and_grad_run_the_kernel(rng):
     gy = 2 * y
     assert rel_error(gx, gy @ np.asarray(w, np.float64).T) <= 2 * TOL[BF16]
     assert rel_error(gw, np.asarray(x, np.float64).T @ gy) <= 2 * TOL[BF16]
+
+
+# ---------------------------------------------------------------- precision (CPU)
+# The kernel multiplies the 16-bit operands as they are and accumulates in fp32: only the
+# precisions that ask for that take it (gemm.kernel_precision); every other one is lax's,
+# which computes it (F16_F16_F16 rounds bf16 operands to fp16: 1e5 overflows to inf) or raises
+# (algorithms the CPU does not have, fp8 algorithms on 16-bit operands).
+
+PRESET = lax.DotAlgorithmPreset
+PRECISION_CASES = [
+    # (operand dtype, precision, kernel on CUDA)
+    (BF16, None, True),
+    (BF16, lax.Precision.DEFAULT, True),
+    (BF16, lax.Precision.HIGHEST, True),
+    (F16, (lax.Precision.HIGH, lax.Precision.HIGHEST), True),
+    (BF16, "float32", True),
+    (BF16, PRESET.DEFAULT, True),
+    (BF16, PRESET.BF16_BF16_F32, True),
+    (BF16, "BF16_BF16_F32", True),
+    (F16, PRESET.F16_F16_F32, True),
+    (BF16, lax.DotAlgorithm(BF16, BF16, np.float32), True),
+    (BF16, PRESET.F16_F16_F32, False),
+    (BF16, PRESET.F16_F16_F16, False),
+    (BF16, PRESET.BF16_BF16_BF16, False),
+    (BF16, PRESET.TF32_TF32_F32, False),
+    (BF16, PRESET.ANY_F8_ANY_F8_F32, False),
+    (BF16, PRESET.BF16_BF16_F32_X3, False),
+    (F16, PRESET.BF16_BF16_F32, False),
+    (F16, PRESET.F16_F16_F16, False),
+    (BF16, lax.DotAlgorithm(F16, F16, np.float32), False),
+    (BF16, lax.DotAlgorithm(BF16, BF16, BF16), False),
+    (BF16, lax.DotAlgorithm(BF16, BF16, np.float32, num_primitive_operations=3), False),
+]
+PRECISION_IDS = [f"{d.name}-{p}" for d, p, _ in PRECISION_CASES]
+
+
+def _result_or_error(fn):
+    try:
+        out = fn()
+        return ("ok", out.dtype, np.asarray(out, np.float64))
+    except Exception as err:  # noqa: BLE001 - the error is the result being compared
+        return ("error", type(err), str(err))
+
+
+def _assert_same(ours, ref):
+    assert ours[:2] == ref[:2], (ours, ref)
+    if ours[0] == "ok":
+        np.testing.assert_array_equal(ours[2], ref[2])
+    else:
+        assert ours[2] == ref[2]
+
+
+@pytest.mark.usefixtures("on_cpu")
+@pytest.mark.parametrize("preferred", [None, F32])
+@pytest.mark.parametrize("dtype,precision,kernel", PRECISION_CASES, ids=PRECISION_IDS)
+def test_precision_matches_lax(rng, dtype, precision, kernel, preferred):
+    """bf16 values of 1e5 and more (past fp16's range) tell an fp16 rounding from none."""
+    del kernel
+    lhs = (random_array(rng, (8, 16), np.float32) * (1e5 if dtype == BF16 else 1e2)).astype(dtype)
+    rhs = random_array(rng, (16, 4), np.float32).astype(dtype)
+    ours = _result_or_error(lambda: jax_tma.dot_general(lhs, rhs, MATMUL, precision=precision,
+                                                        preferred_element_type=preferred))
+    ref = _result_or_error(lambda: lax.dot_general(lhs, rhs, MATMUL, precision=precision,
+                                                   preferred_element_type=preferred))
+    _assert_same(ours, ref)
+    ours = _result_or_error(lambda: jax_tma.matmul(lhs, rhs, precision=precision, preferred_element_type=preferred))
+    ref = _result_or_error(lambda: jnp.matmul(lhs, rhs, precision=precision, preferred_element_type=preferred))
+    _assert_same(ours, ref)
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_bf16_with_f16_algorithm_overflows_as_lax_does():
+    """Issue 30: bf16 1e5 values with F16_F16_F16 are inf in lax (fp16 operands), not 798720."""
+    x = jnp.full((4, 8), 1e5, BF16)
+    ours = jax_tma.dot_general(x, x.T, MATMUL, precision=PRESET.F16_F16_F16)
+    assert np.isinf(np.asarray(ours, np.float32)).all()
+
+
+# The kernel's precisions, and one of each other kind (computed, refused on the CPU).
+GRADIENT_PRECISION_CASES = [c for c in PRECISION_CASES if c[2]] + [
+    (BF16, PRESET.F16_F16_F16, False), (BF16, PRESET.F16_F16_F32, False),
+    (F16, PRESET.BF16_BF16_F32, False)]
+
+
+@pytest.mark.usefixtures("on_cpu")
+@pytest.mark.parametrize("dtype,precision,kernel", GRADIENT_PRECISION_CASES,
+                         ids=[f"{d.name}-{p}" for d, p, _ in GRADIENT_PRECISION_CASES])
+def test_precision_gradients_match_lax(rng, dtype, precision, kernel):
+    """The rules carry the precision into the gradient products, as lax's do."""
+    del kernel
+    x, w = random_array(rng, (8, 16), dtype), random_array(rng, (16, 4), dtype)
+    loss = lambda dot: lambda x, w: jnp.sum(dot(x, w, MATMUL, precision=precision).astype(F32) ** 2)  # noqa: E731
+    ours = _result_or_error(lambda: jnp.stack([jnp.sum(g.astype(F32)) for g in jax.grad(loss(jax_tma.dot_general), (0, 1))(x, w)]))
+    ref = _result_or_error(lambda: jnp.stack([jnp.sum(g.astype(F32)) for g in jax.grad(loss(lax.dot_general), (0, 1))(x, w)]))
+    _assert_same(ours, ref)
+
+
+@needs_extension
+@pytest.mark.parametrize("dtype,precision,kernel", PRECISION_CASES, ids=PRECISION_IDS)
+def test_cuda_lowering_takes_the_kernel_only_for_its_precisions(dtype, precision, kernel):
+    f = lambda x, y: jax_tma.dot_general(x, y, MATMUL, precision=precision)  # noqa: E731
+    try:
+        hlo = cuda_hlo(f, spec((64, 32), dtype), spec((32, 48), dtype))
+    except ValueError as err:  # lax's own lowering refuses fp8 algorithms on 16-bit operands
+        assert not kernel
+        with pytest.raises(ValueError) as ref:
+            cuda_hlo(lambda x, y: lax.dot_general(x, y, MATMUL, precision=precision),
+                     spec((64, 32), dtype), spec((32, 48), dtype))
+        assert str(err) == str(ref.value)
+        return
+    assert hlo.count(KERNEL_CALL) == int(kernel)
+    assert ("stablehlo.dot_general" in hlo) == (not kernel)
+    if not kernel:  # lax's algorithm reaches XLA's dot
+        ref = cuda_hlo(lambda x, y: lax.dot_general(x, y, MATMUL, precision=precision),
+                       spec((64, 32), dtype), spec((32, 48), dtype))
+        algorithms = re.findall(r"algorithm = <[^>]*>", ref)
+        assert algorithms and all(a in hlo for a in algorithms)
+
+
+@needs_extension
+def test_cuda_lowering_reads_the_default_matmul_precision():
+    """precision=None is jax_default_matmul_precision, as in lax."""
+    with jax.default_matmul_precision("F16_F16_F16"):
+        hlo = cuda_hlo(lambda x, y: jax_tma.dot_general(x, y, MATMUL), spec((64, 32)), spec((32, 48)))
+    assert KERNEL_CALL not in hlo and "stablehlo.dot_general" in hlo
+    with jax.default_matmul_precision("BF16_BF16_F32"):
+        hlo = cuda_hlo(lambda x, y: jax_tma.dot_general(x, y, MATMUL), spec((64, 32)), spec((32, 48)))
+    assert hlo.count(KERNEL_CALL) == 1
+
+
+# ---------------------------------------------------------------- lax's arguments (CPU)
+
+
+@pytest.mark.usefixtures("on_cpu")
+@pytest.mark.parametrize("lhs_shape,rhs_shape", [((4, 8), (8, 2)), ((8,), (8, 2)), ((4, 8), (8,)),
+                                                  ((8,), (8,)), ((2, 4, 8), (8, 2)), ((4, 8), (4, 2))])
+@pytest.mark.parametrize("dims", [None, ((1, 0), ((), ())), (((1,), 0), ([], ()))],
+                         ids=["none", "bare-ints", "mixed"])
+def test_dimension_numbers_as_lax_reads_them(rng, lhs_shape, rhs_shape, dims):
+    """None (un-batched matrix/vector products) and bare ints, as lax.dot_general takes them."""
+    if dims is not None and (len(lhs_shape) != 2 or len(rhs_shape) != 2):
+        dims = (((len(lhs_shape) - 1),), 0), ((), ())
+    lhs, rhs = _operands(rng, lhs_shape, rhs_shape, BF16)
+    _assert_same(_result_or_error(lambda: jax_tma.dot_general(lhs, rhs, dims)),
+                 _result_or_error(lambda: lax.dot_general(lhs, rhs, dims)))
+
+
+@needs_extension
+def test_cuda_lowering_dimension_numbers_none():
+    hlo = cuda_hlo(lambda x, y: jax_tma.dot_general(x, y, None), spec((64, 32)), spec((32, 48)))
+    _assert_kernels(hlo, 1)
+
+
+@pytest.mark.parametrize("bad", [[1.0, 2.0], "ab", None, {"a": 1}], ids=["list", "str", "none", "dict"])
+@pytest.mark.parametrize("position", [0, 1])
+def test_non_array_operands_raise_lax_errors(bad, position):
+    good = jnp.ones((2,), BF16)
+    args = (bad, good) if position == 0 else (good, bad)
+    dims = (((0,), (0,)), ((), ()))
+    with pytest.raises(Exception) as ref:
+        lax.dot_general(*args, dims)
+    with pytest.raises(type(ref.value)) as ours:
+        jax_tma.dot_general(*args, dims)
+    assert str(ours.value) == str(ref.value)
+    assert "functools.partial" not in str(ours.value)
+
+
+# ---------------------------------------------------------------- one kernel (CPU)
+
+
+@pytest.mark.usefixtures("on_cpu")
+@pytest.mark.parametrize("in_axes", [(0, None), (None, 0), (1, None), (None, 2)])
+def test_nested_vmap_one_operand_matches_lax(rng, in_axes):
+    x = random_array(rng, _mapped_shape((2, 16, 8), in_axes[0]), BF16)
+    w = random_array(rng, _mapped_shape((2, 8, 12), in_axes[1]), BF16)
+    ours = jax.vmap(jax.vmap(jax_tma.matmul), in_axes)(x, w)
+    ref = jax.vmap(jax.vmap(jnp.matmul), in_axes)(x, w)
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype
+    np.testing.assert_array_equal(np.asarray(ours, np.float64), np.asarray(ref, np.float64))
+
+
+@needs_extension
+@pytest.mark.parametrize("in_axes", [(0, None), (None, 0)])
+def test_cuda_lowering_nested_vmap_one_operand_is_one_kernel(in_axes):
+    """vmap(vmap(matmul), (0, None)): the unmapped operand is broadcast along the outer axis
+    (fewer elements than transposing the mapped one and moving the result), so both are
+    batched: one kernel, no transposes."""
+    f = jax.vmap(jax.vmap(jax_tma.matmul), in_axes)
+    x, w = spec(_mapped_shape((2, 64, 32), in_axes[0])), spec(_mapped_shape((2, 32, 48), in_axes[1]))
+    hlo = cuda_hlo(f, x, w)
+    _assert_kernels(hlo, 1)
+    assert "batch = 6 :" in hlo and "stablehlo.broadcast_in_dim" in hlo
+
+
+@needs_extension
+def test_cuda_lowering_nested_vmap_transposes_when_that_copies_less():
+    """Two-row products under vmap(vmap(f), (0, None)): broadcasting the 64 x 64 matrices 8
+    times costs more than transposing the rows: one transpose, one kernel."""
+    f = jax.vmap(jax.vmap(jax_tma.matmul), (0, None))
+    hlo = cuda_hlo(f, spec((8, 2, 2, 64)), spec((2, 64, 64)))
+    assert hlo.count(KERNEL_CALL) == 1 and "stablehlo.dot_general" not in hlo
+    before = hlo.rpartition(KERNEL_CALL)[0]
+    assert before.count("stablehlo.transpose") == 1 and "stablehlo.broadcast_in_dim" not in before
+
+
+def _weak_bf16(shape):
+    return jax._src.lax.lax._convert_element_type(jnp.ones(shape, F32), BF16, weak_type=True)
+
+
+@pytest.mark.usefixtures("on_cpu")
+@pytest.mark.parametrize("weak", ["lhs", "rhs", "both"])
+@pytest.mark.parametrize("op", ["matmul", "dot_general"])
+def test_weak_typed_operands_match_lax(rng, weak, op):
+    x = jnp.asarray(random_array(rng, (16, 8), BF16))
+    w = jnp.asarray(random_array(rng, (8, 12), BF16))
+    if weak in ("lhs", "both"):
+        x = jax._src.lax.lax._convert_element_type(x, BF16, weak_type=True)
+    if weak in ("rhs", "both"):
+        w = jax._src.lax.lax._convert_element_type(w, BF16, weak_type=True)
+    ours_fn, ref_fn = ((jax_tma.matmul, jnp.matmul) if op == "matmul" else
+                       (functools.partial(jax_tma.dot_general, dimension_numbers=MATMUL),
+                        functools.partial(lax.dot_general, dimension_numbers=MATMUL)))
+    ours, ref = ours_fn(x, w), ref_fn(x, w)
+    assert (ours.dtype, ours.weak_type) == (ref.dtype, ref.weak_type)
+    np.testing.assert_array_equal(np.asarray(ours, np.float64), np.asarray(ref, np.float64))
+
+
+@needs_extension
+@pytest.mark.parametrize("weak", ["lhs", "rhs", "both"])
+@pytest.mark.parametrize("op", ["matmul", "dot_general"])
+def test_cuda_lowering_weak_typed_operands_are_one_kernel(weak, op):
+    dot = jax_tma.matmul if op == "matmul" else functools.partial(jax_tma.dot_general, dimension_numbers=MATMUL)
+
+    def f(x, w):
+        if weak in ("lhs", "both"):
+            x = jax._src.lax.lax._convert_element_type(x, BF16, weak_type=True)
+        if weak in ("rhs", "both"):
+            w = jax._src.lax.lax._convert_element_type(w, BF16, weak_type=True)
+        return dot(x, w)
+
+    assert cuda_hlo(f, spec((64, 32)), spec((32, 48))).count(KERNEL_CALL) == 1
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_mixed_operand_types_that_lax_converts_match_lax(rng):
+    """bf16 x weak fp32 (jnp.matmul's bf16 result) and bf16 x fp16 into bf16: lax converts both
+    operands to the output type, and so does the kernel path."""
+    x = jnp.asarray(random_array(rng, (16, 8), BF16))
+    w32 = jax._src.lax.lax._convert_element_type(random_array(rng, (8, 12), F32), F32, weak_type=True)
+    w16 = jnp.asarray(random_array(rng, (8, 12), F16))
+    for ours, ref in [(jax_tma.matmul(x, w32), jnp.matmul(x, w32)),
+                      (jax_tma.dot_general(x, w16, MATMUL), lax.dot_general(x, w16, MATMUL)),
+                      (jax_tma.dot_general(w16, x.T, (((0,), (0,)), ((), ())), preferred_element_type=F16),
+                       lax.dot_general(w16, x.T, (((0,), (0,)), ((), ())), preferred_element_type=F16))]:
+        assert (ours.dtype, ours.weak_type) == (ref.dtype, ref.weak_type)
+        np.testing.assert_array_equal(np.asarray(ours, np.float64), np.asarray(ref, np.float64))
+
+
+@needs_extension
+def test_cuda_lowering_mixed_operand_types_that_lax_converts():
+    w32 = jax.ShapeDtypeStruct((32, 48), F32, weak_type=True)
+    hlo = cuda_hlo(jax_tma.matmul, spec((64, 32)), w32)
+    assert hlo.count(KERNEL_CALL) == 1
+    hlo = cuda_hlo(lambda x, y: jax_tma.dot_general(x, y, MATMUL), spec((64, 32)), spec((32, 48), F16))
+    assert hlo.count(KERNEL_CALL) == 1
+    # bf16 x fp16 into fp32 (jnp.matmul's promotion): lax computes in fp32, XLA's dot.
+    hlo = cuda_hlo(jax_tma.matmul, spec((64, 32)), spec((32, 48), F16))
+    assert KERNEL_CALL not in hlo
+
+
+REORDERED_CASES = [
+    # (lhs shape, rhs shape, dims, the operand transposed: the smaller one, or both)
+    ((64, 4, 8), (8, 4, 48), (((1, 2), (1, 0)), ((), ())), "rhs"),
+    ((16, 4, 8), (8, 4, 480), (((1, 2), (1, 0)), ((), ())), "lhs"),
+    ((2, 64, 4, 8), (2, 8, 4, 48), (((2, 3), (2, 1)), ((0,), (0,))), "rhs"),
+    ((64, 4, 8), (48, 8, 4), (((1, 2), (2, 1)), ((), ())), "rhs"),
+    ((32, 16, 4), (32, 24, 4), (((0,), (0,)), ((2,), (2,))), "both"),  # batch innermost in both
+]
+
+
+@pytest.mark.usefixtures("on_cpu")
+@pytest.mark.parametrize("lhs_shape,rhs_shape,dims,transposed", REORDERED_CASES)
+def test_reordered_contracting_dims_match_lax(rng, lhs_shape, rhs_shape, dims, transposed):
+    del transposed
+    lhs, rhs = _operands(rng, lhs_shape, rhs_shape, BF16)
+    ours, ref = jax_tma.dot_general(lhs, rhs, dims), lax.dot_general(lhs, rhs, dims)
+    assert ours.shape == ref.shape and ours.dtype == ref.dtype
+    np.testing.assert_array_equal(np.asarray(ours, np.float64), np.asarray(ref, np.float64))
+    ours = jax.grad(lambda x, y: jnp.sum(jax_tma.dot_general(x, y, dims).astype(F32) ** 2), (0, 1))(lhs, rhs)
+    ref = jax.grad(lambda x, y: jnp.sum(lax.dot_general(x, y, dims).astype(F32) ** 2), (0, 1))(lhs, rhs)
+    for o, r in zip(ours, ref):
+        assert rel_error(o, r) <= 2 * TOL[BF16]
+
+
+@needs_extension
+@pytest.mark.parametrize("lhs_shape,rhs_shape,dims,transposed", REORDERED_CASES)
+def test_cuda_lowering_reordered_contracting_dims_transpose_one_operand(lhs_shape, rhs_shape, dims, transposed):
+    """Contracting dims in opposite orders cannot be read in place: the smaller operand is
+    transposed once, then one kernel (both, where each has its batch axis innermost)."""
+    assert gemm_plan.plan(lhs_shape, rhs_shape, dims) is None
+    hlo = cuda_hlo(lambda x, y: jax_tma.dot_general(x, y, dims), spec(lhs_shape), spec(rhs_shape))
+    assert hlo.count(KERNEL_CALL) == 1 and "stablehlo.dot_general" not in hlo
+    before = hlo.rpartition(KERNEL_CALL)[0]
+    transposes = [line.split("->")[0] for line in before.splitlines() if "stablehlo.transpose" in line]
+    expected = {"lhs": [lhs_shape], "rhs": [rhs_shape], "both": [lhs_shape, rhs_shape]}[transposed]
+    assert len(transposes) == len(expected)
+    for line, shape in zip(transposes, expected):
+        assert f"tensor<{'x'.join(map(str, shape))}xbf16>" in line
+    route = gemm.kernel_route(spec(lhs_shape), spec(rhs_shape), dims, BF16)
+    assert (route.lhs_perm is not None, route.rhs_perm is not None) == (
+        transposed in ("lhs", "both"), transposed in ("rhs", "both"))
+
+
+@needs_extension
+def test_cuda_lowering_free_dims_over_axes_with_odd_rows():
+    """DenseGeneral into (heads, 7) features: B's rows span two axes and are not 16-byte
+    multiples. The free dims merge into one (a reshape, no copy) and are padded once: one
+    kernel, no transpose."""
+    dims = (((2,), (0,)), ((), ()))
+    f = lambda x, w: jax_tma.dot_general(x, w, dims)  # noqa: E731
+    assert gemm_plan.plan((2, 16, 64), (64, 12, 7), dims) is None
+    hlo = cuda_hlo(f, spec((2, 16, 64)), spec((64, 12, 7)))
+    assert hlo.count(KERNEL_CALL) == 1 and "stablehlo.dot_general" not in hlo
+    before = hlo.rpartition(KERNEL_CALL)[0]
+    assert "stablehlo.transpose" not in before and "stablehlo.pad" in hlo
+    route = gemm.kernel_route(spec((2, 16, 64)), spec((64, 12, 7)), dims, BF16)
+    assert not route.copies and route.rhs_shape == (1, 64, 84)
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_free_dims_over_axes_with_odd_rows_match_lax(rng):
+    dims = (((2,), (0,)), ((), ()))
+    x, w = _operands(rng, (2, 16, 64), (64, 12, 7), BF16)
+    np.testing.assert_array_equal(np.asarray(jax_tma.dot_general(x, w, dims), np.float64),
+                                  np.asarray(lax.dot_general(x, w, dims), np.float64))
+
+
+# ---------------------------------------------------------------- issue 30 on the GPU
+
+
+def _finite_close(ours, ref, bound) -> bool:
+    """Same infinities and NaNs, finite values within `bound` (Frobenius, relative)."""
+    ours, ref = np.asarray(ours, np.float64), np.asarray(ref, np.float64)
+    if not np.array_equal(np.isnan(ours), np.isnan(ref)) or not np.array_equal(ours[np.isinf(ours)], ref[np.isinf(ref)]):
+        return False
+    finite = np.isfinite(ref)
+    return rel_error(ours[finite], ref[finite]) <= bound if finite.any() else True
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,precision,kernel", PRECISION_CASES, ids=PRECISION_IDS)
+def test_precision_on_gpu(rng, dtype, precision, kernel):
+    """The kernel runs exactly for its precisions (within the dtype's bound of float64); every
+    other precision gives lax's result on the GPU, or lax's error."""
+    scale = 1e5 if dtype == BF16 else 1e2  # bf16 past fp16's range: tells fp16 rounding apart
+    lhs = (random_array(rng, (256, 512), np.float32) * scale).astype(dtype)
+    rhs = random_array(rng, (512, 384), np.float32).astype(dtype)
+    ours_fn = jax.jit(lambda x, y: jax_tma.dot_general(x, y, MATMUL, precision=precision))
+    ref_fn = jax.jit(lambda x, y: lax.dot_general(x, y, MATMUL, precision=precision))
+    ours, ref = _result_or_error(lambda: ours_fn(lhs, rhs)), _result_or_error(lambda: ref_fn(lhs, rhs))
+    assert ours[0] == ref[0], (ours, ref)
+    if ours[0] == "error":  # lax's Python errors word for word; XLA's compile errors by type
+        assert ours[1] == ref[1]
+        if ours[1] in (ValueError, TypeError):
+            assert ours[2] == ref[2]
+        return
+    assert ours[1] == ref[1]
+    assert _compiled_kernel_calls(lambda x, y: jax_tma.dot_general(x, y, MATMUL, precision=precision),
+                                  lhs, rhs) == int(kernel)
+    if kernel:
+        assert rel_error(ours[2], _f64_dot(lhs, rhs, MATMUL)) <= TOL[dtype]
+    assert _finite_close(ours[2], ref[2], TOL[dtype])
+
+
+ROUTE_GPU_CASES = [
+    # (lhs shape, rhs shape, dims): products the kernel computes after a transpose or a merge
+    ((640, 4, 72), (72, 4, 480), (((1, 2), (1, 0)), ((), ()))),
+    ((128, 4, 72), (72, 4, 4000), (((1, 2), (1, 0)), ((), ()))),
+    ((2, 640, 4, 72), (2, 72, 4, 480), (((2, 3), (2, 1)), ((0,), (0,)))),
+    ((256, 160, 4), (256, 200, 4), (((0,), (0,)), ((2,), (2,)))),
+    ((2, 160, 512), (512, 12, 7), (((2,), (0,)), ((), ()))),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [None, jax_tma.GemmConfig(64, 128, 8, 1), jax_tma.GemmConfig(128, 128, 6, 1, split_k=2)],
+                         ids=["default", "m64", "split2"])
+@pytest.mark.parametrize("lhs_shape,rhs_shape,dims", ROUTE_GPU_CASES)
+def test_kernel_routes_match_float64(rng, lhs_shape, rhs_shape, dims, config):
+    """Transposed or merged operands (gemm.kernel_route) over NaN-filled outputs."""
+    lhs, rhs = _operands(rng, lhs_shape, rhs_shape, BF16)
+    assert gemm_plan.plan(lhs_shape, rhs_shape, dims) is None
+    for out_dtype in (BF16, F32):
+        out = np.asarray(_testing.gemm_poisoned(lhs, rhs, out_dtype, config=config, dimension_numbers=dims))
+        assert not np.isnan(out).any(), "kernel left poisoned (unwritten) outputs"
+        assert rel_error(out, _f64_dot(lhs, rhs, dims)) <= TOL[out_dtype]
+    f = lambda x, y: jax_tma.dot_general(x, y, dims)  # noqa: E731
+    assert _compiled_kernel_calls(f, lhs, rhs) == 1
+
+
+@pytest.mark.gpu
+def test_nested_vmap_weak_and_mixed_operands_run_the_kernel(rng):
+    """Issue 30: vmap(vmap(matmul), (0, None)) and (None, 0), weak-typed bf16 operands and
+    bf16 x weak fp32 (which lax converts to bf16): one kernel call each, within the bf16
+    bound of float64."""
+    f64 = lambda v: np.asarray(v, np.float64)  # noqa: E731
+    x, w = random_array(rng, (3, 4, 256, 128), BF16), random_array(rng, (4, 128, 192), BF16)
+    u = random_array(rng, (4, 96, 256), BF16)
+    for in_axes, args, exact in [
+        ((0, None), (x, w), np.einsum("abmk,bkn->abmn", f64(x), f64(w))),
+        ((None, 0), (u, x), np.einsum("bmk,abkn->abmn", f64(u), f64(x))),
+    ]:
+        f = jax.vmap(jax.vmap(jax_tma.matmul), in_axes)
+        assert _compiled_kernel_calls(f, *args) == 1
+        assert rel_error(jax.jit(f)(*args), exact) <= TOL[BF16]
+
+    def weak(v, dtype=BF16):
+        return jax._src.lax.lax._convert_element_type(v, dtype, weak_type=True)
+
+    a, b = random_array(rng, (512, 256), BF16), random_array(rng, (256, 384), BF16)
+    for f in (lambda a, b: jax_tma.matmul(weak(a), b), lambda a, b: jax_tma.matmul(weak(a), weak(b)),
+              lambda a, b: jax_tma.matmul(a, weak(b.astype(F32), F32))):
+        assert _compiled_kernel_calls(f, a, b) == 1
+        assert rel_error(jax.jit(f)(a, b), f64(a) @ f64(b)) <= TOL[BF16]

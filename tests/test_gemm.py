@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jax_tma
-from jax_tma import _ext, _testing, gemm
+from jax_tma import _ext, _testing, gemm, gemm_plan
 from conftest import cuda_hlo, f64_matmul, needs_extension, random_array, rel_error
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -298,7 +298,8 @@ def test_cuda_lowering_split_k_sums_partial_products():
 @needs_extension
 def test_cuda_lowering_respects_disable(monkeypatch):
     monkeypatch.setenv("JAX_TMA_DISABLE", "1")
-    hlo = cuda_hlo(jax_tma.matmul, spec((64, 32), BF16), spec((32, 64), BF16))
+    # A new function: jax caches lowerings by the traced function, and others lower matmul.
+    hlo = cuda_hlo(lambda a, b: jax_tma.matmul(a, b), spec((64, 32), BF16), spec((32, 64), BF16))
     assert "jax_tma_" not in hlo and "stablehlo.dot_general" in hlo
 
 
@@ -571,3 +572,463 @@ def test_stream_k_pays_for_shared_operands_beyond_l2():
     for bad in (0, -1, 5e7, True, None, "50MB"):
         with pytest.raises(ValueError, match="l2_bytes must be a positive int"):
             gemm.default_config(8192, 8192, 8192, l2_bytes=bad)
+
+
+# ---------------------------------------------------------------- sizes near 2^31 (CPU)
+# The CUDA lowering of ShapeDtypeStruct specs needs no memory: each product either runs the
+# kernel (within gemm_config.MAX_DIM, MAX_WORK_UNITS and MAX_BUFFER_BYTES, which the FFI
+# handler takes) or XLA's dot. None may reach the kernel beyond them (issue 30: a hang on
+# k = 2^31 - 1 .. 2^31 - 63, garbage on m or n within a tile of 2^31, run-time errors past).
+
+T31 = 2**31
+SIZE_CASES = [
+    # (id, function, a shape, b shape, kernel)
+    ("1d-k=2^31-1", jax_tma.matmul, (T31 - 1,), (T31 - 1,), True),
+    ("1d-k=2^31-63", jax_tma.matmul, (T31 - 63,), (T31 - 63,), True),
+    ("1d-k=2^31", jax_tma.matmul, (T31,), (T31,), False),
+    ("K=2^31+64", jax_tma.matmul, (2, T31 + 64), (T31 + 64, 8), False),
+    ("M-folded-past-2^31", jax_tma.matmul, (2**16, 2**15 + 1, 8), (8, 64), False),
+    ("batch=2^31", jax_tma.matmul, (T31, 1, 8), (T31, 8, 1), False),
+    ("batch=2^31-1-units", jax_tma.matmul, (T31 - 1, 1, 8), (T31 - 1, 8, 1), False),
+    ("2^30-matvecs", jax.vmap(jax_tma.matmul), (2**30, 2, 8), (2**30, 8), False),
+    ("2^29-matvecs", jax.vmap(jax_tma.matmul), (2**29, 2, 8), (2**29, 8), True),
+    ("m=2^31-1", jax_tma.matmul, (T31 - 1, 8), (8, 64), True),
+    ("m=2^31-64", jax_tma.matmul, (T31 - 64, 8), (8, 64), True),
+    ("m=2^31", jax_tma.matmul, (T31, 8), (8, 64), False),
+    ("n=2^31-1", jax_tma.matmul, (64, 8), (8, T31 - 1), True),
+    ("n=2^31", jax_tma.matmul, (64, 8), (8, T31), False),
+    ("1TiB-operand", jax_tma.matmul, (2**20, 2**20), (2**20, 8), False),
+]
+
+
+@needs_extension
+@pytest.mark.parametrize("fn,a_shape,b_shape,kernel", [c[1:] for c in SIZE_CASES],
+                         ids=[c[0] for c in SIZE_CASES])
+def test_cuda_lowering_sizes_near_2_31(fn, a_shape, b_shape, kernel):
+    hlo = cuda_hlo(fn, spec(a_shape, BF16), spec(b_shape, BF16))
+    assert hlo.count(f"custom_call @{gemm.KERNEL_TARGET}(") == int(kernel)
+    assert ("stablehlo.dot_general" in hlo) == (not kernel)
+    if kernel:  # the attributes carry the sizes whole
+        m = a_shape[-2] if len(a_shape) == 2 else 1
+        k = a_shape[-1]
+        assert f"k = {k} : i64" in hlo
+        if m > 1:
+            assert f"m = {m} : i64" in hlo
+
+
+@needs_extension
+@pytest.mark.parametrize("a_shape,b_shape", [((2, T31 + 64), (T31 + 64, 8)), ((T31, 8), (8, 64))],
+                         ids=["K=2^31+64", "m=2^31"])
+def test_cuda_lowering_forced_config_past_max_dim_is_xla(a_shape, b_shape):
+    """A config is ignored where the kernel does not apply: sizes past MAX_DIM lower to XLA."""
+    cfg = jax_tma.GemmConfig(128, 128, 6, 1, split_k=2)
+    hlo = cuda_hlo(functools.partial(jax_tma.matmul, config=cfg), spec(a_shape, BF16), spec(b_shape, BF16))
+    assert gemm.KERNEL_TARGET not in hlo and "stablehlo.dot_general" in hlo
+
+
+def test_sizes_past_the_kernel_limits_plan_to_xla():
+    """gemm_plan refuses any size past MAX_DIM and any operand past MAX_BUFFER_BYTES."""
+    mm = gemm.MATMUL_DIMS
+    assert gemm_plan.plan((1, gemm.MAX_DIM), (gemm.MAX_DIM, 1), mm) is not None
+    assert gemm_plan.plan((1, gemm.MAX_DIM + 1), (gemm.MAX_DIM + 1, 1), mm) is None
+    assert gemm_plan.plan((gemm.MAX_DIM + 1, 8), (8, 8), mm) is None
+    assert gemm_plan.plan((8, 8), (8, gemm.MAX_DIM + 1), mm) is None
+    batched = (((2,), (1,)), ((0,), (0,)))
+    assert gemm_plan.plan((gemm.MAX_DIM + 1, 1, 8), (gemm.MAX_DIM + 1, 8, 1), batched) is None
+    # 2^39 elements of 16 bits: 2^40 bytes, one TMA stride past the limit.
+    assert gemm_plan.plan((2**20, 2**19), (2**19, 8), mm) is None
+    assert gemm_plan.plan((2**19, 2**19), (2**19, 8), mm) is not None
+    # Padded rows count: 2^39 - 2^19 elements padded by 2^19 * 8 elements is past it.
+    assert gemm_plan.plan((2**20, 2**19 - 8), (2**19 - 8, 8), mm) is not None
+    assert gemm_plan.plan((2**21, 2**18 - 1), (2**18 - 1, 8), mm) is None
+
+
+def test_work_units_follow_the_ffi_handler():
+    """(cluster rows) x (N blocks) x batch x splits, as csrc/ffi/gemm.cc run() counts them."""
+    cfg = jax_tma.GemmConfig(128, 256, 3, 2, split_k=4)
+    assert cfg.work_units(129, 257, 64 * 8) == 1 * 2 * 1 * 4  # two M blocks: one cluster row
+    assert cfg.work_units(385, 256, 64 * 2, batch=3) == 2 * 1 * 3 * 2  # splits_for(128) == 2
+    small = jax_tma.GemmConfig(64, 64, 12, 1)
+    assert small.work_units(2**31 - 1, 2**31 - 1, 8) == 2**25 * 2**25
+    assert small.work_units(1, 1, 8, batch=2**29) == 2**29
+
+
+def test_forced_config_past_the_unit_limit_is_a_value_error():
+    """A forced config that cuts a product into more units than the scheduler numbers is a
+    ValueError naming the shapes at trace time (CPU too); the heuristic then picks another
+    configuration, or none (XLA)."""
+    batch = 2**29
+    a, b = spec((batch, 1, 256), BF16), spec((batch, 256, 1), BF16)
+    split = jax_tma.GemmConfig(64, 64, 12, 1, split_k=4)
+    assert split.work_units(1, 1, 256, batch) > gemm.MAX_WORK_UNITS
+    with pytest.raises(ValueError, match=rf"{batch} x \(1, 1\) output, K=256 into {4 * batch} work units"):
+        jax.eval_shape(functools.partial(jax_tma.matmul, config=split), a, b)
+    with pytest.raises(ValueError, match="work units"):
+        gemm.check_config(split, 1, 1, 256, BF16, batch=batch)
+    picked = gemm.default_config(1, 1, 256, batch=batch)
+    assert picked is not None and picked.work_units(1, 1, 256, batch) <= gemm.MAX_WORK_UNITS
+    assert gemm.default_config(1, 1, 256, batch=2**30) is None  # one unit per entry is too many
+    assert list(gemm.legal_configs(1, 1, 256, BF16, batch=2**30)) == []
+
+
+@needs_extension
+def test_cuda_lowering_forced_config_within_the_unit_limit():
+    batch = 2**29
+    cfg = jax_tma.GemmConfig(64, 64, 12, 1)
+    hlo = cuda_hlo(functools.partial(jax_tma.matmul, config=cfg), spec((batch, 1, 256), BF16),
+                   spec((batch, 256, 1), BF16))
+    assert hlo.count(f"custom_call @{gemm.KERNEL_TARGET}(") == 1
+    assert f"batch = {batch} : i64" in hlo
+
+
+# ---------------------------------------------------------------- jnp.matmul's keywords (CPU)
+
+
+@pytest.mark.usefixtures("on_cpu")
+@pytest.mark.parametrize("kw", [
+    dict(precision=jax.lax.Precision.HIGHEST),
+    dict(precision="bfloat16"),
+    dict(preferred_element_type=np.float32),
+    dict(precision=jax.lax.DotAlgorithmPreset.BF16_BF16_F32, preferred_element_type=np.float32),
+    dict(precision=jax.lax.DotAlgorithmPreset.F16_F16_F16),
+], ids=["highest", "bf16-string", "preferred-f32", "bf16-preset-f32", "f16-preset"])
+def test_matmul_takes_jnp_matmul_keywords(rng, kw):
+    a, b = random_array(rng, (3, 16, 32), BF16), random_array(rng, (32, 24), BF16)
+    out, ref = jax_tma.matmul(a, b, **kw), jnp.matmul(a, b, **kw)
+    assert (out.shape, out.dtype) == (ref.shape, ref.dtype)
+    np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(ref, np.float64))
+
+
+def test_matmul_out_dtype_is_preferred_element_type():
+    a = jnp.ones((8, 8), BF16)
+    assert jax_tma.matmul(a, a, out_dtype=np.float32, preferred_element_type=np.float32).dtype == np.float32
+    with pytest.raises(ValueError, match="out_dtype is another name for preferred_element_type"):
+        jax_tma.matmul(a, a, out_dtype=np.float32, preferred_element_type=BF16)
+
+
+@pytest.mark.parametrize("bad", [[1.0, 2.0], "ab", None, object()], ids=["list", "str", "none", "object"])
+def test_non_array_operands_raise_jnp_errors(bad):
+    b = jnp.ones((2,), BF16)
+    with pytest.raises(Exception) as ref:
+        jnp.matmul(bad, b)
+    with pytest.raises(type(ref.value)) as ours:
+        jax_tma.matmul(bad, b)
+    assert str(ours.value) == str(ref.value)
+    assert "functools.partial" not in str(ours.value)
+
+
+# ---------------------------------------------------------------- GemmConfig (CPU)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("split_k", True), ("split_k", 2.0), ("block_m", 128.0), ("block_n", "256"), ("stages", np.float32(3)),
+    ("cluster_m", np.bool_(True)), ("split_k", None),
+])
+def test_config_rejects_non_integers(field, value):
+    with pytest.raises(ValueError, match=rf"GemmConfig {field} must be an int, got"):
+        dataclasses.replace(jax_tma.GemmConfig(), **{field: value})
+
+
+def test_config_converts_numpy_integers_and_bools():
+    cfg = jax_tma.GemmConfig(np.int64(128), np.int32(128), np.uint8(6), np.int16(1), split_k=np.int64(2))
+    assert cfg == jax_tma.GemmConfig(128, 128, 6, 1, split_k=2)
+    assert all(type(v) is int for v in (cfg.block_m, cfg.block_n, cfg.stages, cfg.cluster_m, cfg.split_k))
+    assert hash(cfg) == hash(jax_tma.GemmConfig(128, 128, 6, 1, split_k=2))
+    sk = jax_tma.GemmConfig(128, 128, 6, 1, stream_k=np.bool_(True))
+    assert sk.stream_k is True and sk == jax_tma.GemmConfig(128, 128, 6, 1, stream_k=True)
+
+
+def _fresh_gemm_config_module():
+    """jax_tma/gemm_config.py loaded again as a new module: what importlib.reload leaves behind
+    (another GemmConfig class), without touching the module everything else imported."""
+    import importlib.util
+    import sys
+
+    from jax_tma import gemm_config
+
+    name = "jax_tma_gemm_config_copy"
+    spec_ = importlib.util.spec_from_file_location(name, gemm_config.__file__)
+    module = importlib.util.module_from_spec(spec_)
+    sys.modules[name] = module  # dataclasses look the module up while building the class
+    try:
+        spec_.loader.exec_module(module)
+    finally:
+        del sys.modules[name]
+    return module
+
+
+def test_config_from_a_reloaded_module_is_accepted():
+    other = _fresh_gemm_config_module().GemmConfig(128, 128, 6, 1, split_k=2)
+    assert type(other) is not jax_tma.GemmConfig
+    a, b = jnp.ones((64, 256), BF16), jnp.ones((256, 32), BF16)
+    np.testing.assert_array_equal(np.asarray(jax_tma.matmul(a, b, config=other), np.float32), 256.0)
+    out = jax_tma.dot_general(a, b, gemm.MATMUL_DIMS, config=other)
+    np.testing.assert_array_equal(np.asarray(out, np.float32), 256.0)
+    with pytest.raises(TypeError, match="config must be a jax_tma.GemmConfig or None"):
+        jax_tma.matmul(a, b, config=jax_tma.KernelStatus(True, "", ""))
+
+
+@needs_extension
+def test_cuda_lowering_config_from_a_reloaded_module():
+    other = _fresh_gemm_config_module().GemmConfig(128, 128, 6, 1, split_k=2)
+    hlo = cuda_hlo(functools.partial(jax_tma.matmul, config=other), spec((512, 1024), BF16),
+                   spec((1024, 512), BF16))
+    for attr in ("block_m = 128", "block_n = 128", "stages = 6", "cluster_m = 1", "splits = 2"):
+        assert attr in hlo, attr
+
+
+# ---------------------------------------------------------------- JAX_TMA_DISABLE (CPU)
+
+
+@pytest.mark.parametrize("value", ["1", "true", "TRUE", " yes ", "on", "Y", "t"])
+def test_disable_true_spellings(monkeypatch, value):
+    monkeypatch.setenv("JAX_TMA_DISABLE", value)
+    assert _ext.disabled_by_env()
+    assert _ext.cuda_lowering_blocker() == "JAX_TMA_DISABLE is set"
+
+
+@pytest.mark.parametrize("value", ["", "0", "false", "False", " no", "off", "OFF", "n", "f"])
+def test_disable_false_spellings(monkeypatch, value):
+    monkeypatch.setenv("JAX_TMA_DISABLE", value)
+    assert not _ext.disabled_by_env()
+
+
+@pytest.mark.parametrize("value", ["2", "maybe", "disable", "-1", "yes please"])
+def test_disable_rejects_other_values(monkeypatch, value):
+    monkeypatch.setenv("JAX_TMA_DISABLE", value)
+    with pytest.raises(ValueError, match=r"JAX_TMA_DISABLE=.* is not a boolean: use one of 1, true"):
+        _ext.disabled_by_env()
+    with pytest.raises(ValueError, match="JAX_TMA_DISABLE"):
+        jax_tma.kernel_status()
+
+
+@needs_extension
+@pytest.mark.parametrize("value,kernel", [("off", True), ("n", True), ("0", True), ("on", False), ("y", False)])
+def test_cuda_lowering_follows_disable_spellings(monkeypatch, value, kernel):
+    monkeypatch.setenv("JAX_TMA_DISABLE", value)
+    # A new function each time: jax caches lowerings by the traced function.
+    hlo = cuda_hlo(lambda a, b: jax_tma.matmul(a, b), spec((64, 32), BF16), spec((32, 64), BF16))
+    assert (gemm.KERNEL_TARGET in hlo) == kernel
+
+
+def test_bad_disable_value_imports_and_raises_at_the_first_op():
+    """Importing jax_tma never fails on the variable; the first op names it."""
+    import subprocess
+    import sys
+
+    code = ("import jax.numpy as jnp, jax_tma\n"
+            "try:\n"
+            "    jax_tma.matmul(jnp.ones((8, 8), jnp.bfloat16), jnp.ones((8, 8), jnp.bfloat16))\n"
+            "except ValueError as e:\n"
+            "    print('raised:', e)\n")
+    env = dict(os.environ, JAX_TMA_DISABLE="sometimes", JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "raised: JAX_TMA_DISABLE='sometimes' is not a boolean" in run.stdout
+
+
+# ---------------------------------------------------------------- jax.export (CPU)
+
+
+def _export(fn, platforms, *specs):
+    return jax.export.export(jax.jit(fn), platforms=platforms,
+                             disabled_checks=jax_tma.export_disabled_checks())(*specs)
+
+
+def test_export_needs_the_documented_checks():
+    specs = (spec((64, 32), BF16), spec((32, 48), BF16))
+    names = {str(c) for c in jax_tma.export_disabled_checks()}
+    assert {f"custom_call:{t}" for t in gemm.FFI_TARGETS} <= names
+    assert all(name.startswith("custom_call:jax_tma_") for name in names)
+    if _ext._C is not None:  # every target the extension registers (but the test kernels)
+        assert names == {f"custom_call:{t}" for t in _ext._C.registrations()}
+    if _ext.extension_error() is None:
+        with pytest.raises(ValueError, match="custom calls whose targets have no compatibility guarantees"):
+            jax.export.export(jax.jit(jax_tma.matmul), platforms=("cuda",))(*specs)
+
+
+@needs_extension
+@pytest.mark.parametrize("platforms", [("cuda",), ("cpu", "cuda")])
+def test_export_for_cuda_holds_the_kernel(platforms):
+    exported = _export(lambda a, b: jax_tma.matmul(a, b) * 2, platforms, spec((64, 32), BF16), spec((32, 48), BF16))
+    assert exported.mlir_module().count(f"custom_call @{gemm.KERNEL_TARGET}(") == 1
+    if importlib_util_find("flatbuffers"):
+        again = jax.export.deserialize(exported.serialize())
+        assert again.mlir_module().count(f"custom_call @{gemm.KERNEL_TARGET}(") == 1
+        assert again.platforms == platforms
+
+
+def importlib_util_find(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+@pytest.mark.usefixtures("on_cpu")
+@pytest.mark.parametrize("platforms", [("cpu",), ("cpu", "cuda")])
+@pytest.mark.parametrize("a_shape,b_shape", [((64, 32), (32, 48)), ((3, 7, 30), (30, 5)), ((2, 16, 8), (2, 8, 24))])
+def test_export_round_trip_matches_lax(rng, platforms, a_shape, b_shape):
+    """Exported (and, where flatbuffers is installed, serialized and read back), then run on the
+    CPU: jnp.matmul's bits. The CUDA branch of a multi-platform module holds the kernel."""
+    if "cuda" in platforms and _ext.extension_error() is not None:
+        pytest.skip("extension not built")
+    a, b = random_array(rng, a_shape, BF16), random_array(rng, b_shape, BF16)
+    exported = _export(jax_tma.matmul, platforms, spec(a_shape, BF16), spec(b_shape, BF16))
+    if importlib_util_find("flatbuffers"):
+        exported = jax.export.deserialize(exported.serialize())
+    out = exported.call(a, b)
+    np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(jnp.matmul(a, b), np.float64))
+
+
+@pytest.mark.usefixtures("on_cpu")
+def test_export_of_a_sharded_function(rng):
+    """custom_partitioning cannot be serialized: an exported module holds the product itself
+    and XLA partitions it; the result keeps its sharding and lax's values."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    if len(jax.devices("cpu")) < 2:
+        pytest.skip("needs 2 CPU devices")
+    mesh = Mesh(np.array(jax.devices("cpu")[:2]), ("x",))
+    rows = NamedSharding(mesh, PartitionSpec("x", None))
+    f = jax.jit(jax_tma.matmul, in_shardings=(rows, None), out_shardings=rows)
+    exported = jax.export.export(f, platforms=("cpu",), disabled_checks=jax_tma.export_disabled_checks())(
+        jax.ShapeDtypeStruct((64, 32), BF16, sharding=rows), spec((32, 48), BF16))
+    a, b = random_array(rng, (64, 32), BF16), random_array(rng, (32, 48), BF16)
+    out = exported.call(jax.device_put(a, rows), b)
+    assert out.sharding.spec == rows.spec
+    np.testing.assert_array_equal(np.asarray(out, np.float64), np.asarray(jnp.matmul(a, b), np.float64))
+
+
+# ---------------------------------------------------------------- the kernel at scale (Hopper GPU)
+
+
+def _run_python(code: str, timeout_s: float = 240) -> str:
+    """Runs `code` in a fresh Python process (the same interpreter and environment) and returns
+    its stdout. A kernel that hangs fails the test at the timeout instead of stalling the run."""
+    import subprocess
+    import sys
+
+    try:
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=timeout_s, env=dict(os.environ))
+    except subprocess.TimeoutExpired as err:
+        pytest.fail(f"no result within {timeout_s} s (a hang?): {err.stdout!r} {err.stderr!r}")
+    assert run.returncode == 0, run.stderr[-4000:]
+    return run.stdout
+
+
+_DETERMINISM_SCRIPT = r"""
+import hashlib, jax, jax.numpy as jnp, numpy as np
+import jax_tma
+from jax_tma import _testing
+cases = [
+    ((1000, 576), (576, 4096), None),
+    ((4097, 8192), (8192, 129), jax_tma.GemmConfig(128, 128, 6, 1, split_k=4)),
+    ((2048, 4096), (4096, 2048), jax_tma.GemmConfig(128, 256, 3, 1, stream_k=True)),
+    ((777, 3000), (3000, 1232), jax_tma.GemmConfig(64, 128, 8, 2)),
+    ((512, 65536), (65536, 512), None),
+]
+rng = np.random.default_rng(1234)
+for a_shape, b_shape, config in cases:
+    a = rng.standard_normal(a_shape, dtype=np.float32).astype(jnp.bfloat16)
+    b = rng.standard_normal(b_shape, dtype=np.float32).astype(jnp.bfloat16)
+    for out_dtype in (jnp.bfloat16, jnp.float32):
+        f = jax.jit(lambda a, b: jax_tma.matmul(a, b, preferred_element_type=out_dtype, config=config))
+        hlo = f.lower(a, b).compile().as_text()
+        assert "jax_tma_gemm_sm90" in hlo, (a_shape, b_shape, config)
+        first = np.asarray(f(a, b)).tobytes()
+        assert np.asarray(f(a, b)).tobytes() == first  # the same bits within the process too
+        print(a_shape, b_shape, config, jnp.dtype(out_dtype).name, hashlib.sha256(first).hexdigest())
+"""
+
+
+@pytest.mark.gpu
+def test_kernel_is_bitwise_deterministic_across_processes():
+    """Two processes, the same operands: the same output bits for every configuration kind
+    (heuristic, split-K, stream-K, 64-row clusters, the heuristic's split-K on a long K), bf16
+    and fp32 outputs."""
+    first = _run_python(_DETERMINISM_SCRIPT)
+    second = _run_python(_DETERMINISM_SCRIPT)
+    assert first.count("\n") == 10
+    assert first == second
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "config",
+    [None, jax_tma.GemmConfig(128, 128, 6, 1, split_k=2), jax_tma.GemmConfig(128, 256, 3, 1, stream_k=True)],
+    ids=["default", "split2", "stream_k"],
+)
+def test_kernel_output_past_2_31_elements(config):
+    """65536 x 40000 bf16 (2.6e9 elements, 5.2 GB) over a NaN-filled output: every element
+    written (checked on the device), and sampled rows and columns, the last ones and those
+    around element 2^31, within the bf16 bound of a float64 reference."""
+    m, n, k = 65536, 40000, 256
+    key_a, key_b = jax.random.split(jax.random.key(7))
+    a = jax.random.normal(key_a, (m, k), jnp.float32).astype(jnp.bfloat16)
+    b = jax.random.normal(key_b, (k, n), jnp.float32).astype(jnp.bfloat16)
+    out = _testing.gemm_poisoned(a, b, BF16, config=config)
+    assert out.shape == (m, n) and out.size > 2**31
+    assert not bool(jnp.isnan(out).any()), "kernel left poisoned (unwritten) outputs"
+    rows = np.unique([0, 1, 127, 128, m // 2, 2**31 // n - 1, 2**31 // n, 2**31 // n + 1, m - 129, m - 2, m - 1])
+    cols = np.unique([0, 1, 255, 256, n // 2, 2**31 % n, n - 257, n - 2, n - 1])
+    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert rel_error(np.asarray(out[rows]), a64[rows] @ b64) <= TOL[BF16]
+    assert rel_error(np.asarray(out[:, cols]), a64 @ b64[:, cols]) <= TOL[BF16]
+    del out
+
+
+_NEAR_2_31_SCRIPT = r"""
+import functools
+import jax, jax.numpy as jnp, numpy as np
+import jax_tma
+from jax_tma import _testing, gemm
+case = {case!r}
+T = 2**31
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def small_ints(shape, salt):
+    # Integers in [-2, 2] from a hash of the indices (no random bits past 2^32 elements).
+    h = jnp.uint32(salt)
+    for axis in range(len(shape)):
+        h = h * jnp.uint32(2654435761) + jax.lax.broadcasted_iota(jnp.uint32, shape, axis)
+    h = (h ^ (h >> 15)) * jnp.uint32(2246822519)
+    return ((h >> 13) % 5).astype(jnp.int32).astype(jnp.bfloat16) - 2
+
+if case.startswith("k="):  # a 1-D dot of k elements
+    k = T - int(case[len("k=2^31-"):])
+    a, b = small_ints((k,), 1), small_ints((k,), 2)
+    f = jax.jit(lambda a, b: jax_tma.matmul(a, b, preferred_element_type=jnp.float32))
+    assert gemm.KERNEL_TARGET in f.lower(a, b).compile().as_text()
+    got = float(f(a, b))
+    want = int(jax.jit(lambda a, b: jnp.sum(a.astype(jnp.int32) * b.astype(jnp.int32)))(a, b))
+    print("ok" if got == want else f"got {{got}}, want {{want}}")
+    raise SystemExit
+f32 = jnp.float32
+if case == "m=2^31-1":  # [m, 8] @ [8, 1]
+    a, b = small_ints((T - 1, 8), 1), small_ints((8, 1), 2)
+    dims = (((1,), (0,)), ((), ()))
+    # A fused multiply-reduce: no fp32 copy of the 32 GiB operand.
+    reference = jax.jit(lambda a, b: jnp.sum(a.astype(f32) * b[:, 0].astype(f32), axis=1)[:, None])
+else:  # "n=2^31-1": [1, 8] . [n, 8]^T, B stored K-major (rows of 16 bytes)
+    a, b = small_ints((1, 8), 1), small_ints((T - 1, 8), 2)
+    dims = (((1,), (1,)), ((), ()))
+    reference = jax.jit(lambda a, b: jnp.sum(a[0].astype(f32) * b.astype(f32), axis=1)[None, :])
+out = _testing.gemm_poisoned(a, b, jnp.bfloat16, dimension_numbers=dims)
+assert int(jnp.isnan(out).sum()) == 0, "unwritten outputs"
+# Sums of 8 products of integers in [-2, 2]: exact in bf16 and fp32.
+wrong = int(jax.jit(lambda out, ref: jnp.sum(out.astype(f32) != ref))(out, reference(a, b)))
+f = jax.jit(lambda a, b: jax_tma.dot_general(a, b, dims))
+assert gemm.KERNEL_TARGET in f.lower(a, b).compile().as_text()
+print("ok" if wrong == 0 else f"{{wrong}} wrong elements")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["k=2^31-1", "k=2^31-63", "m=2^31-1", "n=2^31-1"])
+def test_kernel_sizes_near_2_31(case):
+    """Issue 30's hang (k in [2^31 - 63, 2^31 - 1]) and garbage (m or n within a tile of 2^31):
+    in a subprocess with a timeout, integer-valued operands so the result is exact. The m and
+    n cases hold a 32 GiB operand (about 45 GiB of GPU memory in all)."""
+    out = _run_python(_NEAR_2_31_SCRIPT.format(case=case), timeout_s=300)
+    assert out.strip().splitlines()[-1] == "ok", out
