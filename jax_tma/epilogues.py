@@ -41,7 +41,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jax_tma import _ext, epilogues_sharding
-from jax_tma.gemm import _dram_bytes_per_s, _l2_bytes, _num_sms
+from jax_tma.gemm import _as_config, _dram_bytes_per_s, _for_export, _l2_bytes, _num_sms
 from jax_tma.gemm import dot_general as _dot_general
 from jax_tma.gemm_config import KERNEL_INPUT_DTYPES, GemmConfig, estimate_seconds
 
@@ -119,14 +119,14 @@ def default_config(kind: str, activation, m: int, n: int, k: int,
     return best
 
 
-def _check_config(config: GemmConfig, kind: str, activation) -> None:
-    if not isinstance(config, GemmConfig):
-        raise TypeError(f"jax_tma.dense: config must be a GemmConfig or None, got {config!r}")
+def _check_config(config: GemmConfig, kind: str, activation) -> GemmConfig:
+    config = _as_config(config, f"jax_tma.{'gated_dense' if kind == GATED else 'dense'}")
     tiles = {c.tile for c in _configs_for(kind, activation)}
     if config.tile not in tiles or config.split_k != 1:
         choices = "; ".join(c.describe() for c in _configs_for(kind, activation))
         raise ValueError(f"jax_tma.dense: GemmConfig({config.describe()}) is not compiled for the "
                          f"{kind} fusion with activation {activation!r}; choose one of: {choices}")
+    return config
 
 
 # --------------------------------------------------------------------------------------
@@ -264,7 +264,8 @@ def _local_lowering(ctx, *args, platform: str, **params):
 
 
 def _lowering(ctx, *args, platform: str, **params):
-    if params["local"]:
+    # jax.export cannot serialize custom_partitioning: an exported module holds the product.
+    if params["local"] or _for_export(ctx):
         return _local_lowering(ctx, *args, platform=platform, **params)
     partitioned = functools.partial(epilogues_sharding.partitioned_dense, local_op=_bind_local,
                                     reference=_reference, params=params)
@@ -441,7 +442,7 @@ def dense(x: Any, w: Any, bias: Any = None, activation: str | None = None,
                              f"{(*lead, n)}, got {residual.shape}")
         residual = residual.reshape(-1, n)
     if config is not None:
-        _check_config(config, FORWARD, activation)
+        config = _check_config(config, FORWARD, activation)
     _ext.warn_if_unavailable()
     placeholder = jnp.zeros((), dtype)
     out = _dense(x2, w, placeholder if bias is None else bias,
@@ -495,7 +496,7 @@ def gated_dense(x: Any, w_gate: Any, w_up: Any, activation: str = "silu", *,
                          f"{jnp.shape(w_gate)} and {jnp.shape(w_up)}")
     x, wg, wu = (jnp.asarray(v, dtype) for v in (x, w_gate, w_up))
     if config is not None:
-        _check_config(config, GATED, activation)
+        config = _check_config(config, GATED, activation)
     _ext.warn_if_unavailable()
     x2, lead = _as_2d(x)
     return _gated(x2, wg, wu, activation, config).reshape(*lead, wg.shape[1])

@@ -41,7 +41,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jax_tma import _ext, ragged_sharding
-from jax_tma.gemm import _dram_bytes_per_s, _l2_bytes, _num_sms
+from jax_tma.gemm import _as_config, _dram_bytes_per_s, _for_export, _l2_bytes, _num_sms
 from jax_tma.gemm_config import (KERNEL_INPUT_DTYPES, STRIDE_ELEMS, GemmConfig, estimate_seconds,
                                  kernel_output_dtypes)
 
@@ -258,7 +258,8 @@ def _local_lowering(ctx, x, w, gs, *, platform: str, **params):
 
 
 def _lowering(ctx, x, w, gs, *, platform: str, **params):
-    if params["local"]:
+    # jax.export cannot serialize custom_partitioning: an exported module holds the product.
+    if params["local"] or _for_export(ctx):
         return _local_lowering(ctx, x, w, gs, platform=platform, **params)
     partitioned = functools.partial(
         ragged_sharding.partitioned_ragged_dot, local_op=_bind_local, mode=params["mode"],
@@ -416,10 +417,8 @@ def ragged_dot_general(lhs: Any, rhs: Any, group_sizes: Any,
       config: a ``GemmConfig`` among ``RAGGED_CONFIGS`` for this product (not for those of its
         gradient or vmap); by default a heuristic picks one.
     """
+    config = _as_config(config, "jax_tma.ragged_dot_general")
     if config is not None:
-        if not isinstance(config, GemmConfig):
-            raise TypeError(f"jax_tma.ragged_dot_general: config must be a GemmConfig or None, "
-                            f"got {config!r}")
         _check_config(config)
     reference = functools.partial(
         lax.ragged_dot_general, ragged_dot_dimension_numbers=ragged_dot_dimension_numbers,

@@ -417,3 +417,20 @@ def test_flax_nnx_layers_train(rng):
 
     losses = [float(step(model, optimizer)) for _ in range(20)]
     assert losses[-1] < losses[0]
+
+
+# ---------------------------------------------------------------- jax.export
+
+
+@needs_extension
+def test_export_round_trip(rng):
+    x, w = _operands(rng, 16, 32, 24, BF16)
+    b = rng.standard_normal(24).astype(BF16)
+    f = jax.jit(lambda x, w, b: jax_tma.dense(x, w, b, "gelu"))
+    exported = jax.export.export(f, platforms=("cpu", "cuda"),
+                                 disabled_checks=jax_tma.export_disabled_checks())(
+        _spec((16, 32)), _spec((32, 24)), _spec((24,)))
+    exported = jax.export.deserialize(exported.serialize())
+    assert exported.mlir_module().count(f"@{ep.KERNEL_TARGET}(") == 1
+    out = exported.call(jax.device_put(x, jax.devices("cpu")[0]), w, b)
+    assert rel_error(out, f64_dense(x, w, b, "gelu")) <= TOL[BF16]

@@ -460,3 +460,22 @@ def test_moe_example_matches_lax_on_cpu():
     ref = flax_moe.run(flax_moe.setup(use_tma=False, **kw), 20)
     assert ours[-1] < ours[0]
     assert flax_moe.max_relative_difference(ours, ref) <= flax_moe.TOLERANCE["bf16"]
+
+
+# ---------------------------------------------------------------- jax.export
+
+
+@needs_extension
+def test_export_round_trip(rng):
+    """Exported for cpu and cuda with jax_tma.export_disabled_checks() (serialized and read
+    back): the CUDA branch holds the kernel, the CPU branch computes lax.ragged_dot's values."""
+    m, k, n, g = 48, 16, 24, 3
+    x, w = random_array(rng, (m, k), BF16), random_array(rng, (g, k, n), BF16)
+    gs = sizes("ragged", m, g, rng)
+    exported = jax.export.export(jax.jit(jax_tma.ragged_dot), platforms=("cpu", "cuda"),
+                                 disabled_checks=jax_tma.export_disabled_checks())(
+        _spec((m, k), BF16), _spec((g, k, n), BF16), _spec((g,), np.int32))
+    exported = jax.export.deserialize(exported.serialize())
+    assert exported.mlir_module().count(f"@{rd.KERNEL_TARGET}(") == 1
+    out = exported.call(jax.device_put(x, jax.devices("cpu")[0]), w, gs)
+    assert rel_error(out, f64_ragged_rows(x, w, gs)) <= TOL[BF16]
