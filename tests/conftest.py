@@ -12,6 +12,10 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
+# GPU tests that run a subprocess (cross-process determinism, sizes near 2^31 with a 32 GiB
+# operand) need the memory XLA would otherwise preallocate for this process (75 % of the GPU).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 import jax
 import numpy as np
 import pytest
