@@ -298,16 +298,20 @@ struct TmaStoreEpilogue {
     }
   }
 
-  // Scaled: acc *= row_scale[row] * col_scale[col], either factor left out where null. Rows
-  // and columns past D's get no scale (their values are never stored).
+  // Scaled: acc *= row_scale[row] * col_scale[col], either factor left out where null (or one
+  // value for all where scalar). Rows and columns past D's get no scale (their values are
+  // never stored).
   __device__ static void scale(float (&acc)[kBlockN / 2], const StorePlan& to,
-                               const float* row_scale, const float* col_scale) {
-    if (row_scale != nullptr) {
+                               const FusionArgs& args) {
+    if (const float* row_scale = args.row_scale; row_scale != nullptr) {
       const int row = to.row + 16 * ((threadIdx.x / 32) % 4) + (threadIdx.x % 32) / 4;
+      const float all = args.row_scale_scalar ? __ldg(row_scale) : 0.0f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         // NOTE: to.row < to.rows, so the sum cannot pass 2^31.
-        const float s = row + 8 * h < to.rows ? __ldg(row_scale + row + 8 * h) : 0.0f;
+        const float s = args.row_scale_scalar     ? all
+                        : row + 8 * h < to.rows ? __ldg(row_scale + row + 8 * h)
+                                                : 0.0f;
 #pragma unroll
         for (int j = 0; j < kBlockN / 8; ++j) {
           acc[4 * j + 2 * h] *= s;
@@ -315,14 +319,17 @@ struct TmaStoreEpilogue {
         }
       }
     }
-    if (col_scale != nullptr) {
+    if (const float* col_scale = args.col_scale; col_scale != nullptr) {
       const int pair_col = to.col + 2 * (threadIdx.x % 4);
+      const float all = args.col_scale_scalar ? __ldg(col_scale) : 0.0f;
 #pragma unroll
       for (int j = 0; j < kBlockN / 8; ++j) {
         const int col = pair_col + 8 * j;
         // As for the bias, N is even: a pair is wholly in or out.
-        const float2 s = col < to.cols ? __ldg(reinterpret_cast<const float2*>(col_scale + col))
-                                       : make_float2(0.0f, 0.0f);
+        const float2 s = args.col_scale_scalar ? make_float2(all, all)
+                         : col < to.cols
+                             ? __ldg(reinterpret_cast<const float2*>(col_scale + col))
+                             : make_float2(0.0f, 0.0f);
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           acc[4 * j + 2 * h] *= s.x;
@@ -339,7 +346,7 @@ struct TmaStoreEpilogue {
                                const StorePlan& to, const NamedBarrier& barrier,
                                const FusedStore& fused = {}) {
     if constexpr (F::kKind == FusionKind::kScaled) {
-      scale(acc, to, fused.args.row_scale, fused.args.col_scale);
+      scale(acc, to, fused.args);
     }
     if constexpr (F::kKind == FusionKind::kBiasActivation || F::kKind == FusionKind::kScaled) {
       if (fused.args.bias != nullptr) add_bias(acc, to, fused.args.bias);

@@ -5,10 +5,11 @@
 // Contiguous operands; optional ones are passed as 1-element placeholders:
 //   a          [batch_a, m, k]          e4m3 or e5m2 (batch_a = batch if a_batched, else 1)
 //   b          [batch_b, n, k]          a's type (batch_b = batch if b_batched, else 1)
-//   sa         [batch_a, kb, sa_ld] fp32  A's block scales, kb = ceil(k / 128), sa_ld >= m
-//   sb         [batch_b, kb, sb_ld] fp32  B's block scales, sb_ld >= ceil(n / 128)
-//   row_scale  [m] fp32                 has_row_scale
-//   col_scale  [n] fp32                 has_col_scale
+//   sa         [batch_a, kb, sa_ld] fp32  has_sa: A's block scales, kb = ceil(k / 128),
+//                                       sa_ld >= m
+//   sb         [batch_b, kb, sb_ld] fp32  has_sb: B's block scales, sb_ld >= ceil(n / 128)
+//   row_scale  [m] fp32                 row_scale = 2 ([1]: row_scale = 1, one for all rows)
+//   col_scale  [n] fp32                 col_scale = 2 ([1]: col_scale = 1, one for all)
 //   bias       [n] fp32                 has_bias
 // -> out [splits, batch, m, n], bf16 or fp32 (fp32 when splits > 1: one partial product per K
 // range, for the caller to sum). k is a multiple of 16, n of 8, sa_ld and sb_ld of 4 (16-byte
@@ -40,7 +41,7 @@ namespace jax_tma::ffi_handlers {
 struct Fp8Attrs {
   int64_t block_m, block_n, stages, cluster_m, promote, splits;
   int64_t m, n, k, batch, a_batched, b_batched, sa_ld, sb_ld;
-  int64_t has_row_scale, has_col_scale, has_bias;
+  int64_t has_sa, has_sb, row_scale, col_scale, has_bias;
 };
 
 namespace {
@@ -100,27 +101,32 @@ ffi::Error run(const Fp8Attrs& p, DType in, DType out, const Buffers& buf, Launc
       DType::kF32, {{nb, 1, "n / 128"}, {kb, p.sb_ld, "sb_ld"}, {batch_b, kb * p.sb_ld, "batch"}},
       box_sb);
   spec_sa.swizzle = spec_sb.swizzle = ffi_util::Swizzle::kNone;
-  CUtensorMap map_a, map_b, map_sa, map_sb, map_d;
+  CUtensorMap map_a, map_b, map_sa = {}, map_sb = {}, map_d;
   struct Map {
     const char* name;
     CUtensorMap* map;
     void* base;
     ffi_util::TensorMapSpec spec;
+    bool used;
   };
   for (const Map& m : {
            Map{"a", &map_a, buf.a->untyped_data(),
                ffi_util::operand_spec<Major::kK>(in, {p.m, p.k, "m"}, {p.k, 1, "k"},
-                                                 {batch_a, p.m * p.k, "batch"}, box_a)},
+                                                 {batch_a, p.m * p.k, "batch"}, box_a),
+               true},
            Map{"b", &map_b, buf.b->untyped_data(),
                ffi_util::operand_spec<Major::kK>(in, {p.n, p.k, "n"}, {p.k, 1, "k"},
-                                                 {batch_b, p.n * p.k, "batch"}, Boxes::kBoxB)},
-           Map{"sa", &map_sa, buf.sa->untyped_data(), spec_sa},
-           Map{"sb", &map_sb, buf.sb->untyped_data(), spec_sb},
+                                                 {batch_b, p.n * p.k, "batch"}, Boxes::kBoxB),
+               true},
+           Map{"sa", &map_sa, buf.sa->untyped_data(), spec_sa, p.has_sa != 0},
+           Map{"sb", &map_sb, buf.sb->untyped_data(), spec_sb, p.has_sb != 0},
            Map{"out", &map_d, buf.out->untyped_data(),
                ffi_util::output_spec(out, {p.n, 1, "n"}, {p.m, p.n, "m"},
                                      {p.batch, p.m * p.n, "batch"},
                                      {p.splits, p.batch * p.m * p.n, "split"},
-                                     Tile::kEpilogueRowBytes, Tile::kEpilogueRows)}}) {
+                                     Tile::kEpilogueRowBytes, Tile::kEpilogueRows),
+               true}}) {
+    if (!m.used) continue;
     std::string err = ffi_util::encode_tensor_map(m.map, m.base, m.spec);
     if (!err.empty()) return ffi::Error::InvalidArgument(std::string("jax_tma fp8, ") + m.name +
                                                          ": " + err);
@@ -132,8 +138,10 @@ ffi::Error run(const Fp8Attrs& p, DType in, DType out, const Buffers& buf, Launc
   const auto vector = [](const ffi::AnyBuffer* v, int64_t present) {
     return present ? static_cast<const float*>(v->untyped_data()) : nullptr;
   };
-  const Fp8Launch fp8{&map_sa, &map_sb, vector(buf.row_scale, p.has_row_scale),
-                      vector(buf.col_scale, p.has_col_scale), vector(buf.bias, p.has_bias)};
+  const Fp8Launch fp8{p.has_sa ? &map_sa : nullptr, p.has_sb ? &map_sb : nullptr,
+                      vector(buf.row_scale, p.row_scale),   vector(buf.col_scale, p.col_scale),
+                      p.row_scale == 1,                     p.col_scale == 1,
+                      vector(buf.bias, p.has_bias)};
   cudaError_t launched;
   if constexpr (!kPromote) {
     launched = sm90_gemm::launch_fp8<__nv_fp8_e4m3, float, Tile, false>(args, fp8);
@@ -201,7 +209,16 @@ ffi::Error fp8_gemm(cudaStream_t stream, int32_t device, const Buffers& buf, con
   }
   const int64_t kb = (p.k + kScaleBlock - 1) / kScaleBlock;
   const int64_t nb = (p.n + kScaleBlock - 1) / kScaleBlock;
-  if (p.k % 16 || p.n % 8 || p.sa_ld < p.m || p.sa_ld % 4 || p.sb_ld < nb || p.sb_ld % 4) {
+  if (p.row_scale < 0 || p.row_scale > 2 || p.col_scale < 0 || p.col_scale > 2) {
+    return ffi::Error::InvalidArgument("jax_tma fp8: row_scale and col_scale must be 0 (none), "
+                                       "1 (one value) or 2 (a vector), got " +
+                                       str(p.row_scale) + " and " + str(p.col_scale));
+  }
+  if (!p.promote && (p.has_sa || p.has_sb)) {
+    return ffi::Error::InvalidArgument("jax_tma fp8: promote=0 reads no block scales");
+  }
+  if (p.k % 16 || p.n % 8 || (p.has_sa && (p.sa_ld < p.m || p.sa_ld % 4)) ||
+      (p.has_sb && (p.sb_ld < nb || p.sb_ld % 4))) {
     return ffi::Error::InvalidArgument(
         "jax_tma fp8: TMA needs 16-byte rows: k must be a multiple of 16, n of 8, sa_ld >= m "
         "and sb_ld >= ceil(n / 128) of 4, got " + dims + ", sa_ld=" + str(p.sa_ld) +
@@ -222,10 +239,10 @@ ffi::Error fp8_gemm(cudaStream_t stream, int32_t device, const Buffers& buf, con
   for (const Need& need :
        {Need{"a", batch_a * p.m * p.k, buf.a->element_count()},
         Need{"b", batch_b * p.n * p.k, buf.b->element_count()},
-        Need{"sa", batch_a * kb * p.sa_ld, buf.sa->element_count()},
-        Need{"sb", batch_b * kb * p.sb_ld, buf.sb->element_count()},
-        Need{"row_scale", p.has_row_scale ? p.m : 1, buf.row_scale->element_count()},
-        Need{"col_scale", p.has_col_scale ? p.n : 1, buf.col_scale->element_count()},
+        Need{"sa", p.has_sa ? batch_a * kb * p.sa_ld : 1, buf.sa->element_count()},
+        Need{"sb", p.has_sb ? batch_b * kb * p.sb_ld : 1, buf.sb->element_count()},
+        Need{"row_scale", p.row_scale == 2 ? p.m : 1, buf.row_scale->element_count()},
+        Need{"col_scale", p.col_scale == 2 ? p.n : 1, buf.col_scale->element_count()},
         Need{"bias", p.has_bias ? p.n : 1, buf.bias->element_count()},
         Need{"out", p.splits * p.batch * p.m * p.n, buf.out->element_count()}}) {
     if (static_cast<size_t>(need.elements) != need.have) {
@@ -299,8 +316,10 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     xla::ffi::StructMember<int64_t>("b_batched"),      // 0: b (and sb) shared by every entry
     xla::ffi::StructMember<int64_t>("sa_ld"),          // sa's row length (>= m)
     xla::ffi::StructMember<int64_t>("sb_ld"),          // sb's row length (>= ceil(n / 128))
-    xla::ffi::StructMember<int64_t>("has_row_scale"),
-    xla::ffi::StructMember<int64_t>("has_col_scale"),
+    xla::ffi::StructMember<int64_t>("has_sa"),         // A has block scales
+    xla::ffi::StructMember<int64_t>("has_sb"),         // B has block scales
+    xla::ffi::StructMember<int64_t>("row_scale"),      // 0 none, 1 one value, 2 [m]
+    xla::ffi::StructMember<int64_t>("col_scale"),      // 0 none, 1 one value, 2 [n]
     xla::ffi::StructMember<int64_t>("has_bias"));
 
 namespace jax_tma::ffi_handlers {

@@ -16,7 +16,13 @@ cudaError_t launch_fp8(const LaunchArgs& args, const Fp8Launch& fp8) {
   fused.args.bias = fp8.bias;
   fused.args.row_scale = fp8.row_scale;
   fused.args.col_scale = fp8.col_scale;
-  const typename K::Mainloop::Params scales{*fp8.scale_a, *fp8.scale_b};
+  fused.args.row_scale_scalar = fp8.row_scale_scalar;
+  fused.args.col_scale_scalar = fp8.col_scale_scalar;
+  typename K::Mainloop::Params scales{};
+  if (fp8.scale_a != nullptr) scales.sa = *fp8.scale_a;
+  if (fp8.scale_b != nullptr) scales.sb = *fp8.scale_b;
+  scales.has_sa = fp8.scale_a != nullptr;
+  scales.has_sb = fp8.scale_b != nullptr;
   return launch_dense<T, Out, Tile, LayoutNT, FuseScaled, Mainloop>(args, fused, scales);
 }
 

@@ -7,8 +7,9 @@
 //                * row_scale[m] * col_scale[n] + bias[n]
 // A [batch, M, K] and B [batch, N, K]: K-major FP8, both e4m3 or both e5m2 (a batch of 1 for an
 // operand shared by every entry); the block scales sa [batch, ceil(K / 128), M] and
-// sb [batch, ceil(K / 128), ceil(N / 128)] fp32, their rows padded to 16-byte multiples;
-// row_scale [M], col_scale [N], bias [N] fp32, each optional. D bf16 or fp32, [splits, batch,
+// sb [batch, ceil(K / 128), ceil(N / 128)] fp32, their rows padded to 16-byte multiples, each
+// optional (1 where absent); row_scale [M] (or one value), col_scale [N] (or one value), bias [N]
+// fp32, each optional. D bf16 or fp32, [splits, batch,
 // M, N] (split-K: fp32 partial products, one per K range). K a multiple of 16 and N of 8
 // (16-byte rows of the operands and of D).
 #pragma once
@@ -61,12 +62,15 @@ using Fp8UnpromotedTile = Fp8Tile128x128;
 using FuseScaled = Fusion<FusionKind::kScaled>;
 
 // The scales of one call: the block scales' tensor maps (mainloop/sm90_tma_wgmma_fp8.cuh,
-// MainloopSm90Fp8::Params) and the epilogue's vectors (null where absent).
+// MainloopSm90Fp8::Params; null where the operand has none) and the epilogue's vectors (null
+// where absent; a scalar one holds one value for every row or column).
 struct Fp8Launch {
   const CUtensorMap* scale_a;
   const CUtensorMap* scale_b;
   const float* row_scale;
   const float* col_scale;
+  bool row_scale_scalar;
+  bool col_scale_scalar;
   const float* bias;
 };
 

@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           continue;
         }
       }
-      K::Mainloop::mma(pipeline, read, smem.operands, a_block, count, acc, hand_over);
+      K::Mainloop::mma(pipeline, read, smem.operands, a_block, count, acc, hand_over, mainloop);
       if constexpr (K::kStreamK) {
         if (w.piece >= 0) {
           if (w.k_begin > 0) {  // not the tile's head: leave the partial sums for it

@@ -214,7 +214,8 @@ struct MainloopSm90TmaWgmma {
   // group reading it has retired. `waited()` runs once the tile's last stage is known full.
   template <class Waited>
   __device__ static void mma(Pipeline& pipeline, State& read, const SharedStorage& smem,
-                             int a_block, int k_blocks, float (&acc)[kAccRegs], Waited&& waited) {
+                             int a_block, int k_blocks, float (&acc)[kAccRegs], Waited&& waited,
+                             const Params& = {}) {
     pipeline.consumer_wait(read);
     if (k_blocks == 1) waited();
     ptx::wgmma_fence_operands(acc);

@@ -78,14 +78,18 @@ struct MainloopSm90Fp8 {
     StageScales scales[kStages];
   };
   static_assert(sizeof(StageScales) == Tile::kTileScaleBytes);
-  static constexpr uint32_t kScaleBytes = (kBlockM + Tile::kBScaleBox) * sizeof(float);
+  static constexpr uint32_t kAScaleBytes = kBlockM * sizeof(float);
+  static constexpr uint32_t kBScaleBytes = Tile::kBScaleBox * sizeof(float);
 
   // The scales' tensor maps (kernel parameter), fp32, no swizzle, rank 3 {inner, K slice,
   // batch}: A's {M, K / 128, batch} with a box of {kBlockM, 1, 1}, B's {N / 128, K / 128,
-  // batch} with a box of {kBScaleBox, 1, 1}.
+  // batch} with a box of {kBScaleBox, 1, 1}. An operand without block scales (has_sa or has_sb
+  // false: its scales, if any, are the epilogue's) loads none and reads 1.
   struct Params {
     CUtensorMap sa;
     CUtensorMap sb;
+    bool has_sa;
+    bool has_sb;
   };
 
   // Producer (one thread): stream K slices [kb_begin, kb_end) of one output tile, with their
@@ -94,6 +98,8 @@ struct MainloopSm90Fp8 {
                               const LoadPlan& plan, int kb_begin, int kb_end, LoadMode mode,
                               int rank, uint32_t a_stage_bytes, const Params& params) {
     const auto loads = Operands::stage_loads(plan, a_stage_bytes);
+    const uint32_t scale_bytes =
+        (params.has_sa ? kAScaleBytes : 0) + (params.has_sb ? kBScaleBytes : 0);
 #pragma unroll 1
     for (int kb = kb_begin; kb < kb_end; ++kb) {
       pipeline.producer_acquire(write);
@@ -102,13 +108,17 @@ struct MainloopSm90Fp8 {
         ++write;
         continue;
       }
-      uint64_t* full = pipeline.producer_expect_tx(write, loads.bytes + kScaleBytes);
+      uint64_t* full = pipeline.producer_expect_tx(write, loads.bytes + scale_bytes);
       Operands::copy_stage(smem.operands, write.index, plan, loads, kb, mode, rank, full);
       StageScales& scales = smem.scales[write.index];
-      ptx::tma_load(scales.a, &params.sa, full,
-                    ptx::TmaCoord<3>{{plan.at.m0, kb, plan.at.batch_a}});
-      ptx::tma_load(scales.b, &params.sb, full,
-                    ptx::TmaCoord<3>{{plan.at.n0 / kScaleBlock, kb, plan.at.batch_b}});
+      if (params.has_sa) {
+        ptx::tma_load(scales.a, &params.sa, full,
+                      ptx::TmaCoord<3>{{plan.at.m0, kb, plan.at.batch_a}});
+      }
+      if (params.has_sb) {
+        ptx::tma_load(scales.b, &params.sb, full,
+                      ptx::TmaCoord<3>{{plan.at.n0 / kScaleBlock, kb, plan.at.batch_b}});
+      }
       ++write;
     }
   }
@@ -138,9 +148,10 @@ struct MainloopSm90Fp8 {
   // slices into `acc`. `waited()` runs once the tile's last stage is known full.
   template <class Waited>
   __device__ static void mma(Pipeline& pipeline, State& read, const SharedStorage& smem,
-                             int a_block, int k_blocks, float (&acc)[kAccRegs], Waited&& waited) {
+                             int a_block, int k_blocks, float (&acc)[kAccRegs], Waited&& waited,
+                             const Params& params) {
     if constexpr (kPromote) {
-      promoted(pipeline, read, smem, a_block, k_blocks, acc, waited);
+      promoted(pipeline, read, smem, a_block, k_blocks, acc, waited, params);
     } else {
       unpromoted(pipeline, read, smem, a_block, k_blocks, acc, waited);
     }
@@ -149,7 +160,9 @@ struct MainloopSm90Fp8 {
   template <class Waited>
   __device__ static void promoted(Pipeline& pipeline, State& read, const SharedStorage& smem,
                                   int a_block, int k_blocks, float (&acc)[kAccRegs],
-                                  Waited&& waited) {
+                                  Waited&& waited, const Params& params) {
+    const bool has_sa = params.has_sa;
+    const bool has_sb = params.has_sb;
     // This thread's rows of the warpgroup's 64 (accumulator layout: ptx/wgmma.cuh): r, r + 8.
     const int row = a_block * 64 + 16 * ((threadIdx.x / 32) % 4) + (threadIdx.x % 32) / 4;
 #pragma unroll
@@ -159,11 +172,13 @@ struct MainloopSm90Fp8 {
       pipeline.consumer_wait(read);
       if (kb == k_blocks - 1) waited();
       const StageScales& scales = smem.scales[read.index];
-      const float sa0 = ptx::ld_shared_f32(ptx::smem_u32(scales.a + row));
-      const float sa1 = ptx::ld_shared_f32(ptx::smem_u32(scales.a + row + 8));
+      const float sa0 = has_sa ? ptx::ld_shared_f32(ptx::smem_u32(scales.a + row)) : 1.0f;
+      const float sa1 = has_sa ? ptx::ld_shared_f32(ptx::smem_u32(scales.a + row + 8)) : 1.0f;
       float sb[kParts];
 #pragma unroll
-      for (int p = 0; p < kParts; ++p) sb[p] = ptx::ld_shared_f32(ptx::smem_u32(scales.b + p));
+      for (int p = 0; p < kParts; ++p) {
+        sb[p] = has_sb ? ptx::ld_shared_f32(ptx::smem_u32(scales.b + p)) : 1.0f;
+      }
 #pragma unroll
       for (int p = 0; p < kParts; ++p) {
         float d[kPartRegs];
