@@ -15,6 +15,7 @@ the activations (bf16 [M, K] to e4m3 with 1x128 scales) is listed apart, in GB/s
     python benchmarks/bench_fp8.py             # the suite (7 shapes)
     python benchmarks/bench_fp8.py --quick     # 8192^3 and 4096^3
     python benchmarks/bench_fp8.py --dry-run   # tiny shapes; runs without a GPU (CI)
+    python benchmarks/bench_fp8.py --sweep --shapes 8192,8192,8192   # every compiled tile
 
 Before timing, jax_tma's block-scaled result is compared with XLA's dequantised product.
 Writes bench_fp8.json, .md and .png under benchmarks/results/<device>/.
@@ -140,6 +141,27 @@ def bench(shape, args) -> list[Row]:
     return rows
 
 
+def sweep(shape, args) -> list[Row]:
+    """jax_tma's block-scaled product on every compiled tile (no split) and on the heuristic's
+    choice, timed together: the data to tune the heuristic with."""
+    sets = _operand_sets(shape, args.sets, args.seed)
+    m, n, k = shape
+    contenders = {"default " + fp8.default_config(m, n, k).describe():
+                  lambda a, b, sa, sb, *rest: jax_tma.fp8_dot_general(a, b, sa, sb, NT)}
+    for cfg in fp8.FP8_CONFIGS:
+        if cfg.cluster_m > 1 and -(-m // cfg.block_m) < 2:
+            continue
+        contenders["x".join(map(str, cfg.tile))] = (
+            lambda a, b, sa, sb, *rest, cfg=cfg: jax_tma.fp8_dot_general(a, b, sa, sb, NT,
+                                                                         config=cfg))
+    timings = _timing.compare(contenders, sets, rounds=args.rounds, iterations=args.iterations)
+    rows = [Row(shape, "sweep " + name, t.median_s, t.spread_s) for name, t in timings.items()]
+    for r in rows:
+        print(f"  {'x'.join(map(str, shape)):18s} {r.contender:60s} {r.seconds * 1e6:10.1f} us "
+              f"{r.tflops():8.1f} TFLOP/s", flush=True)
+    return rows
+
+
 def _by_shape(rows):
     groups: dict = {}
     for r in rows:
@@ -207,6 +229,8 @@ def _plot(rows: list[Row], path: pathlib.Path, title: str) -> bool:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
+    p.add_argument("--sweep", action="store_true",
+                   help="time the block-scaled product on every compiled tile instead")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--shapes", nargs="*", metavar="M,N,K")
     p.add_argument("--sets", type=int, default=2)
@@ -232,7 +256,14 @@ def main(argv=None) -> int:
     rows = []
     for i, shape in enumerate(shapes):
         print(f"[{i + 1}/{len(shapes)}] {'x'.join(map(str, shape))}", file=sys.stderr, flush=True)
-        rows += bench(shape, args)
+        rows += sweep(shape, args) if args.sweep else bench(shape, args)
+    if args.sweep:
+        if args.out is not None:
+            payload = {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]}
+            write_report(args.out, env, "bench_fp8_sweep", payload, "\n".join(
+                f"{'x'.join(map(str, r.shape))} {r.contender}: {r.seconds * 1e6:.1f} us, "
+                f"{r.tflops():.1f} TFLOP/s" for r in rows), lambda path: False)
+        return 0
     table = _table(rows, env)
     print(table)
     if args.dry_run and args.out is None:

@@ -128,29 +128,31 @@ _PEAK_FLOPS = 1.979e15
 
 def estimate_seconds(cfg: Fp8Config, m: int, n: int, k: int, num_sms: int,
                      dram_bytes_per_s: float) -> float:
-    """A rough time of one product on `cfg`: waves of tiles at the tile's rate, or the bytes it
-    reads and writes at DRAM speed, whichever is longer."""
+    """A rough time of one product on `cfg`: waves of tiles at the tile's rate, or the operand
+    and output bytes at DRAM speed, whichever is longer; split-K adds its fp32 partial products'
+    round trip through memory and XLA's sum after the kernel."""
     m_blocks, n_blocks = -(-m // cfg.block_m), -(-n // cfg.block_n)
     splits = cfg.splits_for(k)
     units = m_blocks * n_blocks * splits
     waves = -(-units // num_sms)
     per_unit = 2.0 * cfg.block_m * cfg.block_n * -(-k // splits) / (
         _PEAK_FLOPS / num_sms * _TILE_EFFICIENCY[(cfg.block_m, cfg.block_n)])
-    # A is read once per column of tiles and B once per row of tiles (pairs share B), through
-    # L2; DRAM sees each about once, plus the output (fp32 partial products with split-K).
-    b_reads = max(1, m_blocks // cfg.cluster_m) if m_blocks > 1 else 1
-    bytes_ = m * k + n * k * min(b_reads, 2) + m * n * (4 * splits + 2 if splits > 1 else 2)
-    return max(waves * per_unit, bytes_ / dram_bytes_per_s) + (2e-6 if splits > 1 else 0.0)
+    seconds = max(waves * per_unit, (m * k + n * k + 2 * m * n) / dram_bytes_per_s)
+    if splits > 1:
+        seconds += (8 * splits + 2) * m * n / dram_bytes_per_s + 3e-6
+    return seconds
 
 
 def default_config(m: int, n: int, k: int, num_sms: int | None = None) -> Fp8Config:
-    """The compiled tile and split with the least estimated time (ties: the larger tile)."""
+    """The compiled tile and split with the least estimated time (ties: no split, the larger
+    tile). Split-K is considered only where the tiles fill less than one wave."""
     num_sms = _num_sms() if num_sms is None else num_sms
     best, best_key = None, None
     for tile in _FP8_TILES:
         if tile[3] > 1 and -(-m // tile[0]) < 2:
             continue  # a pair needs two row blocks
-        for split in (1, 2, 4, 8):
+        tiles = -(-m // tile[0]) * -(-n // tile[1])
+        for split in (1, 2, 4, 8) if tiles < num_sms else (1,):
             cfg = Fp8Config(*tile, split_k=split)
             if cfg.splits_for(k) != split:
                 continue
@@ -498,7 +500,7 @@ def _batch_rule(args, dims, **params):
     sa, sb, rs, cs, bias = _split(rest, params["has_sa"], params["has_sb"],
                                   params["row_scale"], params["col_scale"], params["has_bias"])
     rest_dims = list(dims[2:])
-    d_sa, d_sb, d_rs, d_cs, d_bias = _split(rest_dims + [None] * 0, params["has_sa"],
+    d_sa, d_sb, d_rs, d_cs, d_bias = _split(rest_dims, params["has_sa"],
                                             params["has_sb"], params["row_scale"],
                                             params["col_scale"], params["has_bias"])
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
