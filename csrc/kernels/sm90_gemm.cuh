@@ -137,6 +137,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     ptx::prefetch_tensormap(&tmap_a);
     ptx::prefetch_tensormap(&tmap_b);
     if constexpr (K::kTmaStore) ptx::prefetch_tensormap(&tmap_d);
+    K::Mainloop::prefetch(mainloop);
   }
   if (threadIdx.x == 0) {
     K::Pipeline::init(smem.barriers, Tile::kStageReaderWarps * Tile::kClusterM);

@@ -103,39 +103,40 @@ struct MainloopSm90TmaWgmma {
 
   // The tensor maps a mainloop reads besides A's and B's (kernel parameter): none here.
   struct Params {};
+  __device__ static void prefetch(const Params&) {}
 
-  // How many of the tile's A and B boxes hold indices of the matrix (boxes_within), and the
-  // bytes they bring into one stage. `a_stage_bytes` is what all of A's boxes bring
+  // How many of the tile's A and B boxes hold indices of the matrix (boxes_within).
+  __device__ static int a_loads(const LoadPlan& plan) {
+    return boxes_within(Boxes::kALoads, plan.rows, plan.at.m0);
+  }
+  __device__ static int b_loads(const LoadPlan& plan) {
+    return kPairedB ? min(Boxes::kBLoads, 2 * boxes_within(Boxes::kBLoads, plan.cols, plan.at.n0))
+                    : boxes_within(Boxes::kBLoads, plan.cols, plan.at.n0);
+  }
+  // The bytes they bring into one stage; `a_stage_bytes` is what all of A's boxes bring
   // (GemmShape::a_stage_bytes).
-  struct StageLoads {
-    int a, b;
-    uint32_t bytes;
-  };
-  __device__ static StageLoads stage_loads(const LoadPlan& plan, uint32_t a_stage_bytes) {
-    const int a_loads = boxes_within(Boxes::kALoads, plan.rows, plan.at.m0);
-    const int b_loads = kPairedB ? min(Boxes::kBLoads, 2 * boxes_within(Boxes::kBLoads, plan.cols, plan.at.n0))
-                                 : boxes_within(Boxes::kBLoads, plan.cols, plan.at.n0);
-    return {a_loads, b_loads,
-            a_stage_bytes / Boxes::kALoads * a_loads + b_loads * Boxes::kBBoxBytes};
+  __device__ static uint32_t stage_bytes(int a_loads, int b_loads, uint32_t a_stage_bytes) {
+    return a_stage_bytes / Boxes::kALoads * a_loads + b_loads * Boxes::kBBoxBytes;
   }
 
-  // The copies of K slice `kb` into stage `stage`, completing on `full` (modes other than
-  // kIdle). Whoever issues them, every byte of A and B lands in this CTA's stage.
+  // The copies of K slice `kb` into stage `stage` (`a_loads` of A's boxes, `b_loads` of B's),
+  // completing on `full` (modes other than kIdle). Whoever issues them, every byte of A and B
+  // lands in this CTA's stage.
   __device__ static void copy_stage(SharedStorage& smem, int stage, const LoadPlan& plan,
-                                    const StageLoads& loads, int kb, LoadMode mode, int rank,
+                                    int a_loads, int b_loads, int kb, LoadMode mode, int rank,
                                     uint64_t* full) {
     const TileOrigin& at = plan.at;
     const int k0 = kb * kBlockK;
 #pragma unroll
     for (int i = 0; i < Boxes::kALoads; ++i) {
-      if (i >= loads.a) break;
+      if (i >= a_loads) break;
       const auto c = sm90_gemm::inner_outer<kMajorA>(at.m0 + i * Boxes::kABoxMN, k0);
       ptx::tma_load(smem.a[stage] + i * kABoxElems, plan.a, full,
                     ptx::TmaCoord<3>{{c.inner, c.outer, at.batch_a}});
     }
 #pragma unroll
     for (int j = 0; j < Boxes::kBLoads; ++j) {
-      if (j >= loads.b) break;
+      if (j >= b_loads) break;
       T* dst = smem.b[stage] + j * kBBoxElems;
       const int n = at.n0 + (kPairedB ? j / 2 : j) * Boxes::kBBoxMN;
       const CUtensorMap* map = kPairedB && (j % 2) ? plan.b2 : plan.b;
@@ -155,7 +156,9 @@ struct MainloopSm90TmaWgmma {
   __device__ static void load(Pipeline& pipeline, State& write, SharedStorage& smem,
                               const LoadPlan& plan, int kb_begin, int kb_end, LoadMode mode,
                               int rank, uint32_t a_stage_bytes, const Params&) {
-    const StageLoads loads = stage_loads(plan, a_stage_bytes);
+    const int a = a_loads(plan);
+    const int b = b_loads(plan);
+    const uint32_t bytes = stage_bytes(a, b, a_stage_bytes);
 #pragma unroll 1
     for (int kb = kb_begin; kb < kb_end; ++kb) {
       pipeline.producer_acquire(write);
@@ -164,8 +167,8 @@ struct MainloopSm90TmaWgmma {
         ++write;
         continue;
       }
-      uint64_t* full = pipeline.producer_expect_tx(write, loads.bytes);
-      copy_stage(smem, write.index, plan, loads, kb, mode, rank, full);
+      uint64_t* full = pipeline.producer_expect_tx(write, bytes);
+      copy_stage(smem, write.index, plan, a, b, kb, mode, rank, full);
       ++write;
     }
   }

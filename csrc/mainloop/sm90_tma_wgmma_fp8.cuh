@@ -92,14 +92,21 @@ struct MainloopSm90Fp8 {
     bool has_sb;
   };
 
+  // One thread, at the kernel's start: the scales' maps into the descriptor cache.
+  __device__ static void prefetch(const Params& params) {
+    if (params.has_sa) ptx::prefetch_tensormap(&params.sa);
+    if (params.has_sb) ptx::prefetch_tensormap(&params.sb);
+  }
+
   // Producer (one thread): stream K slices [kb_begin, kb_end) of one output tile, with their
   // scales, into the ring (see MainloopSm90TmaWgmma::load).
   __device__ static void load(Pipeline& pipeline, State& write, SharedStorage& smem,
                               const LoadPlan& plan, int kb_begin, int kb_end, LoadMode mode,
                               int rank, uint32_t a_stage_bytes, const Params& params) {
-    const auto loads = Operands::stage_loads(plan, a_stage_bytes);
-    const uint32_t scale_bytes =
-        (params.has_sa ? kAScaleBytes : 0) + (params.has_sb ? kBScaleBytes : 0);
+    const int a_loads = Operands::a_loads(plan);
+    const int b_loads = Operands::b_loads(plan);
+    const uint32_t bytes = Operands::stage_bytes(a_loads, b_loads, a_stage_bytes) +
+                           (params.has_sa ? kAScaleBytes : 0) + (params.has_sb ? kBScaleBytes : 0);
 #pragma unroll 1
     for (int kb = kb_begin; kb < kb_end; ++kb) {
       pipeline.producer_acquire(write);
@@ -108,8 +115,9 @@ struct MainloopSm90Fp8 {
         ++write;
         continue;
       }
-      uint64_t* full = pipeline.producer_expect_tx(write, loads.bytes + scale_bytes);
-      Operands::copy_stage(smem.operands, write.index, plan, loads, kb, mode, rank, full);
+      uint64_t* full = pipeline.producer_expect_tx(write, bytes);
+      Operands::copy_stage(smem.operands, write.index, plan, a_loads, b_loads, kb, mode, rank,
+                           full);
       StageScales& scales = smem.scales[write.index];
       if (params.has_sa) {
         ptx::tma_load(scales.a, &params.sa, full,
