@@ -13,6 +13,9 @@ Public API:
     residual or gating fused into the GEMM epilogue, with their gradients.
   ragged_dot(lhs, rhs, group_sizes, ...), ragged_dot_general(...): ``lax.ragged_dot`` and
     ``lax.ragged_dot_general`` on the grouped (MoE) kernel, group sizes read on the device.
+  quantize_fp8(x, block, dtype), fp8_matmul(a, b, a_scale, b_scale),
+    fp8_dot_general(lhs, rhs, lhs_scale, rhs_scale, dimension_numbers): FP8 (e4m3/e5m2)
+    products with per-tensor, row/column or block (1x128, 128x128) scales on the FP8 kernel.
   GemmConfig: a compiled tile configuration to pass as ``config=``.
   kernel_status(): whether the kernels run on the default backend, and why not.
   export_disabled_checks(): what ``jax.export`` needs to serialize the kernels' custom calls.
@@ -21,6 +24,7 @@ Public API:
 from jax_tma._export import export_disabled_checks
 from jax_tma._ext import KernelStatus, kernel_status
 from jax_tma.epilogues import DENSE_CONFIGS, dense, gated_dense, mlp
+from jax_tma.fp8 import FP8_CONFIGS, Fp8Config, fp8_dot_general, fp8_matmul, quantize_fp8
 from jax_tma.gemm import COMPILED_CONFIGS, GemmConfig, default_config, dot_general, matmul
 from jax_tma.ragged import RAGGED_CONFIGS, ragged_dot, ragged_dot_general
 
@@ -29,16 +33,21 @@ __version__ = "0.1.0"
 __all__ = [
     "COMPILED_CONFIGS",
     "DENSE_CONFIGS",
+    "FP8_CONFIGS",
+    "Fp8Config",
     "GemmConfig",
     "KernelStatus",
     "default_config",
     "dense",
     "dot_general",
     "export_disabled_checks",
+    "fp8_dot_general",
+    "fp8_matmul",
     "gated_dense",
     "kernel_status",
     "matmul",
     "mlp",
+    "quantize_fp8",
     "ragged_dot",
     "ragged_dot_general",
     "RAGGED_CONFIGS",

@@ -260,3 +260,23 @@ def test_profile_gemm_writes_the_calls_table(tmp_path, monkeypatch):
     report = json.loads((device_dir / "profile_gemm.json").read_text())
     assert report["environment"]["commit"] == "0123abc"
     assert [k["call"] for k in report["kernels"]] == ["64×64×64 jax_tma", "64×64×64 XLA"]
+
+
+def test_bench_fp8_dry_run(tmp_path):
+    result = _run("bench_fp8.py", "--out", str(tmp_path), "--commit", "0123abc")
+    assert result.returncode == 0, result.stderr
+    assert "| M×N×K | jax_tma tensor | jax_tma block | XLA e4m3 dot |" in result.stdout
+    for shape in ("64×256×256", "8×136×200"):
+        assert f"| {shape} |" in result.stdout, result.stdout
+    assert "Geometric mean over 2 shapes" in result.stdout
+    report = _written(tmp_path, "bench_fp8")
+    assert report["environment"]["commit"] == "0123abc" and report["dry_run"]
+    contenders = {r["contender"] for r in report["rows"]}
+    assert contenders == {"jax_tma_tensor", "jax_tma_block", "xla_fp8", "xla_scaled",
+                          "xla_dequant", "jax_tma_bf16", "quantize"}
+    assert all(r["seconds"] > 0 for r in report["rows"])
+
+
+def test_bench_fp8_rejects_bad_shapes():
+    result = _script("bench_fp8.py", "--shapes", "4,4")
+    assert result.returncode == 2 and "M,N,K triples" in result.stderr

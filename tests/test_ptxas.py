@@ -19,6 +19,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 KERNEL_FILES = sorted((ROOT / "csrc" / "kernels").glob("sm90_gemm_*.cu"))
 RAGGED_FILES = sorted((ROOT / "csrc" / "kernels").glob("sm90_ragged_*.cu"))
 DENSE_FILES = sorted((ROOT / "csrc" / "kernels").glob("sm90_dense_*.cu"))
+FP8_FILES = sorted((ROOT / "csrc" / "kernels").glob("sm90_fp8_*.cu"))
 
 # The build's flags for the kernels (cmake/kernels/CMakeLists.txt; tests/test_packaging.py checks
 # that they agree), less -lineinfo, plus -v for ptxas's resource report.
@@ -107,4 +108,19 @@ def test_ragged_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_p
 def test_fused_dense_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_path):
     report, entries = _ptxas_report(source, tmp_path)
     assert len(entries) == 4 * 11 + 2, report[-4000:]  # JAX_TMA_SM90_DENSE_KERNELS
+    _assert_clean(report, entries)
+
+
+def test_fp8_instantiation_files_found():
+    assert [p.name for p in FP8_FILES] == ["sm90_fp8_bf16.cu", "sm90_fp8_f32.cu"]
+
+
+@pytest.mark.parametrize("source", FP8_FILES, ids=lambda p: p.name)
+def test_fp8_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_path):
+    """The FP8 mainloop holds a K slice's partial sums beside the promoted accumulators (64 +
+    128 registers on 128 x 256 tiles): no spill, no serialized wgmma."""
+    report, entries = _ptxas_report(source, tmp_path)
+    # JAX_TMA_SM90_FP8_KERNELS: 6 tiles x 2 FP8 types, and the unpromoted tile with fp32 out.
+    assert len(entries) == 6 * 2 + (1 if "f32" in source.name else 0), report[-4000:]
+    assert all("Fp8Mainloop" in e for e in entries)
     _assert_clean(report, entries)

@@ -90,11 +90,11 @@ def _fusion(name: str) -> tuple[int, int]:
 
 
 def _gemm_kernels(kernels: dict[str, str], problems=PROBLEMS, fused=False) -> dict[str, str]:
-    """The sm90_gemm_kernel instantiations of `problems`: plain epilogues, or with `fused` the
-    fused ones (epilogue/fusion.h)."""
+    """The 16-bit sm90_gemm_kernel instantiations of `problems`: plain epilogues, or with
+    `fused` the fused ones (epilogue/fusion.h). The FP8 ones are _fp8_kernels'."""
     found = {name: body for name, body in kernels.items()
              if "sm90_gemm_kernel" in name and any(p in name for p in problems)
-             and (_fusion(name)[0] != 0) == fused}
+             and "Fp8Mainloop" not in name and (_fusion(name)[0] != 0) == fused}
     assert found, f"no sm90_gemm_kernel of {problems} in the extension: {sorted(kernels)}"
     return found
 
@@ -235,3 +235,37 @@ def test_primitive_test_kernels_use_tma_instructions(kernels, opcode):
     bodies = [body for name, body in kernels.items() if "testing" in name]
     assert bodies, "no primitive test kernels in the extension"
     assert any(re.search(rf"\b{re.escape(opcode)}\b", body) for body in bodies), opcode
+
+
+def _fp8_kernels(kernels: dict[str, str]) -> dict[str, str]:
+    """The FP8 instantiations of the sm90 GEMM kernel (kernels/sm90_fp8.h)."""
+    found = {name: body for name, body in kernels.items()
+             if "sm90_gemm_kernel" in name and "Fp8Mainloop" in name}
+    assert found, "no FP8 sm90_gemm_kernel in the extension"
+    return found
+
+
+def test_fp8_kernels(kernels):
+    """FP8 products: 6 tiles x (e4m3, e5m2) x (bf16, fp32 out) + the unpromoted tile. Every one
+    runs FP8 wgmma (QGMMA) of its type on K-major operands (no transposes), 128 columns per
+    instruction (the promoted parts), loads A, B and the scales by TMA (rank 3), scales in the
+    epilogue (FusionKind::kScaled), stores by TMA, and never touches local memory."""
+    found = _fp8_kernels(kernels)
+    assert len(found) == 6 * 2 * 2 + 1
+    for name, body in found.items():
+        kind = "E5M2" if "e5m2" in name else "E4M3"
+        qgmma = re.findall(r"\bQGMMA\.[^ ;]*", body)
+        assert qgmma and set(qgmma) == {f"QGMMA.64x128x32.F32.{kind}.{kind}"}, (set(qgmma), name)
+        assert not re.search(r"\bHGMMA\b", body) and "tnsp" not in body, name
+        assert _layout(name) == (0, 0), name
+        assert _fusion(name) == (4, 0), name
+        assert set(re.findall(r"\bUTMALDG\.(\w+)", body)) == {"3D"}, name
+        assert re.search(r"\bUTMASTG\.4D\b", body), name
+        assert re.search(r"\bUSETMAXREG\b", body), name
+        assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"
+        if _tile(name)[3] > 1:
+            assert re.search(r"\bUTMALDG\.3D\.MULTICAST\b", body), name
+    # The promoted kernels multiply each K slice's partial sums by the scales into the
+    # accumulators (FFMA); 128 x 256 tiles issue two 128-column parts per slice.
+    wide = [b for n, b in found.items() if _tile(n)[1] == 256]
+    assert wide and all(len(re.findall(r"\bQGMMA\b", b)) >= 8 for b in wide)

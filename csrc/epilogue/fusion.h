@@ -10,6 +10,10 @@
 //   Gated            the accumulator's 64-column blocks alternate gate and up columns of the same
 //                    output columns: out = act(gate) * up (one output block per two accumulator
 //                    blocks); gate and up may be stored as two more outputs (backward pass)
+//   Scaled           out = acc * row_scale[row] * col_scale[col] + bias[col], each factor
+//                    optional (fp32), a scale vector possibly one value for all: the scales
+//                    of FP8 products (per tensor, row or column) that factor out of the sum
+//                    over K, and a bias
 // Activations: relu, gelu (tanh approximation, as jax.nn.gelu; or erf, exact), silu. The aux
 // operand arrives through TMA in the epilogue's staging buffer (epilogue/tma_store.cuh).
 #pragma once
@@ -20,13 +24,23 @@ namespace jax_tma {
 
 enum class Activation : int { kNone = 0, kRelu = 1, kGeluTanh = 2, kGeluErf = 3, kSilu = 4 };
 
-enum class FusionKind : int { kPlain = 0, kBiasActivation = 1, kActivationGrad = 2, kGated = 3 };
+enum class FusionKind : int {
+  kPlain = 0,
+  kBiasActivation = 1,
+  kActivationGrad = 2,
+  kGated = 3,
+  kScaled = 4
+};
 
 // What a fused epilogue reads at run time (kernel parameter).
 struct FusionArgs {
-  const float* bias;            // BiasActivation: [N] fp32, or null
+  const float* bias;            // BiasActivation, Scaled: [N] fp32, or null
   bool aux;                     // BiasActivation: add the residual; ActivationGrad: always
   bool store_pre;               // BiasActivation: also store z; gated: the gate's and the up's
+  const float* row_scale;       // Scaled: [M] fp32 (or one, row_scale_scalar), or null
+  const float* col_scale;       // Scaled: [N] fp32 (or one, col_scale_scalar), or null
+  bool row_scale_scalar;        // Scaled: one scale for every row (a per-tensor scale)
+  bool col_scale_scalar;        // Scaled: one scale for every column
 };
 
 template <FusionKind kKind_, Activation kAct_ = Activation::kNone>

@@ -14,7 +14,8 @@
 // ldmatrix in the accumulators' register layout (so it may alias D: each chunk is read before
 // it is overwritten), and the pre-activation stored as a second output first when asked for.
 // Gated: the accumulator's 64-column blocks alternate gate and up columns; the block stored is
-// half as wide.
+// half as wide. Scaled: the accumulators are multiplied by their row's and column's scales (and
+// the bias added) in place, before the passes.
 #pragma once
 
 #include <cuda.h>
@@ -313,6 +314,47 @@ struct TmaStoreEpilogue {
     }
   }
 
+  // Scaled: acc *= row_scale[row] * col_scale[col], either factor left out where null (or one
+  // value for all where scalar). Rows and columns past D's get no scale (their values are
+  // never stored).
+  __device__ static void scale(float (&acc)[kBlockN / 2], const StorePlan& to,
+                               const FusionArgs& args) {
+    if (const float* row_scale = args.row_scale; row_scale != nullptr) {
+      const int row = to.row + 16 * ((threadIdx.x / 32) % 4) + (threadIdx.x % 32) / 4;
+      const float all = args.row_scale_scalar ? __ldg(row_scale) : 0.0f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // NOTE: to.row < to.rows, so the sum cannot pass 2^31.
+        const float s = args.row_scale_scalar     ? all
+                        : row + 8 * h < to.rows ? __ldg(row_scale + row + 8 * h)
+                                                : 0.0f;
+#pragma unroll
+        for (int j = 0; j < kBlockN / 8; ++j) {
+          acc[4 * j + 2 * h] *= s;
+          acc[4 * j + 2 * h + 1] *= s;
+        }
+      }
+    }
+    if (const float* col_scale = args.col_scale; col_scale != nullptr) {
+      const int pair_col = to.col + 2 * (threadIdx.x % 4);
+      const float all = args.col_scale_scalar ? __ldg(col_scale) : 0.0f;
+#pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j) {
+        const int col = pair_col + 8 * j;
+        // As for the bias, N is even: a pair is wholly in or out.
+        const float2 s = args.col_scale_scalar ? make_float2(all, all)
+                         : col < to.cols
+                             ? __ldg(reinterpret_cast<const float2*>(col_scale + col))
+                             : make_float2(0.0f, 0.0f);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          acc[4 * j + 2 * h] *= s.x;
+          acc[4 * j + 2 * h + 1] *= s.y;
+        }
+      }
+    }
+  }
+
   // Stores the warpgroup's block at `to` (the caller skips blocks past to.rows). `barrier`
   // spans the warpgroup; thread 0 of the warpgroup issues (and owns) every store. A fused
   // epilogue may change `acc` (the bias is added in place).
@@ -320,7 +362,10 @@ struct TmaStoreEpilogue {
   __device__ static void store(float (&acc)[kBlockN / 2], SharedStorage& smem,
                                const StorePlan& to, const NamedBarrier& barrier,
                                const FusedStore& fused = {}, bool prefetched = false) {
-    if constexpr (F::kKind == FusionKind::kBiasActivation) {
+    if constexpr (F::kKind == FusionKind::kScaled) {
+      scale(acc, to, fused.args);
+    }
+    if constexpr (F::kKind == FusionKind::kBiasActivation || F::kKind == FusionKind::kScaled) {
       if (fused.args.bias != nullptr) add_bias(acc, to, fused.args.bias);
     }
     if constexpr (F::kMayReadAux) {

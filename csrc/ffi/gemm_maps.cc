@@ -19,6 +19,8 @@ CUtensorMapDataType tma_type(DType t) {
     case DType::kBF16: return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
     case DType::kF16: return CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
     case DType::kF32: return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+    case DType::kF8E4M3:
+    case DType::kF8E5M2: return CU_TENSOR_MAP_DATA_TYPE_UINT8;  // TMA moves bytes
   }
   return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
 }

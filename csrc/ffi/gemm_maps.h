@@ -18,7 +18,8 @@ namespace jax_tma::ffi_util {
 
 inline std::string str(int64_t v) { return std::to_string(v); }
 
-// The kernel's element type of an XLA type; false for a type the kernels do not take.
+// The kernel's element type of an XLA type; false for a type the kernels do not take. FP8
+// types are not mapped here (only ffi/fp8.cc takes them, and maps them itself).
 bool to_dtype(xla::ffi::DataType t, sm90_gemm::DType* out);
 CUtensorMapDataType tma_type(sm90_gemm::DType t);
 

@@ -4,6 +4,7 @@
 
 #include "ffi/dense.h"
 #include "ffi/device_info.h"
+#include "ffi/fp8.h"
 #include "ffi/gemm.h"
 #include "ffi/ragged_dot.h"
 #include "ffi/testing.h"
@@ -29,6 +30,9 @@ NB_MODULE(_jax_tma, m) {
     targets["jax_tma_gemm_sm90_into"] = handler_capsule(jax_tma::ffi_handlers::GemmSm90Into);
     targets["jax_tma_dense_sm90"] = handler_capsule(jax_tma::ffi_handlers::DenseSm90);
     targets["jax_tma_dense_sm90_into"] = handler_capsule(jax_tma::ffi_handlers::DenseSm90Into);
+    targets["jax_tma_fp8_gemm_sm90"] = handler_capsule(jax_tma::ffi_handlers::Fp8GemmSm90);
+    targets["jax_tma_fp8_gemm_sm90_into"] =
+        handler_capsule(jax_tma::ffi_handlers::Fp8GemmSm90Into);
     targets["jax_tma_ragged_dot_sm90"] = handler_capsule(jax_tma::ffi_handlers::RaggedDotSm90);
     targets["jax_tma_ragged_dot_sm90_into"] =
         handler_capsule(jax_tma::ffi_handlers::RaggedDotSm90Into);

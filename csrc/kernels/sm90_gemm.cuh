@@ -4,7 +4,9 @@
 // and the problem (kernels/sm90_gemm_problems.cuh) says how the product is cut into work tiles
 // and where each tile's operands and output lie: the dense batched GEMM here, the grouped
 // (ragged) products of kernels/sm90_ragged_dot.cuh with the same body. A work tile with an
-// empty K range (an empty group) stores zeros.
+// empty K range (an empty group) stores zeros. The mainloop is a parameter too
+// (TmaWgmmaMainloop: 16-bit operands; Fp8Mainloop: the FP8 products of kernels/sm90_fp8.cuh,
+// whose scales it loads through the tensor maps of its own kernel parameter).
 //
 // Warp-specialised and persistent: warpgroup 0 produces (one elected thread issues every TMA
 // copy), the other two consume (wgmma into fp32 registers, then the epilogue): both on every
@@ -69,11 +71,11 @@ struct FusedParams {
 };
 
 template <class In, class Out, class Tile, class Layout, template <class> class ProblemT,
-          class FusionT = PlainFusion>
+          class FusionT = PlainFusion, class MainloopT = TmaWgmmaMainloop>
 struct Kernel {
   using Problem = ProblemT<Tile>;
   using Fusion = FusionT;
-  using Mainloop = MainloopSm90TmaWgmma<In, Tile, Layout, Fusion::kGated>;
+  using Mainloop = typename MainloopT::template Apply<In, Tile, Layout, Fusion::kGated>;
   using Pipeline = typename Mainloop::Pipeline;
   using Scheduler = typename Problem::Scheduler;
   // A gated block stores half its columns: half the staging buffers hold it in one batch.
@@ -109,17 +111,21 @@ struct Kernel {
 };
 
 template <class In, class Out, class Tile, class Layout, template <class> class ProblemT,
-          class FusionT>
+          class FusionT, class MainloopT>
 __global__ void __launch_bounds__(Tile::kThreads, 1)
     sm90_gemm_kernel(const __grid_constant__ CUtensorMap tmap_a,
                      const __grid_constant__ CUtensorMap tmap_b,
                      const __grid_constant__ CUtensorMap tmap_d, Out* __restrict__ d,
                      GemmShape shape,
-                     typename Kernel<In, Out, Tile, Layout, ProblemT, FusionT>::Problem::Params
-                         params,
-                     typename Kernel<In, Out, Tile, Layout, ProblemT, FusionT>::Partials partials,
-                     const __grid_constant__ FusedParams fused) {
-  using K = Kernel<In, Out, Tile, Layout, ProblemT, FusionT>;
+                     typename Kernel<In, Out, Tile, Layout, ProblemT, FusionT,
+                                     MainloopT>::Problem::Params params,
+                     typename Kernel<In, Out, Tile, Layout, ProblemT, FusionT,
+                                     MainloopT>::Partials partials,
+                     const __grid_constant__ FusedParams fused,
+                     const __grid_constant__ typename Kernel<In, Out, Tile, Layout, ProblemT,
+                                                             FusionT, MainloopT>::Mainloop::Params
+                         mainloop) {
+  using K = Kernel<In, Out, Tile, Layout, ProblemT, FusionT, MainloopT>;
   using F = FusionT;
   using P = typename K::Problem;
   extern __shared__ uint8_t smem_raw[];
@@ -131,6 +137,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     ptx::prefetch_tensormap(&tmap_a);
     ptx::prefetch_tensormap(&tmap_b);
     if constexpr (K::kTmaStore) ptx::prefetch_tensormap(&tmap_d);
+    K::Mainloop::prefetch(mainloop);
   }
   if (threadIdx.x == 0) {
     K::Pipeline::init(smem.barriers, Tile::kStageReaderWarps * Tile::kClusterM);
@@ -194,7 +201,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           }
         }
         K::Mainloop::load(pipeline, write, smem.operands, plan, w.k_begin, w.k_end, mode,
-                          scheduler.rank, local.a_stage_bytes);
+                          scheduler.rank, local.a_stage_bytes, mainloop);
       }
       pipeline.producer_tail(write);
     }
@@ -261,7 +268,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           }
         }
       };
-      K::Mainloop::mma(pipeline, read, smem.operands, a_block, count, acc, hand_over, midway);
+      K::Mainloop::mma(pipeline, read, smem.operands, a_block, count, acc, hand_over, midway,
+                       mainloop);
       if constexpr (K::kStreamK) {
         if (w.piece >= 0) {
           if (w.k_begin > 0) {  // not the tile's head: leave the partial sums for it
@@ -321,10 +329,10 @@ cudaError_t max_resident_clusters(KernelFn kernel, cudaLaunchConfig_t config, in
 // cluster shape, and how many of its clusters can be resident at once (the persistent grid's
 // bound).
 template <class In, class Out, class Tile, class Layout, template <class> class ProblemT,
-          class FusionT = PlainFusion>
+          class FusionT = PlainFusion, class MainloopT = TmaWgmmaMainloop>
 class Launcher {
  public:
-  using K = Kernel<In, Out, Tile, Layout, ProblemT, FusionT>;
+  using K = Kernel<In, Out, Tile, Layout, ProblemT, FusionT, MainloopT>;
 
   Launcher(const Launcher&) = delete;  // config_ points at cluster_
   Launcher() = default;
@@ -354,23 +362,30 @@ class Launcher {
 
   cudaError_t launch(int clusters, const LaunchArgs& args,
                      const typename K::Problem::Params& params,
-                     const typename K::Partials& partials, const FusedParams& fused = {}) {
+                     const typename K::Partials& partials, const FusedParams& fused = {},
+                     const typename K::Mainloop::Params& mainloop = {}) {
     config_.gridDim = dim3(clusters * Tile::kClusterM);
     return cudaLaunchKernelEx(&config_, kKernel, *args.tmap_a, *args.tmap_b, *args.tmap_d,
-                              static_cast<Out*>(args.d), args.shape, params, partials, fused);
+                              static_cast<Out*>(args.d), args.shape, params, partials, fused,
+                              mainloop);
   }
 
  private:
-  static constexpr auto kKernel = &sm90_gemm_kernel<In, Out, Tile, Layout, ProblemT, FusionT>;
+  static constexpr auto kKernel =
+      &sm90_gemm_kernel<In, Out, Tile, Layout, ProblemT, FusionT, MainloopT>;
   cudaLaunchAttribute cluster_{};
   cudaLaunchConfig_t config_{};
   int resident_ = 0;
 };
 
-// The dense batched product, with a fused epilogue's parameters (PlainFusion: none).
-template <class In, class Out, class Tile, class Layout, class Fusion = PlainFusion>
-cudaError_t launch_dense(const LaunchArgs& args, const FusedParams& fused) {
-  Launcher<In, Out, Tile, Layout, DenseGemm, Fusion> launcher;
+// The dense batched product, with a fused epilogue's parameters (PlainFusion: none) and the
+// mainloop's (TmaWgmmaMainloop: none).
+template <class In, class Out, class Tile, class Layout, class Fusion = PlainFusion,
+          class MainloopT = TmaWgmmaMainloop>
+cudaError_t launch_dense(const LaunchArgs& args, const FusedParams& fused,
+                         const typename Kernel<In, Out, Tile, Layout, DenseGemm, Fusion,
+                                               MainloopT>::Mainloop::Params& mainloop = {}) {
+  Launcher<In, Out, Tile, Layout, DenseGemm, Fusion, MainloopT> launcher;
   using K = typename decltype(launcher)::K;
   cudaError_t err = launcher.init(args.num_sms, args.stream);
   if (err != cudaSuccess) return err;
@@ -396,7 +411,7 @@ cudaError_t launch_dense(const LaunchArgs& args, const FusedParams& fused) {
     err = cudaMemsetAsync(base, 0, stream_k_flag_bytes(stream_k_ctas), args.stream);
     if (err != cudaSuccess) return err;
   }
-  return launcher.launch(clusters, args, tiles, partials, fused);
+  return launcher.launch(clusters, args, tiles, partials, fused, mainloop);
 }
 
 template <class In, class Out, class Tile, class Layout>

@@ -7,7 +7,9 @@
 // N x K). An operand with batch stride 0 is the same matrix for every b. D is
 // [splits, batch, M, N] with free strides on all but N (splits = 1: the product itself;
 // split-K: one fp32 partial product per K range, summed by the caller). Inputs bf16 or fp16,
-// accumulation fp32, output the input type or fp32.
+// accumulation fp32, output the input type or fp32. The tiles and boxes are generic over the
+// element size: the FP8 products (kernels/sm90_fp8.h) use the same contract with 1-byte
+// elements, K-major operands and 128-wide K slices.
 #pragma once
 
 #include <cuda.h>
@@ -17,9 +19,12 @@
 
 namespace jax_tma::sm90_gemm {
 
-enum class DType : int { kBF16 = 0, kF16 = 1, kF32 = 2 };
+// FP8 types are operands of the FP8 products only (kernels/sm90_fp8.h).
+enum class DType : int { kBF16 = 0, kF16 = 1, kF32 = 2, kF8E4M3 = 3, kF8E5M2 = 4 };
 
-inline constexpr int dtype_bytes(DType t) { return t == DType::kF32 ? 4 : 2; }
+inline constexpr int dtype_bytes(DType t) {
+  return t == DType::kF32 ? 4 : (t == DType::kF8E4M3 || t == DType::kF8E5M2) ? 1 : 2;
+}
 
 // How the consumers write D: through shared memory and TMA stores (needs 16-byte aligned rows
 // of D), or straight from registers with bounds checks (any N).
@@ -33,12 +38,17 @@ enum class EpilogueKind : int { kTmaStore = 0, kDirect = 1 };
 // shared B slice to both, CTA r issuing B's 64-wide column blocks j with j % 2 == r (for 192
 // columns: blocks 0 and 2, and block 1). kBlockN need not be a multiple of 64 (232): B's
 // last block is loaded whole.
+// Elements are 2 bytes (bf16, fp16) or 1 byte (FP8): a K slice is one 128-byte swizzle row
+// either way (64 or 128 K indices), so every box, stage and byte count below is the same in
+// bytes. A 1-byte stage also carries its K slice's scales (kTileScaleBytes: one fp32 per A row,
+// and one 16-byte box of B's; mainloop/sm90_tma_wgmma_fp8.cuh).
 template <int kBlockM_, int kBlockN_, int kStages_, int kClusterM_, EpilogueKind kEpilogue_,
-          int kEpilogueBuffers_ = (kBlockN_ + 63) / 64>
+          int kEpilogueBuffers_ = (kBlockN_ + 63) / 64, int kElementBytes_ = 2>
 struct TileConfig {
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kBlockK = 64;  // one 128-byte swizzle row of 16-bit elements
+  static constexpr int kElementBytes = kElementBytes_;
+  static constexpr int kBlockK = 128 / kElementBytes;  // one 128-byte swizzle row
   static constexpr int kStages = kStages_;
   static constexpr int kClusterM = kClusterM_;
   static constexpr EpilogueKind kEpilogue = kEpilogue_;
@@ -49,7 +59,6 @@ struct TileConfig {
   static constexpr int kThreads = 128 * (1 + kConsumerWarpgroups);
   // Consumer warps that read (and release) each stage: one warpgroup's in ping-pong.
   static constexpr int kStageReaderWarps = kPingPong ? 4 : 4 * kConsumerWarpgroups;
-  static constexpr int kElementBytes = 2;
   // Elements in one 128-byte swizzle row: the inner extent of every operand box.
   static constexpr int kSwizzleElems = 128 / kElementBytes;
   // B arrives in blocks of 64 N indices (the unit the cluster splits), whatever its layout.
@@ -61,7 +70,14 @@ struct TileConfig {
 
   static constexpr uint32_t kTileABytes = kBlockM * kBlockK * kElementBytes;
   static constexpr uint32_t kTileBBytes = kBlockK * kBColumnBlocks * 64 * kElementBytes;
-  static constexpr uint32_t kStageBytes = kTileABytes + kTileBBytes;
+  // FP8 K slices bring their scales: kBlockM fp32 of A's, and one box of B's, as short as TMA
+  // allows (16 bytes: B's scales of 4 column blocks of 128, from the tile's first) in a slot of
+  // 128 bytes (TMA writes shared memory at 128-byte aligned addresses).
+  static constexpr int kBScaleBox = 4;
+  static constexpr int kBScaleSlotBytes = 128;
+  static constexpr uint32_t kTileScaleBytes =
+      kElementBytes == 1 ? kBlockM * sizeof(float) + kBScaleSlotBytes : 0;
+  static constexpr uint32_t kStageBytes = kTileABytes + kTileBBytes + kTileScaleBytes;
 
   // Epilogue staging: per consumer warpgroup, kEpilogueBuffers chunks of 64 rows x 128 bytes
   // (64 16-bit or 32 fp32 columns), each one 128-byte-swizzled TMA store box. By default a
@@ -76,12 +92,14 @@ struct TileConfig {
           ? kConsumerWarpgroups * kEpilogueBuffers * kEpilogueChunkBytes
           : 0;
 
-  // Operand ring + epilogue staging + two mbarriers per stage (with up to 64 bytes of
-  // padding before them) + slack to align the base to 1024 bytes (the 128-byte swizzle
-  // pattern repeats every 1024 bytes, keyed to the address).
-  static constexpr uint32_t kSmemBytes =
-      kStages * kStageBytes + kEpilogueBytes + kStages * 16 + 64 + 1024;
+  // Operand ring (up to the 1024-byte boundary where the staging starts: FP8 stages' scales
+  // leave the ring a multiple of 128 bytes) + epilogue staging + two mbarriers per stage (with
+  // up to 64 bytes of padding before them) + slack to align the base to 1024 bytes (the
+  // 128-byte swizzle pattern repeats every 1024 bytes, keyed to the address).
+  static constexpr uint32_t kRingBytes = (kStages * kStageBytes + 1023) / 1024 * 1024;
+  static constexpr uint32_t kSmemBytes = kRingBytes + kEpilogueBytes + kStages * 16 + 64 + 1024;
 
+  static_assert(kElementBytes == 1 || kElementBytes == 2, "16-bit or FP8 elements");
   static_assert(kBlockK == kSwizzleElems, "one K slice is one 128-byte swizzle row");
   static_assert(kBlockM == 64 || kBlockM == 128, "ping-pong 64-row or cooperative 128-row tiles");
   static_assert(kBlockN % 8 == 0 && kBlockN >= 64 && kBlockN <= 256,

@@ -101,20 +101,64 @@ struct MainloopSm90TmaWgmma {
     return min(boxes, (extent - from - 1) / 64 + 1);
   }
 
+  // The tensor maps a mainloop reads besides A's and B's (kernel parameter): none here.
+  struct Params {};
+  __device__ static void prefetch(const Params&) {}
+
+  // How many of the tile's A and B boxes hold indices of the matrix (boxes_within).
+  __device__ static int a_loads(const LoadPlan& plan) {
+    return boxes_within(Boxes::kALoads, plan.rows, plan.at.m0);
+  }
+  __device__ static int b_loads(const LoadPlan& plan) {
+    return kPairedB ? min(Boxes::kBLoads, 2 * boxes_within(Boxes::kBLoads, plan.cols, plan.at.n0))
+                    : boxes_within(Boxes::kBLoads, plan.cols, plan.at.n0);
+  }
+  // The bytes they bring into one stage; `a_stage_bytes` is what all of A's boxes bring
+  // (GemmShape::a_stage_bytes).
+  __device__ static uint32_t stage_bytes(int a_loads, int b_loads, uint32_t a_stage_bytes) {
+    return a_stage_bytes / Boxes::kALoads * a_loads + b_loads * Boxes::kBBoxBytes;
+  }
+
+  // The copies of K slice `kb` into stage `stage` (`a_loads` of A's boxes, `b_loads` of B's),
+  // completing on `full` (modes other than kIdle). Whoever issues them, every byte of A and B
+  // lands in this CTA's stage.
+  __device__ static void copy_stage(SharedStorage& smem, int stage, const LoadPlan& plan,
+                                    int a_loads, int b_loads, int kb, LoadMode mode, int rank,
+                                    uint64_t* full) {
+    const TileOrigin& at = plan.at;
+    const int k0 = kb * kBlockK;
+#pragma unroll
+    for (int i = 0; i < Boxes::kALoads; ++i) {
+      if (i >= a_loads) break;
+      const auto c = sm90_gemm::inner_outer<kMajorA>(at.m0 + i * Boxes::kABoxMN, k0);
+      ptx::tma_load(smem.a[stage] + i * kABoxElems, plan.a, full,
+                    ptx::TmaCoord<3>{{c.inner, c.outer, at.batch_a}});
+    }
+#pragma unroll
+    for (int j = 0; j < Boxes::kBLoads; ++j) {
+      if (j >= b_loads) break;
+      T* dst = smem.b[stage] + j * kBBoxElems;
+      const int n = at.n0 + (kPairedB ? j / 2 : j) * Boxes::kBBoxMN;
+      const CUtensorMap* map = kPairedB && (j % 2) ? plan.b2 : plan.b;
+      const auto c = sm90_gemm::inner_outer<kMajorB>(n, k0);
+      const ptx::TmaCoord<3> coord{{c.inner, c.outer, at.batch_b}};
+      if (mode == LoadMode::kSolo) {
+        ptx::tma_load(dst, map, full, coord);
+      } else if (j % kClusterM == rank) {
+        ptx::tma_load_multicast(dst, map, full, kClusterMask, coord);
+      }
+    }
+  }
+
   // Producer (one thread): stream K slices [kb_begin, kb_end) of one output tile into the ring.
   // `rank` is this CTA's rank in its cluster; `a_stage_bytes` what all of A's boxes bring per
   // stage (GemmShape::a_stage_bytes). `plan` is read only in modes other than kIdle.
   __device__ static void load(Pipeline& pipeline, State& write, SharedStorage& smem,
                               const LoadPlan& plan, int kb_begin, int kb_end, LoadMode mode,
-                              int rank, uint32_t a_stage_bytes) {
-    const TileOrigin& at = plan.at;
-    const CUtensorMap* tmap_a = plan.a;
-    const CUtensorMap* tmap_b = plan.b;
-    const int a_loads = boxes_within(Boxes::kALoads, plan.rows, at.m0);
-    const int b_loads = kPairedB ? min(Boxes::kBLoads, 2 * boxes_within(Boxes::kBLoads, plan.cols, at.n0))
-                                 : boxes_within(Boxes::kBLoads, plan.cols, at.n0);
-    const uint32_t stage_bytes =
-        a_stage_bytes / Boxes::kALoads * a_loads + b_loads * Boxes::kBBoxBytes;
+                              int rank, uint32_t a_stage_bytes, const Params&) {
+    const int a = a_loads(plan);
+    const int b = b_loads(plan);
+    const uint32_t bytes = stage_bytes(a, b, a_stage_bytes);
 #pragma unroll 1
     for (int kb = kb_begin; kb < kb_end; ++kb) {
       pipeline.producer_acquire(write);
@@ -123,30 +167,8 @@ struct MainloopSm90TmaWgmma {
         ++write;
         continue;
       }
-      // Whoever issues them, every byte of A and B lands in this CTA's stage.
-      uint64_t* full = pipeline.producer_expect_tx(write, stage_bytes);
-      const int k0 = kb * kBlockK;
-#pragma unroll
-      for (int i = 0; i < Boxes::kALoads; ++i) {
-        if (i >= a_loads) break;
-        const auto c = sm90_gemm::inner_outer<kMajorA>(at.m0 + i * Boxes::kABoxMN, k0);
-        ptx::tma_load(smem.a[write.index] + i * kABoxElems, tmap_a, full,
-                      ptx::TmaCoord<3>{{c.inner, c.outer, at.batch_a}});
-      }
-#pragma unroll
-      for (int j = 0; j < Boxes::kBLoads; ++j) {
-        if (j >= b_loads) break;
-        T* dst = smem.b[write.index] + j * kBBoxElems;
-        const int n = at.n0 + (kPairedB ? j / 2 : j) * Boxes::kBBoxMN;
-        const CUtensorMap* map = kPairedB && (j % 2) ? plan.b2 : tmap_b;
-        const auto c = sm90_gemm::inner_outer<kMajorB>(n, k0);
-        const ptx::TmaCoord<3> coord{{c.inner, c.outer, at.batch_b}};
-        if (mode == LoadMode::kSolo) {
-          ptx::tma_load(dst, map, full, coord);
-        } else if (j % kClusterM == rank) {
-          ptx::tma_load_multicast(dst, map, full, kClusterMask, coord);
-        }
-      }
+      uint64_t* full = pipeline.producer_expect_tx(write, bytes);
+      copy_stage(smem, write.index, plan, a, b, kb, mode, rank, full);
       ++write;
     }
   }
@@ -202,7 +224,7 @@ struct MainloopSm90TmaWgmma {
   template <class Waited, class Midway>
   __device__ static void mma(Pipeline& pipeline, State& read, const SharedStorage& smem,
                              int a_block, int k_blocks, float (&acc)[kAccRegs], Waited&& waited,
-                             Midway&& midway) {
+                             Midway&& midway, const Params& = {}) {
     pipeline.consumer_wait(read);
     if (k_blocks == 1) waited();
     ptx::wgmma_fence_operands(acc);
@@ -238,6 +260,13 @@ struct MainloopSm90TmaWgmma {
       ++read;
     }
   }
+};
+
+// The kernel's mainloop as a type (kernels/sm90_gemm.cuh takes one): this one, for 16-bit
+// operands in any layout; mainloop/sm90_tma_wgmma_fp8.cuh has the FP8 one.
+struct TmaWgmmaMainloop {
+  template <class T, class Tile, class Layout, bool kPairedB>
+  using Apply = MainloopSm90TmaWgmma<T, Tile, Layout, kPairedB>;
 };
 
 }  // namespace jax_tma

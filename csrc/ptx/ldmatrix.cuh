@@ -25,6 +25,14 @@ __device__ __forceinline__ Fragment4 ldmatrix_x4(uint32_t smem_row_addr) {
   return f;
 }
 
+// ld.shared.f32: 4 bytes from a shared address (the FP8 mainloop's scales; ordered before the
+// stage's release by the clobber).
+__device__ __forceinline__ float ld_shared_f32(uint32_t smem_addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(smem_addr) : "memory");
+  return v;
+}
+
 // ld.shared.v2.f32: 8 bytes from a shared address.
 __device__ __forceinline__ float2 ld_shared_v2_f32(uint32_t smem_addr) {
   float2 v;

@@ -1,0 +1,279 @@
+"""FP8 GEMM benchmark: jax_tma's FP8 kernel (per-tensor and block-scaled) against XLA's FP8
+paths and jax_tma's bf16 kernel, in one run and one harness (jax_tma._timing.compare: CUPTI
+kernel time on a GPU, operands rotated over distinct buffers, rounds alternating).
+
+Contenders for C = A @ B^T, A [M, K], B [N, K] (weights stored K-major), e4m3, bf16 out:
+  jax_tma_tensor   fp8_dot_general with per-tensor scales
+  jax_tma_block    fp8_dot_general with 1x128 scales on A and 128x128 on B (DeepSeek-V3)
+  xla_fp8          XLA's e4m3 dot (lax.dot_general of the FP8 arrays, bf16 out; no scales)
+  xla_scaled       the pattern users write: (a.astype(bf16) * sa) @ (b.astype(bf16) * sb).T
+  xla_dequant      block-scaled through XLA: both operands dequantised to bf16, a bf16 dot
+  jax_tma_bf16     jax_tma.dot_general on bf16 copies of the operands (the bf16 kernel)
+"XLA best" is the fastest of xla_fp8, xla_scaled and xla_dequant. The time of quantize_fp8 on
+the activations (bf16 [M, K] to e4m3 with 1x128 scales) is listed apart, in GB/s.
+
+    python benchmarks/bench_fp8.py             # the suite (7 shapes)
+    python benchmarks/bench_fp8.py --quick     # 8192^3 and 4096^3
+    python benchmarks/bench_fp8.py --dry-run   # tiny shapes; runs without a GPU (CI)
+    python benchmarks/bench_fp8.py --sweep --shapes 8192,8192,8192   # every compiled tile
+
+Before timing, jax_tma's block-scaled result is compared with XLA's dequantised product.
+Writes bench_fp8.json, .md and .png under benchmarks/results/<device>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jax_tma
+from jax_tma import _timing, fp8
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from bench_gemm import banner, environment, pyplot, save_figure, write_report  # noqa: E402
+
+SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 14336, 4096), (4096, 7168, 16384),
+          (4096, 24576, 1536), (64, 28672, 4096), (128, 7168, 16384)]
+DRY_RUN = [(64, 256, 256), (8, 136, 200)]
+PRODUCTS = ("jax_tma_tensor", "jax_tma_block", "xla_fp8", "xla_scaled", "xla_dequant",
+            "jax_tma_bf16")
+XLA_FP8 = ("xla_fp8", "xla_scaled", "xla_dequant")
+NT = (((1,), (1,)), ((), ()))
+BF16 = jnp.bfloat16
+
+
+@dataclasses.dataclass
+class Row:
+    shape: tuple[int, int, int]
+    contender: str
+    seconds: float
+    spread_s: float
+    note: str = ""
+
+    def tflops(self) -> float | None:
+        if self.contender == "quantize":
+            return None
+        m, n, k = self.shape
+        return 2.0 * m * n * k / self.seconds / 1e12
+
+    def quantize_gbps(self) -> float:
+        m, _, k = self.shape  # reads bf16 [M, K], writes e4m3 [M, K] and the scales
+        return (3 * m * k + 4 * m * -(-k // 128)) / self.seconds / 1e9
+
+
+def _expand(sa, sb, m, n, k):
+    a_scale = jnp.repeat(sa.T, 128, axis=1)[:, :k]                          # [M, K]
+    b_scale = jnp.repeat(jnp.repeat(sb.T, 128, axis=0), 128, axis=1)[:n, :k]  # [N, K]
+    return a_scale.astype(BF16), b_scale.astype(BF16)
+
+
+def _contenders(shape):
+    m, n, k = shape
+
+    def tensor(a, b, sa, sb, s_a, s_b, a16, b16):
+        return jax_tma.fp8_dot_general(a, b, s_a, s_b, NT)
+
+    def block(a, b, sa, sb, s_a, s_b, a16, b16):
+        return jax_tma.fp8_dot_general(a, b, sa, sb, NT)
+
+    def xla_fp8(a, b, sa, sb, s_a, s_b, a16, b16):
+        return lax.dot_general(a, b, NT, preferred_element_type=BF16)
+
+    def xla_scaled(a, b, sa, sb, s_a, s_b, a16, b16):
+        return jnp.dot(a.astype(BF16) * s_a.astype(BF16), (b.astype(BF16) * s_b.astype(BF16)).T)
+
+    def xla_dequant(a, b, sa, sb, s_a, s_b, a16, b16):
+        a_scale, b_scale = _expand(sa, sb, m, n, k)
+        return lax.dot_general(a.astype(BF16) * a_scale, b.astype(BF16) * b_scale, NT,
+                               preferred_element_type=BF16)
+
+    def bf16(a, b, sa, sb, s_a, s_b, a16, b16):
+        return jax_tma.dot_general(a16, b16, NT)
+
+    return dict(zip(PRODUCTS, (tensor, block, xla_fp8, xla_scaled, xla_dequant, bf16)))
+
+
+def _operand_sets(shape, count, seed):
+    m, n, k = shape
+
+    @jax.jit
+    def make(key):
+        ka, kb = jax.random.split(key)
+        x = jax.random.normal(ka, (m, k), jnp.float32)
+        w = jax.random.normal(kb, (n, k), jnp.float32) / np.sqrt(k)
+        a, sa = jax_tma.quantize_fp8(x, (1, 128))
+        b, sb = jax_tma.quantize_fp8(w, (128, 128))
+        s_a = jnp.max(jnp.abs(x)) / 448.0
+        s_b = jnp.max(jnp.abs(w)) / 448.0
+        return (a, b, sa, sb, s_a.astype(jnp.float32), s_b.astype(jnp.float32),
+                x.astype(BF16), w.astype(BF16))
+
+    return [make(key) for key in jax.random.split(jax.random.key(seed), count)]
+
+
+def bench(shape, args) -> list[Row]:
+    sets = _operand_sets(shape, args.sets, args.seed)
+    contenders = _contenders(shape)
+    ours = np.asarray(jax.jit(contenders["jax_tma_block"])(*sets[0]), np.float32)
+    ref = np.asarray(jax.jit(contenders["xla_dequant"])(*sets[0]), np.float32)
+    err = float(np.linalg.norm(ours - ref) / max(np.linalg.norm(ref), 1e-30))
+    timings = _timing.compare(contenders, sets, rounds=args.rounds, iterations=args.iterations)
+    rows = [Row(shape, name, t.median_s, t.spread_s,
+                f"rel. difference from xla_dequant {err:.1e}" if name == "jax_tma_block" else "")
+            for name, t in timings.items()]
+    quant = _timing.compare({"quantize": lambda x: jax_tma.quantize_fp8(x, (1, 128))},
+                            [(s[6],) for s in sets], rounds=args.rounds,
+                            iterations=args.iterations)["quantize"]
+    rows.append(Row(shape, "quantize", quant.median_s, quant.spread_s))
+    for r in rows:
+        rate = (f"{r.tflops():8.1f} TFLOP/s" if r.tflops() is not None
+                else f"{r.quantize_gbps():8.1f} GB/s  ")
+        print(f"  {'x'.join(map(str, shape)):18s} {r.contender:15s} {r.seconds * 1e6:10.1f} us "
+              f"{rate} {r.note}", flush=True)
+    return rows
+
+
+def sweep(shape, args) -> list[Row]:
+    """jax_tma's block-scaled product on every compiled tile (no split) and on the heuristic's
+    choice, timed together: the data to tune the heuristic with."""
+    sets = _operand_sets(shape, args.sets, args.seed)
+    m, n, k = shape
+    contenders = {"default " + fp8.default_config(m, n, k).describe():
+                  lambda a, b, sa, sb, *rest: jax_tma.fp8_dot_general(a, b, sa, sb, NT)}
+    for cfg in fp8.FP8_CONFIGS:
+        if cfg.cluster_m > 1 and -(-m // cfg.block_m) < 2:
+            continue
+        contenders["x".join(map(str, cfg.tile))] = (
+            lambda a, b, sa, sb, *rest, cfg=cfg: jax_tma.fp8_dot_general(a, b, sa, sb, NT,
+                                                                         config=cfg))
+    timings = _timing.compare(contenders, sets, rounds=args.rounds, iterations=args.iterations)
+    rows = [Row(shape, "sweep " + name, t.median_s, t.spread_s) for name, t in timings.items()]
+    for r in rows:
+        print(f"  {'x'.join(map(str, shape)):18s} {r.contender:60s} {r.seconds * 1e6:10.1f} us "
+              f"{r.tflops():8.1f} TFLOP/s", flush=True)
+    return rows
+
+
+def _by_shape(rows):
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(r.shape, {})[r.contender] = r
+    return groups
+
+
+def _geomean(values):
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else float("nan")
+
+
+def _table(rows: list[Row], env: dict) -> str:
+    lines = [
+        f"{env['device']}, driver {env['driver']}, CUDA {env.get('cuda_runtime')}, jax "
+        f"{env['jax']}, {env['date']}, commit {str(env.get('commit'))[:10]}, e4m3 in, bf16 out, "
+        f"timing: {env['timing']}. TFLOP/s; × XLA: XLA's best FP8 path's time (fastest of "
+        "e4m3 dot, scaled pattern, dequantise + bf16 dot) / jax_tma's; vs bf16: jax_tma bf16's "
+        "time / jax_tma FP8's",
+        "",
+        "| M×N×K | jax_tma tensor | jax_tma block | XLA e4m3 dot | XLA scaled | XLA dequant | "
+        "jax_tma bf16 | × XLA (tensor) | × XLA (block) | vs bf16 (tensor) | vs bf16 (block) | "
+        "quantize GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    ratios = {"tensor": [], "block": [], "bf16_tensor": [], "bf16_block": []}
+    for shape, found in _by_shape(rows).items():
+        xla = min((found[c] for c in XLA_FP8), key=lambda r: r.seconds)
+        t, b, h = found["jax_tma_tensor"], found["jax_tma_block"], found["jax_tma_bf16"]
+        r = {"tensor": xla.seconds / t.seconds, "block": xla.seconds / b.seconds,
+             "bf16_tensor": h.seconds / t.seconds, "bf16_block": h.seconds / b.seconds}
+        for key, v in r.items():
+            ratios[key].append(v)
+        cells = " | ".join(f"{found[c].tflops():.1f}" for c in PRODUCTS)
+        lines.append(f"| {'×'.join(map(str, shape))} | {cells} | {r['tensor']:.2f} | "
+                     f"{r['block']:.2f} | {r['bf16_tensor']:.2f} | {r['bf16_block']:.2f} | "
+                     f"{found['quantize'].quantize_gbps():.0f} |")
+    lines += ["", f"Geometric mean over {len(ratios['tensor'])} shapes: × XLA best FP8 "
+              f"{_geomean(ratios['tensor']):.2f} (per-tensor), {_geomean(ratios['block']):.2f} "
+              f"(block-scaled); vs jax_tma bf16 {_geomean(ratios['bf16_tensor']):.2f} / "
+              f"{_geomean(ratios['bf16_block']):.2f}; slowest against bf16: "
+              f"{min(ratios['bf16_tensor'] + ratios['bf16_block'], default=float('nan')):.2f}"]
+    return "\n".join(lines)
+
+
+def _plot(rows: list[Row], path: pathlib.Path, title: str) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    groups = _by_shape(rows)
+    shapes = list(groups)
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(shapes)), 5))
+    x = np.arange(len(shapes))
+    width = 0.8 / len(PRODUCTS)
+    for i, name in enumerate(PRODUCTS):
+        ax.bar(x + i * width, [groups[s][name].tflops() for s in shapes], width, label=name)
+    ax.axhline(1979, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_title(title)
+    ax.set_ylabel("TFLOP/s (dashed: H100 dense FP8 peak)")
+    ax.set_xticks(x + width * (len(PRODUCTS) - 1) / 2, ["x".join(map(str, s)) for s in shapes],
+                  rotation=30, ha="right", fontsize=8)
+    ax.legend(fontsize=8)
+    return save_figure(plt, fig, path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--sweep", action="store_true",
+                   help="time the block-scaled product on every compiled tile instead")
+    p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--shapes", nargs="*", metavar="M,N,K")
+    p.add_argument("--sets", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit")
+    p.add_argument("--out", type=pathlib.Path)
+    args = p.parse_args(argv)
+    if args.dry_run:
+        shapes, args.rounds, args.iterations = DRY_RUN, 1, 1
+    elif args.shapes:
+        try:
+            shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
+        except ValueError:
+            shapes = []
+        if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
+            p.error("--shapes takes M,N,K triples of positive integers")
+    else:
+        shapes = SHAPES[:2] if args.quick else SHAPES
+    env = environment(args.commit)
+    print(banner(env, "e4m3"))
+    rows = []
+    for i, shape in enumerate(shapes):
+        print(f"[{i + 1}/{len(shapes)}] {'x'.join(map(str, shape))}", file=sys.stderr, flush=True)
+        rows += sweep(shape, args) if args.sweep else bench(shape, args)
+    if args.sweep:
+        if args.out is not None:
+            payload = {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]}
+            write_report(args.out, env, "bench_fp8_sweep", payload, "\n".join(
+                f"{'x'.join(map(str, r.shape))} {r.contender}: {r.seconds * 1e6:.1f} us, "
+                f"{r.tflops():.1f} TFLOP/s" for r in rows), lambda path: False)
+        return 0
+    table = _table(rows, env)
+    print(table)
+    if args.dry_run and args.out is None:
+        return 0
+    payload = {"environment": env, "dry_run": args.dry_run,
+               "rows": [dict(dataclasses.asdict(r), tflops=r.tflops()) for r in rows]}
+    write_report(args.out, env, "bench_fp8", payload, table,
+                 lambda path: _plot(rows, path, f"FP8 GEMM (e4m3, bf16 out), {env['device']}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+// XLA FFI handler of the FP8 products on Hopper (sm_90a): argument checks, tensor maps and the
+// launch of the (tile, FP8 type, output type) kernel the attributes and buffers name
+// (kernels/sm90_fp8.h says what is computed).
+//
+// Contiguous operands; optional ones are passed as 1-element placeholders:
+//   a          [batch_a, m, k]          e4m3 or e5m2 (batch_a = batch if a_batched, else 1)
+//   b          [batch_b, n, k]          a's type (batch_b = batch if b_batched, else 1)
+//   sa         [batch_a, kb, sa_ld] fp32  has_sa: A's block scales, kb = ceil(k / 128),
+//                                       sa_ld >= m
+//   sb         [batch_b, kb, sb_ld] fp32  has_sb: B's block scales, sb_ld >= ceil(n / 128)
+//   row_scale  [m] fp32                 row_scale = 2 ([1]: row_scale = 1, one for all rows)
+//   col_scale  [n] fp32                 col_scale = 2 ([1]: col_scale = 1, one for all)
+//   bias       [n] fp32                 has_bias
+// -> out [splits, batch, m, n], bf16 or fp32 (fp32 when splits > 1: one partial product per K
+// range, for the caller to sum). k is a multiple of 16, n of 8, sa_ld and sb_ld of 4 (16-byte
+// rows for TMA). promote = 0 runs the unpromoted kernel (kernels/sm90_fp8.h: Fp8UnpromotedTile,
+// e4m3, fp32 output), which reads no block scales.
+#include "ffi/fp8.h"
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+
+#include "ffi/cuda_check.h"
+#include "ffi/device_info.h"
+#include "ffi/gemm_maps.h"
+#include "ffi/tensor_map.h"
+#include "kernels/sm90_fp8.h"
+#include "kernels/sm90_gemm.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_tma::ffi_handlers {
+
+struct Fp8Attrs {
+  int64_t block_m, block_n, stages, cluster_m, promote, splits;
+  int64_t m, n, k, batch, a_batched, b_batched, sa_ld, sb_ld;
+  int64_t has_sa, has_sb, row_scale, col_scale, has_bias;
+};
+
+namespace {
+
+using ffi_util::str;
+using sm90_gemm::DType;
+using sm90_gemm::Fp8Launch;
+using sm90_gemm::LaunchArgs;
+using sm90_gemm::Major;
+
+constexpr int64_t kScaleBlock = 128;  // K (and B's N) indices per block scale
+
+struct Buffers {
+  const ffi::AnyBuffer* a;
+  const ffi::AnyBuffer* b;
+  const ffi::AnyBuffer* sa;
+  const ffi::AnyBuffer* sb;
+  const ffi::AnyBuffer* row_scale;
+  const ffi::AnyBuffer* col_scale;
+  const ffi::AnyBuffer* bias;
+  ffi::AnyBuffer* out;
+};
+
+template <class Tile>
+bool tile_matches(const Fp8Attrs& p) {
+  return p.block_m == Tile::kBlockM && p.block_n == Tile::kBlockN && p.stages == Tile::kStages &&
+         p.cluster_m == Tile::kClusterM;
+}
+
+template <class T, class Tile, bool kPromote>
+cudaError_t launch_out(DType out, const LaunchArgs& args, const Fp8Launch& fp8) {
+  if (out == DType::kF32) return sm90_gemm::launch_fp8<T, float, Tile, kPromote>(args, fp8);
+  return sm90_gemm::launch_fp8<T, __nv_bfloat16, Tile, kPromote>(args, fp8);
+}
+
+template <class Tile, bool kPromote = true>
+ffi::Error run(const Fp8Attrs& p, DType in, DType out, const Buffers& buf, LaunchArgs args) {
+  using Boxes = sm90_gemm::OperandBoxes<Tile, sm90_gemm::LayoutNT>;
+  const int64_t units = (p.m + Tile::kBlockM - 1) / Tile::kBlockM *
+                        ((p.n + Tile::kBlockN - 1) / Tile::kBlockN) * p.batch * p.splits;
+  if (units > INT32_MAX / 2) {
+    return ffi::Error::InvalidArgument("jax_tma fp8: " + str(units) +
+                                       " work units exceed the scheduler's int32 numbering");
+  }
+  const int64_t kb = (p.k + kScaleBlock - 1) / kScaleBlock;
+  const int64_t nb = (p.n + kScaleBlock - 1) / kScaleBlock;
+  const int64_t batch_a = p.a_batched ? p.batch : 1;
+  const int64_t batch_b = p.b_batched ? p.batch : 1;
+  const int box_a[3] = {Boxes::kBoxA[0], Boxes::a_rows(p.m), 1};
+  const int box_sa[3] = {Tile::kBlockM, 1, 1};
+  const int box_sb[3] = {Tile::kBScaleBox, 1, 1};
+  args.shape.a_stage_bytes = Boxes::a_stage_bytes(p.m);
+  auto spec_sa = ffi_util::strided_spec(
+      DType::kF32, {{p.m, 1, "m"}, {kb, p.sa_ld, "sa_ld"}, {batch_a, kb * p.sa_ld, "batch"}},
+      box_sa);
+  auto spec_sb = ffi_util::strided_spec(
+      DType::kF32, {{nb, 1, "n / 128"}, {kb, p.sb_ld, "sb_ld"}, {batch_b, kb * p.sb_ld, "batch"}},
+      box_sb);
+  spec_sa.swizzle = spec_sb.swizzle = ffi_util::Swizzle::kNone;
+  CUtensorMap map_a, map_b, map_sa = {}, map_sb = {}, map_d;
+  struct Map {
+    const char* name;
+    CUtensorMap* map;
+    void* base;
+    ffi_util::TensorMapSpec spec;
+    bool used;
+  };
+  for (const Map& m : {
+           Map{"a", &map_a, buf.a->untyped_data(),
+               ffi_util::operand_spec<Major::kK>(in, {p.m, p.k, "m"}, {p.k, 1, "k"},
+                                                 {batch_a, p.m * p.k, "batch"}, box_a),
+               true},
+           Map{"b", &map_b, buf.b->untyped_data(),
+               ffi_util::operand_spec<Major::kK>(in, {p.n, p.k, "n"}, {p.k, 1, "k"},
+                                                 {batch_b, p.n * p.k, "batch"}, Boxes::kBoxB),
+               true},
+           Map{"sa", &map_sa, buf.sa->untyped_data(), spec_sa, p.has_sa != 0},
+           Map{"sb", &map_sb, buf.sb->untyped_data(), spec_sb, p.has_sb != 0},
+           Map{"out", &map_d, buf.out->untyped_data(),
+               ffi_util::output_spec(out, {p.n, 1, "n"}, {p.m, p.n, "m"},
+                                     {p.batch, p.m * p.n, "batch"},
+                                     {p.splits, p.batch * p.m * p.n, "split"},
+                                     Tile::kEpilogueRowBytes, Tile::kEpilogueRows),
+               true}}) {
+    if (!m.used) continue;
+    std::string err = ffi_util::encode_tensor_map(m.map, m.base, m.spec);
+    if (!err.empty()) return ffi::Error::InvalidArgument(std::string("jax_tma fp8, ") + m.name +
+                                                         ": " + err);
+  }
+  args.tmap_a = &map_a;
+  args.tmap_b = &map_b;
+  args.tmap_d = &map_d;
+  args.d = buf.out->untyped_data();
+  const auto vector = [](const ffi::AnyBuffer* v, int64_t present) {
+    return present ? static_cast<const float*>(v->untyped_data()) : nullptr;
+  };
+  const Fp8Launch fp8{p.has_sa ? &map_sa : nullptr, p.has_sb ? &map_sb : nullptr,
+                      vector(buf.row_scale, p.row_scale),   vector(buf.col_scale, p.col_scale),
+                      p.row_scale == 1,                     p.col_scale == 1,
+                      vector(buf.bias, p.has_bias)};
+  cudaError_t launched;
+  if constexpr (!kPromote) {
+    launched = sm90_gemm::launch_fp8<__nv_fp8_e4m3, float, Tile, false>(args, fp8);
+  } else {
+    launched = in == DType::kF8E4M3 ? launch_out<__nv_fp8_e4m3, Tile, true>(out, args, fp8)
+                                    : launch_out<__nv_fp8_e5m2, Tile, true>(out, args, fp8);
+  }
+  return ffi_util::cuda_error(launched, "jax_tma fp8 launch");
+}
+
+std::string describe(const Fp8Attrs& p) {
+  return "block_m=" + str(p.block_m) + ", block_n=" + str(p.block_n) + ", stages=" +
+         str(p.stages) + ", cluster_m=" + str(p.cluster_m) + ", promote=" + str(p.promote);
+}
+
+ffi::Error dispatch(const Fp8Attrs& p, DType in, DType out, const Buffers& buf,
+                    const LaunchArgs& args) {
+  if (!p.promote) {
+    if (tile_matches<sm90_gemm::Fp8UnpromotedTile>(p) && in == DType::kF8E4M3 &&
+        out == DType::kF32) {
+      return run<sm90_gemm::Fp8UnpromotedTile, false>(p, in, out, buf, args);
+    }
+    return ffi::Error::InvalidArgument("jax_tma fp8: promote=0 is compiled for one tile only "
+                                       "(e4m3, fp32 output), not " + describe(p));
+  }
+#define JAX_TMA_TRY_TILE(ARG, TILE) \
+  if (tile_matches<sm90_gemm::TILE>(p)) return run<sm90_gemm::TILE>(p, in, out, buf, args);
+  JAX_TMA_SM90_FP8_TILES(JAX_TMA_TRY_TILE, _)
+#undef JAX_TMA_TRY_TILE
+  return ffi::Error::InvalidArgument("jax_tma fp8: no compiled tile with " + describe(p));
+}
+
+bool fp8_dtype(ffi::DataType t, DType* out) {
+  switch (t) {
+    case ffi::DataType::F8E4M3FN: *out = DType::kF8E4M3; return true;
+    case ffi::DataType::F8E5M2: *out = DType::kF8E5M2; return true;
+    default: return false;
+  }
+}
+
+ffi::Error fp8_gemm(cudaStream_t stream, int32_t device, const Buffers& buf, const Fp8Attrs& p) {
+  const std::string dims = "m=" + str(p.m) + ", n=" + str(p.n) + ", k=" + str(p.k) +
+                           ", batch=" + str(p.batch) + ", splits=" + str(p.splits);
+  for (int64_t v : {p.m, p.n, p.k, p.batch}) {
+    if (v < 1 || v > INT32_MAX / 2) {
+      return ffi::Error::InvalidArgument(
+          "jax_tma fp8: m, n, k and batch must be in [1, 2^30), got " + dims);
+    }
+  }
+  DType in, in_b, out = DType::kF32;
+  if (!fp8_dtype(buf.a->element_type(), &in) || !fp8_dtype(buf.b->element_type(), &in_b) ||
+      in != in_b) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma fp8: a and b must both be float8_e4m3fn or both float8_e5m2");
+  }
+  if (!ffi_util::to_dtype(buf.out->element_type(), &out) ||
+      (out != DType::kBF16 && out != DType::kF32) || (p.splits > 1 && out != DType::kF32)) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma fp8: out must be bf16 or fp32, and fp32 with splits > 1");
+  }
+  for (const ffi::AnyBuffer* v : {buf.sa, buf.sb, buf.row_scale, buf.col_scale, buf.bias}) {
+    if (v->element_type() != ffi::DataType::F32) {
+      return ffi::Error::InvalidArgument("jax_tma fp8: the scales and the bias must be fp32");
+    }
+  }
+  const int64_t kb = (p.k + kScaleBlock - 1) / kScaleBlock;
+  const int64_t nb = (p.n + kScaleBlock - 1) / kScaleBlock;
+  if (p.row_scale < 0 || p.row_scale > 2 || p.col_scale < 0 || p.col_scale > 2) {
+    return ffi::Error::InvalidArgument("jax_tma fp8: row_scale and col_scale must be 0 (none), "
+                                       "1 (one value) or 2 (a vector), got " +
+                                       str(p.row_scale) + " and " + str(p.col_scale));
+  }
+  if (!p.promote && (p.has_sa || p.has_sb)) {
+    return ffi::Error::InvalidArgument("jax_tma fp8: promote=0 reads no block scales");
+  }
+  if (p.k % 16 || p.n % 8 || (p.has_sa && (p.sa_ld < p.m || p.sa_ld % 4)) ||
+      (p.has_sb && (p.sb_ld < nb || p.sb_ld % 4))) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma fp8: TMA needs 16-byte rows: k must be a multiple of 16, n of 8, sa_ld >= m "
+        "and sb_ld >= ceil(n / 128) of 4, got " + dims + ", sa_ld=" + str(p.sa_ld) +
+        ", sb_ld=" + str(p.sb_ld));
+  }
+  const int64_t per_split = (kb + p.splits - 1) / std::max<int64_t>(p.splits, 1);
+  if (p.splits < 1 || p.splits > kb || (kb + per_split - 1) / per_split != p.splits) {
+    return ffi::Error::InvalidArgument("jax_tma fp8: splits must leave no K range of 128 empty, "
+                                       "got " + dims);
+  }
+  const int64_t batch_a = p.a_batched ? p.batch : 1;
+  const int64_t batch_b = p.b_batched ? p.batch : 1;
+  struct Need {
+    const char* name;
+    int64_t elements;
+    size_t have;
+  };
+  for (const Need& need :
+       {Need{"a", batch_a * p.m * p.k, buf.a->element_count()},
+        Need{"b", batch_b * p.n * p.k, buf.b->element_count()},
+        Need{"sa", p.has_sa ? batch_a * kb * p.sa_ld : 1, buf.sa->element_count()},
+        Need{"sb", p.has_sb ? batch_b * kb * p.sb_ld : 1, buf.sb->element_count()},
+        Need{"row_scale", p.row_scale == 2 ? p.m : 1, buf.row_scale->element_count()},
+        Need{"col_scale", p.col_scale == 2 ? p.n : 1, buf.col_scale->element_count()},
+        Need{"bias", p.has_bias ? p.n : 1, buf.bias->element_count()},
+        Need{"out", p.splits * p.batch * p.m * p.n, buf.out->element_count()}}) {
+    if (static_cast<size_t>(need.elements) != need.have) {
+      return ffi::Error::InvalidArgument(std::string("jax_tma fp8: ") + need.name + " holds " +
+                                         std::to_string(need.have) + " elements, the attributes "
+                                         "need " + str(need.elements) + " (" + dims + ")");
+    }
+  }
+  const auto& info = ffi_util::device_info(device);
+  if (!info.error.empty()) return ffi::Error::Internal("jax_tma fp8: " + info.error);
+  if (info.major != 9 || info.minor != 0) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma fp8: the sm_90a kernel needs a compute capability 9.0 GPU, device " +
+        std::to_string(device) + " is " + std::to_string(info.major) + "." +
+        std::to_string(info.minor));
+  }
+  if (std::string use = ffi_util::use_device(device); !use.empty()) {
+    return ffi::Error::Internal("jax_tma fp8: " + use);
+  }
+  LaunchArgs args{};
+  auto& shape = args.shape;
+  shape.m = static_cast<int>(p.m);
+  shape.n = static_cast<int>(p.n);
+  shape.k = static_cast<int>(p.k);
+  shape.batch = static_cast<int>(p.batch);
+  shape.splits = static_cast<int>(p.splits);
+  shape.k_blocks_per_split = static_cast<int>(per_split);
+  shape.a_batched = p.a_batched != 0;
+  shape.b_batched = p.b_batched != 0;
+  shape.d_m_stride = p.n;
+  shape.d_batch_stride = p.m * p.n;
+  shape.d_split_stride = p.batch * p.m * p.n;
+  args.num_sms = info.num_sms;
+  args.stream = stream;
+  return dispatch(p, in, out, buf, args);
+}
+
+ffi::Error fp8_gemm_sm90(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                         ffi::AnyBuffer sa, ffi::AnyBuffer sb, ffi::AnyBuffer row_scale,
+                         ffi::AnyBuffer col_scale, ffi::AnyBuffer bias,
+                         ffi::Result<ffi::AnyBuffer> out, Fp8Attrs attrs) {
+  return fp8_gemm(stream, device,
+                  Buffers{&a, &b, &sa, &sb, &row_scale, &col_scale, &bias, &*out}, attrs);
+}
+
+ffi::Error fp8_gemm_sm90_into(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
+                              ffi::AnyBuffer b, ffi::AnyBuffer sa, ffi::AnyBuffer sb,
+                              ffi::AnyBuffer row_scale, ffi::AnyBuffer col_scale,
+                              ffi::AnyBuffer bias, ffi::AnyBuffer /*out_in, aliased to out*/,
+                              ffi::Result<ffi::AnyBuffer> out, Fp8Attrs attrs) {
+  return fp8_gemm(stream, device,
+                  Buffers{&a, &b, &sa, &sb, &row_scale, &col_scale, &bias, &*out}, attrs);
+}
+
+}  // namespace
+}  // namespace jax_tma::ffi_handlers
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jax_tma::ffi_handlers::Fp8Attrs,
+    xla::ffi::StructMember<int64_t>("block_m"),
+    xla::ffi::StructMember<int64_t>("block_n"),
+    xla::ffi::StructMember<int64_t>("stages"),
+    xla::ffi::StructMember<int64_t>("cluster_m"),
+    xla::ffi::StructMember<int64_t>("promote"),        // 0: the unpromoted test kernel
+    xla::ffi::StructMember<int64_t>("splits"),         // split-K ranges (fp32 partial products)
+    xla::ffi::StructMember<int64_t>("m"),
+    xla::ffi::StructMember<int64_t>("n"),
+    xla::ffi::StructMember<int64_t>("k"),
+    xla::ffi::StructMember<int64_t>("batch"),
+    xla::ffi::StructMember<int64_t>("a_batched"),      // 0: a (and sa) shared by every entry
+    xla::ffi::StructMember<int64_t>("b_batched"),      // 0: b (and sb) shared by every entry
+    xla::ffi::StructMember<int64_t>("sa_ld"),          // sa's row length (>= m)
+    xla::ffi::StructMember<int64_t>("sb_ld"),          // sb's row length (>= ceil(n / 128))
+    xla::ffi::StructMember<int64_t>("has_sa"),         // A has block scales
+    xla::ffi::StructMember<int64_t>("has_sb"),         // B has block scales
+    xla::ffi::StructMember<int64_t>("row_scale"),      // 0 none, 1 one value, 2 [m]
+    xla::ffi::StructMember<int64_t>("col_scale"),      // 0 none, 1 one value, 2 [n]
+    xla::ffi::StructMember<int64_t>("has_bias"));
+
+namespace jax_tma::ffi_handlers {
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8GemmSm90, fp8_gemm_sm90,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
+                                  .Ctx<ffi::DeviceOrdinal>()  // device of the call
+                                  .Arg<ffi::AnyBuffer>()      // a, FP8
+                                  .Arg<ffi::AnyBuffer>()      // b, FP8
+                                  .Arg<ffi::AnyBuffer>()      // sa, fp32
+                                  .Arg<ffi::AnyBuffer>()      // sb, fp32
+                                  .Arg<ffi::AnyBuffer>()      // row_scale, fp32
+                                  .Arg<ffi::AnyBuffer>()      // col_scale, fp32
+                                  .Arg<ffi::AnyBuffer>()      // bias, fp32
+                                  .Ret<ffi::AnyBuffer>()      // out
+                                  .Attrs<Fp8Attrs>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8GemmSm90Into, fp8_gemm_sm90_into,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
+                                  .Ctx<ffi::DeviceOrdinal>()  // device of the call
+                                  .Arg<ffi::AnyBuffer>()      // a, FP8
+                                  .Arg<ffi::AnyBuffer>()      // b, FP8
+                                  .Arg<ffi::AnyBuffer>()      // sa, fp32
+                                  .Arg<ffi::AnyBuffer>()      // sb, fp32
+                                  .Arg<ffi::AnyBuffer>()      // row_scale, fp32
+                                  .Arg<ffi::AnyBuffer>()      // col_scale, fp32
+                                  .Arg<ffi::AnyBuffer>()      // bias, fp32
+                                  .Arg<ffi::AnyBuffer>()      // out_in
+                                  .Ret<ffi::AnyBuffer>()      // out, aliases out_in
+                                  .Attrs<Fp8Attrs>(),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+}  // namespace jax_tma::ffi_handlers
