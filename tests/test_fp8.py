@@ -34,6 +34,21 @@ OUT_TOL = {F32: 2e-3, BF16: 1e-2}
 XLA_TOL = {F32: 1e-5, BF16: 1e-2}
 
 
+@pytest.fixture(autouse=True)
+def fp8_kernel(monkeypatch, request):
+    """The FP8 kernel is opt-in (JAX_TMA_FP8_KERNEL=1, jax_tma.fp8.kernel_enabled): it faults on
+    an H100 at this release. The CUDA-lowering tests turn it on (lowering runs no kernel); the
+    GPU tests that run it are skipped unless the variable is set, so that a faulting kernel does
+    not take the rest of a GPU run's process down with it. Those skips are not passes: issue 29
+    is open."""
+    if "gpu" in request.keywords:
+        if not fp8.kernel_enabled():
+            pytest.skip("the FP8 kernel faults on an H100 at this release (illegal instruction at "
+                        "the block scales' TMA load); set JAX_TMA_FP8_KERNEL=1 to run it")
+    else:
+        monkeypatch.setenv("JAX_TMA_FP8_KERNEL", "1")
+
+
 def _f64(values, scale, block):
     return np.asarray(fp8.dequantize_fp8(values, scale, block), np.float64)
 
