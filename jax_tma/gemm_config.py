@@ -226,77 +226,37 @@ def check_config(config: GemmConfig, m: int, n: int, k: int, out_dtype,
         )
 
 
-# Constants of the cost model, fitted to sweeps of every configuration on an H200
-# (benchmarks/bench_gemm.py --sweep, 2026-11-21). Relative wgmma throughput of one CTA per tile
-# shape and cluster size, from 8192^3 with each tile's wave quantisation taken out: two consumer
-# warpgroups on a wide tile keep the tensor cores busiest; 64-row and 128 x 128 tiles in
-# clusters lose to their lockstep (see _CLUSTER_EFFICIENCY). 128 x 232 loads B's last
-# 64-wide block whole for 40 columns of it: per FLOP, 0.969 of 128 x 256 pairs on 4096^3
-# (202.1 us for 5 waves against 172.9 for 4) and 0.958 on 8192^3 (1441.1 for 18 against 1355.1
-# for 16), in one sweep at a68b276.
+# Constants of the cost model, fitted to sweeps of every configuration (benchmarks/bench_gemm.py
+# --sweep, H200 and H100). The measurements behind each are in docs/cost-model.md.
+#
+# Relative wgmma throughput of one CTA per tile shape: two consumer warpgroups on a wide tile
+# keep the tensor cores busiest; 128 x 232 loads B's last 64-wide block whole for 40 columns.
 _TILE_EFFICIENCY = {(128, 256): 1.0, (128, 232): 0.96, (128, 192): 0.97, (128, 128): 0.93,
                     (64, 256): 0.88, (64, 128): 0.84, (64, 64): 0.46}
-# Relative throughput of a tile in clusters of 2 against the same tile alone, where rows are
-# aligned: 64 x 128 ran 8192^3 in 1988 us in pairs against 1611 alone (H200). In an H100 sweep
-# (2026-11-21) of 23 products with aligned rows, 128 x 128 pairs took 2-26 % longer than
-# 128 x 128 alone on 16 (median 8 %; 4096 x 6144 x 4096 306.1 us against 275.2, 1024 x 10240 x
-# 8192 241.7 against 222.9), were within 2 % on 4 and faster on 3 (4000^3 by 14 %, 768 x 3072 x
-# 768 and 1024 x 57344 x 8192 by 2.5 %); 128 x 192 and 128 x 256 pairs ran level with their
-# tiles alone. Misaligned rows favour the pairs whatever the tile (128 x 128: 8-24 % faster than
-# alone on 11 such products), and so do some narrow ones. The factor on 128 x 128 moved 20
-# products to tiles alone, timed against the pairs on an H100 (2026-11-21). The 15 with 8 or
-# more tiles across N ran level (within 1 %) or faster alone, up to 27 % (2000 x 1024 x 14336
-# 77.4 us against 98.0, 1024 x 10240 x 8192 218.6 against 240.0, 5000 x 2048 x 4096 117.1
-# against 131.8). Of the 5 with 2 or 4, three ran slower alone (8192 x 256 x 4096 32.9 against
-# 30.5, 6144 x 256 x 8192 50.0 against 47.3, 3000 x 512 x 4096 25.4 against 23.3) and two
-# 1-3 % faster. So 128-row tiles take the factor only on aligned rows and more than
-# _NARROW_COLUMN_BLOCKS tiles across N; 64-row ones always, with
-# _MISALIGNED_SMALL_TILE_EFFICIENCY on top.
+# A tile in clusters of 2 against the same tile alone, on aligned rows: the pairs' lockstep
+# costs 64-row tiles always, and 128 x 128 tiles where more than _NARROW_COLUMN_BLOCKS tiles
+# span N; misaligned rows favour the pairs (_MISALIGNED_SMALL_TILE_EFFICIENCY on top).
 _CLUSTER_EFFICIENCY = {(64, 256): 0.97, (64, 128): 0.83, (128, 128): 0.93}
 _NARROW_COLUMN_BLOCKS = 4
 _PEAK_FLOPS_PER_SM = 989e12 / 132
-# Every tile also pays for its epilogue and the refill of the ring behind it: about 0.45 us,
-# from 64 batches of 1024 x 1024 x 64 (one K slice per tile) in 64 x 64 and 64 x 128 tiles.
+# Every tile also pays for its epilogue and the refill of the ring behind it.
 _TILE_FIXED_S = 0.45e-6
-# Operand rows that are 16-byte but not 32-byte multiples apart (1000 columns of bf16, say)
-# slow TMA's loads down, and 64-row tiles load the most per FLOP. Misaligned rows of B (the
-# larger share of a 64-row tile's loads) cost about half the speed: 64 x 128 ran 1000^3 in
-# 10.1 us against 6.2 us for 1024^3, and 3000 x 5000 x 2048 at 0.49x 128 x 192; in pairs,
-# each CTA loads half of B: 1000^3 in 8.4 us. Misaligned rows of A alone cost a pair more
-# than a CTA that loads all of B (H200, 2026-11-21: 1024 x 1024 x 1000 and 1000 x 1024 x 1000
-# ran in 6.2-6.4 us alone against 6.0 for 1024^3, in pairs in 7.3-7.5 against 6.3-6.4).
-# NOTE: alone, on 2.9 waves, A's misaligned rows cost more (3000 x 1024 x 3000: 64 x 128 took
-# 36.0-37.2 us against 29.4 for 3072 x 1024 x 3072; 128 x 256 alone 33.6-34.2). A factor for
-# that is left out: it moved 16 x 4096 x 4100 from 64 x 64 tiles (13.4 us) to split-K. The
-# per-SM load bound below moves 3000 x 1024 x 3000 to 128 x 232 pairs: 36.4-36.7 us on the H200,
-# as long as the 64 x 128 tiles; 40.3 on the H100, where the 64 x 128 tiles took 42.8 or more
-# (34.4-35.0 since boxes wholly past the matrix are not loaded, against 34.0 for 128 x 256 alone).
+# Rows 16 but not 32 bytes apart slow TMA's loads, and 64-row tiles load the most per FLOP:
+# misaligned B rows cost about half the speed (a pair multicasting B halves each CTA's share);
+# misaligned A rows alone cost a pair more than a CTA that loads all of B.
 _MISALIGNED_SMALL_TILE_EFFICIENCY = {"b": {1: 0.5, 2: 0.9}, "a": {1: 1.0, 2: 0.86}}
-# Whatever the tile, a CTA issues TMA loads of misaligned rows at about 46 GB/s (a block that
-# a cluster multicasts counted once, B in whole 64-column boxes): on an H100 (2026-11-21),
-# 5000^3, both operands misaligned, ran 11 configurations from 64 x 64 alone (1354.0 us) to
-# 128 x 232 in pairs (394.8) at 45-48 GB/s per CTA. Without this bound the model took 128 x 256
-# stream-K (525.4 us) there and 128 x 128 stream-K (141.9) on 1000 x 5000 x 5000, where the
-# 128 x 192 pairs took 95.6.
+# Whatever the tile, a CTA issues TMA loads of misaligned rows at about this rate (a block that
+# a cluster multicasts counted once, B in whole 64-column boxes).
 _MISALIGNED_ISSUE_BYTES_PER_S = 46e9
 _BOX_COLS = 64  # a TMA box's row: 128 swizzled bytes of 16-bit elements
-# Streaming operands (decode-like shapes): about 65 GB/s per busy CTA, at most 0.83 of the
-# device's peak DRAM bandwidth in all (two transfers per memory clock across the bus, as the
-# driver reports them). The share is fitted to the H200 sweeps (4.0e12 of its 4.81e12). On an
-# H100 (3.35e12 peak) it puts 128 x 4096 x 14336 on 64 x 64 tiles without split-K: 43.4 us
-# there against 46.2 for 64 x 128 tiles split in two, the choice of a fixed 4.0e12 (H100 sweep
-# of 2026-11-21; on the H200 the two ran 34.0 and 35.1 us that day). XLA's own kernel streamed
-# 64 x 28672 x 4096 at 4.1 TB/s on the H200 and 3.0 on the H100. A split-K product pays about
-# 2 us for the extra reduction kernel.
+# Streaming operands (decode-like shapes): about 65 GB/s per busy CTA, at most this share of
+# the device's peak DRAM bandwidth (two transfers per memory clock across the bus, as the driver
+# reports them). A split-K product pays _SPLIT_FIXED_S for the extra reduction kernel.
 DEFAULT_DRAM_BYTES_PER_S = 4.81e12  # an H200's, for a device that does not say
 _STREAMING_SHARE_OF_PEAK = 0.83
 _MEMORY_BYTES_PER_S_PER_CTA = 65e9
-# While every SM streams, TMA brings at most about 115 GB/s of operand tiles into one SM:
-# 512 x 512 x 65536 in 64 x 128 tiles split 4 ways loads 6 MB per CTA (against 4 MB for
-# 128 x 128 tiles split 8 ways) and took 61.2 us in all on an H100 (about 107 GB/s per CTA)
-# against 57.0 for the 128 x 128 tiles; on an H200 53.5 (about 122 GB/s) against 51.4
-# (sweeps of 2026-11-21). Without this bound, the H100's lower DRAM bandwidth made both
-# memory-bound and the cheaper reduction of 4 partial products picked the 64-row tiles.
+# While every SM streams, TMA brings at most about this rate of operand tiles into one SM: it
+# keeps wide tiles on products whose operand traffic bounds every choice.
 _SM_LOAD_BYTES_PER_S = 115e9
 _SPLIT_FIXED_S = 2e-6
 # Share of the shorter of the compute and memory times that does not hide under the longer.
@@ -304,24 +264,15 @@ _OVERLAP_LOSS = 0.01
 _SPLIT_CHOICES = (1, 2, 4, 8, 16)  # measured: split 3 lost to 4 on 1x4096x4096
 # Stream-K's share of the last wave costs this many tiles' time on top of its K slices: the
 # pieces' partial sums' round trip, and K ranges that no longer line up across the CTAs that
-# share operands. Fitted on an H200 (128 x 256 tiles, cluster 1): 8192^3 ran in 1357.7 us
-# with stream-K against 1371.1 without (15.5 waves), 16384 x 4096 x 4096 in 692.1 against
-# 699.6 (15.5), 4096^3 in 184.2 against 176.7 (3.9).
+# share operands.
 _STREAM_K_EXTRA_TILES = 0.33
 _STREAM_K_MIN_SLICES = 4  # TileScheduler::kMinStreamKSlices
 _GROUP_M = 8  # TileScheduler's kGroupM: cluster rows that sweep the N blocks together
 DEFAULT_L2_BYTES = 50 * 2**20  # an H100's or H200's, for a device that does not say
-# Stream-K's CTAs start their ranges at scattered K offsets, so the tiles left after the whole
-# waves that share a row block of A or a column block of B read it at different times: what of
-# those shared blocks L2 cannot hold is read again from memory. Charged at this many times the
-# excess at streaming bandwidth, fitted to 128 x 256 stream-K against the same tiles whole
-# (_timing.compare, 2026-11-21). H100: 4096 x 4096 x 65536 took 3978.7 us against 2721.7
-# (637 MB shared), 8192 x 8192 x 28672 5043.6 against 4852.1 (191 MB), 12288^3 4780.8 against
-# 4558.0, 8192 x 8192 x 16384 2778.9 against 2732.2, 16384 x 4096 x 14336 2430.2 against 2410.0
-# (95 MB), while with 55 MB or less stream-K kept its lead (8192^3 1368.7 against 1378.7,
-# 16384 x 4096 x 4096 698.0 against 702.0). On an H200, with 1.4x the bandwidth, stream-K still
-# led at 95-109 MB (16384 x 4096 x 14336 2396.1 against 2422.6; 8192 x 8192 x 16384 2718.0
-# against 2757.6) and tied at 191 MB (8192 x 8192 x 28672 4855.2 against 4857.6).
+# Stream-K's CTAs start their ranges at scattered K offsets, so the last tiles that share a row
+# block of A or a column block of B read it at different times: what of those shared blocks L2
+# cannot hold is read again from memory, charged at this many times the excess at streaming
+# bandwidth.
 _STREAM_K_REREAD = 1.5
 
 
