@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import jax
 
-from jax_tma import epilogues, gemm, ragged
+from jax_tma import epilogues, fp8, gemm, ragged
 
 # Each op's target and its "_into" variant (which writes over a given buffer: tests).
 FFI_TARGETS: tuple[str, ...] = (
     *gemm.FFI_TARGETS,
-    *(op.KERNEL_TARGET + suffix for op in (epilogues, ragged) for suffix in ("", "_into")),
+    *(op.KERNEL_TARGET + suffix for op in (epilogues, fp8, ragged) for suffix in ("", "_into")),
 )
 
 
