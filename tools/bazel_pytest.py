@@ -15,11 +15,35 @@ import sys
 import sysconfig
 
 
+def site_packages() -> list[str]:
+    """The interpreter's site-packages as ``site`` would add them. Under -S a virtual
+    environment's Python reports its base installation's prefix, so the environment (the
+    directory above bin/ holding pyvenv.cfg) is found here: its own packages first, the base's
+    only where pyvenv.cfg includes the system site-packages. The suite's subprocesses (benchmark
+    dry runs, export round trips) run sys.executable without -S and see the same packages."""
+    env = os.path.dirname(os.path.dirname(os.path.abspath(sys.executable)))
+    cfg = os.path.join(env, "pyvenv.cfg")
+    schemes = [None]
+    if os.path.isfile(cfg):
+        with open(cfg) as f:
+            settings = dict(line.split("=", 1) for line in f if "=" in line)
+        settings = {k.strip(): v.strip().lower() for k, v in settings.items()}
+        schemes = [{"base": env, "platbase": env}]
+        if settings.get("include-system-site-packages") == "true":
+            schemes.append(None)
+    paths = []
+    for scheme in schemes:
+        for key in ("purelib", "platlib"):
+            path = sysconfig.get_paths(vars=scheme)[key]
+            if path not in paths:
+                paths.append(path)
+    return paths
+
+
 def main(argv: list[str]) -> int:
     root = os.path.abspath(argv[0])
     sys.path.insert(0, root)
-    for key in ("purelib", "platlib"):
-        path = sysconfig.get_paths()[key]
+    for path in site_packages():
         if path not in sys.path:
             sys.path.append(path)
 
