@@ -402,11 +402,16 @@ def _impl(*args, **params):
 
 
 def kernel_enabled() -> bool:
-    """Whether the FP8 kernel may run: only with ``JAX_TMA_FP8_KERNEL=1``. On an H100 at this
-    release it faults (an illegal instruction at the block scales' TMA load of the FP8 mainloop,
-    located with compute-sanitizer memcheck; issue 29 stays open), so by default the fp8 ops lower
-    to XLA's reference of the same math (dequantise, fp32 dot)."""
-    return os.environ.get("JAX_TMA_FP8_KERNEL", "").strip() == "1"
+    """Whether the FP8 kernel may run: yes unless ``JAX_TMA_FP8_KERNEL=0`` (then the fp8 ops
+    lower to XLA's reference of the same math: dequantise, fp32 dot). ``JAX_TMA_DISABLE``
+    turns every kernel off, this one included."""
+    value = os.environ.get("JAX_TMA_FP8_KERNEL", "").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"jax_tma: JAX_TMA_FP8_KERNEL={value!r} is not one of 1/true/yes/on or "
+                     "0/false/no/off")
 
 
 def kernel_applies(a, b, out_dtype, promote: bool = True) -> bool:

@@ -5,6 +5,20 @@
 # tool; full reports go to $OUT (or ./sanitize_logs). Needs a Hopper GPU and a built extension
 # (bash scripts/gpu_check.sh builds it).
 #
+# Before a tool's clean report on the cases counts, the same tool with the same filter must
+# report the seeded fault of csrc/testing/sanitizer_seed.cu (a kernel of the jax_tma
+# namespace) and nothing on its clean run: a filter that matched no kernel, or a tool that
+# instrumented nothing, would otherwise pass silently.
+#
+# initcheck runs the cases without the filter and without host-API checks: a kernel it does not
+# instrument leaves what it writes marked uninitialised, so filtered, every buffer XLA's own
+# kernels wrote (the NaN poison, padded operands) read as uninitialised to our kernels and to
+# XLA's copies, thousands of false reports. Unfiltered, only reports inside jax_tma kernels count.
+#
+# XLA allocates every buffer by itself (XLA_PYTHON_CLIENT_ALLOCATOR=platform, no
+# preallocation): with its default pool, one cudaMalloc of most of the GPU, memcheck could not
+# see a read past one buffer into its neighbour, and initcheck tracked the whole pool (slow).
+#
 #   bash scripts/sanitize.sh                     # all four tools
 #   TOOLS="memcheck racecheck" bash scripts/sanitize.sh
 set -uo pipefail
@@ -12,18 +26,58 @@ cd "$(dirname "$0")/.."
 LOG_DIR="${OUT:-sanitize_logs}"
 mkdir -p "$LOG_DIR"
 SANITIZER="${COMPUTE_SANITIZER:-$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)}"
+PY="${PYTHON:-python3}"
 # XLA's autotuner would launch many candidate kernels under the sanitizer: not ours, only slow.
 export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_autotune_level=0"
+export XLA_PYTHON_CLIENT_ALLOCATOR=platform XLA_PYTHON_CLIENT_PREALLOCATE=false
+FILTER=(--kernel-name kns=jax_tma)
+
+seed="$LOG_DIR/sanitizer_seed"
+if ! "$("$PY" tools/find_nvcc.py)" -std=c++17 -arch=sm_90a -O2 -lineinfo \
+    -o "$seed" csrc/testing/sanitizer_seed.cu >"$LOG_DIR/sanitizer_seed_build.log" 2>&1; then
+  cat "$LOG_DIR/sanitizer_seed_build.log"
+  echo "SUMMARY: the seeded-fault program does not build"
+  exit 1
+fi
+
+errors() {  # the count of compute-sanitizer's summary line in log $1 ("" when none)
+  grep -E "(ERROR|RACECHECK) SUMMARY" "$1" | tail -n 1 | grep -oE "[0-9]+ (error|hazard)" |
+    head -n 1 | grep -oE "^[0-9]+"
+}
+
 status=0
 for tool in ${TOOLS:-memcheck racecheck synccheck initcheck}; do
+  # 1. The tool sees the seeded fault (and nothing in the clean run) through the filter.
+  seed_log="$LOG_DIR/seed_$tool.log"
+  timeout 120 "$SANITIZER" --tool "$tool" "${FILTER[@]}" "$seed" "$tool" >"$seed_log" 2>&1
+  seeded=$(errors "$seed_log")
+  timeout 120 "$SANITIZER" --tool "$tool" "${FILTER[@]}" "$seed" clean >"$seed_log.clean" 2>&1
+  clean=$(errors "$seed_log.clean")
+  cat "$seed_log.clean" >>"$seed_log" && rm -f "$seed_log.clean"
+  if [ "${seeded:-0}" -gt 0 ] && [ "${clean:-x}" = "0" ]; then
+    self="seeded fault found (${seeded}), clean run 0"
+  else
+    self="SELF-CHECK FAILED: seeded ${seeded:-no summary}, clean ${clean:-no summary}"
+    status=1
+  fi
+  # 2. The cases.
   log="$LOG_DIR/sanitize_$tool.log"
   start=$(date +%s)
-  "$SANITIZER" --tool "$tool" --kernel-name kns=jax_tma --print-limit 50 --error-exitcode 3 \
-    python3 scripts/sanitize_cases.py >"$log" 2>&1
-  rc=$?
+  if [ "$tool" = initcheck ]; then
+    "$SANITIZER" --tool initcheck --check-api-memory-access no --print-limit 10000 \
+      "$PY" scripts/sanitize_cases.py >"$log" 2>&1
+    rc=$?
+    ours=$(grep -A1 -E "^========= Uninitialized" "$log" | grep -cE "^=+ +at .*jax_tma")
+    [ "$ours" -eq 0 ] || rc=3
+    self="$self | in jax_tma kernels: $ours"
+  else
+    "$SANITIZER" --tool "$tool" "${FILTER[@]}" --print-limit 50 --error-exitcode 3 \
+      "$PY" scripts/sanitize_cases.py >"$log" 2>&1
+    rc=$?
+  fi
   summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -n 1)
   cases=$(grep -E "^[0-9]+ cases, [0-9]+ wrong" "$log" || echo "cases did not finish")
-  echo "$tool: ${summary:-no summary} | $cases | rc=$rc | $(( $(date +%s) - start )) s"
+  echo "$tool: ${summary:-no summary} | $cases | rc=$rc | $(( $(date +%s) - start )) s | $self"
   [ "$rc" -eq 0 ] || status=1
 done
 exit "$status"

@@ -5,7 +5,8 @@ Dense GEMM: every tile of jax_tma.COMPILED_CONFIGS in the four operand layouts (
 TT), split-K and stream-K, and the direct-store epilogue (output rows that are not 16-byte
 multiples). Fused epilogues: every compiled (tile, fusion) of jax_tma.DENSE_CONFIGS (bias,
 activation, residual and pre-activation output; activation gradients; gated pairs). Ragged: every tile of jax_tma.RAGGED_CONFIGS in the rows mode (weights N- and
-K-major) and the contraction mode, with an empty group and rows past the last group. All cases
+K-major) and the contraction mode, with an empty group and rows past the last group. FP8: every
+compiled tile and type with block scales and a bias, and the unpromoted tile. All cases
 run in one jitted function (one XLA compile), on operands made by numpy and copied to the device
 (no jax.random kernels: initcheck reports uninitialised reads there that are not jax_tma's), over
 NaN-poisoned outputs, and each result is checked against a float64 reference. Prints one line
@@ -24,7 +25,7 @@ import ml_dtypes
 import numpy as np
 
 import jax_tma
-from jax_tma import _testing, gemm
+from jax_tma import _testing, fp8, gemm
 from jax_tma import epilogues as ep
 from jax_tma import ragged as rd
 
@@ -148,6 +149,40 @@ def _ragged_cases(rng, m, n, k, g) -> list[Case]:
     return cases
 
 
+def _fp8_cases(rng, m, n, k) -> list[Case]:
+    """Every compiled FP8 tile, both FP8 types, bf16 and fp32 out, with block scales (1x128 on
+    A, 128x128 on B: every scale load; N = 776 puts tiles at each offset in B's scale box) and a
+    bias; and the unpromoted tile (per-tensor scales, e4m3, fp32)."""
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    cases = []
+    for dtype in fp8.FP8_DTYPES:
+        a, sa = (np.asarray(v) for v in jax_tma.quantize_fp8(x, (1, 128), dtype))
+        b, sb = (np.asarray(v) for v in jax_tma.quantize_fp8(w, (128, 128), dtype))
+        ref = (_f64(fp8.dequantize_fp8(a, sa, (1, 128)))
+               @ _f64(fp8.dequantize_fp8(b, sb, (128, 128))).T + bias)
+        for cfg in fp8.FP8_CONFIGS:
+            for out_dtype in fp8.OUT_DTYPES:
+                run = (lambda a=a, b=b, sa=sa, sb=sb, cfg=cfg, out_dtype=out_dtype:
+                       fp8._kernel_call(jnp.asarray(a), jnp.asarray(b), jnp.asarray(sa),
+                                        jnp.asarray(sb), jnp.asarray(bias), has_sa=True,
+                                        has_sb=True, row_scale=fp8.NONE, col_scale=fp8.NONE,
+                                        has_bias=True, out_dtype=out_dtype, config=cfg,
+                                        poison=True))
+                name = f"fp8 {dtype.name}->{out_dtype.name} {cfg.describe()}"
+                cases.append(Case(name, run, ref, 1e-2))
+    a, sa = (np.asarray(v) for v in jax_tma.quantize_fp8(x, None))
+    b, sb = (np.asarray(v) for v in jax_tma.quantize_fp8(w, None))
+    ref = _f64(fp8.dequantize_fp8(a, sa)) @ _f64(fp8.dequantize_fp8(b, sb)).T
+    run = (lambda: fp8._kernel_call(
+        jnp.asarray(a), jnp.asarray(b), jnp.asarray(sa), jnp.asarray(sb), has_sa=False,
+        has_sb=False, row_scale=fp8.SCALAR, col_scale=fp8.SCALAR, has_bias=False,
+        out_dtype=jnp.float32, config=None, promote=False, poison=True))
+    cases.append(Case("fp8 unpromoted e4m3->float32", run, ref, 1e-2))
+    return cases
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0)
@@ -158,7 +193,7 @@ def main(argv=None) -> int:
         return 1
     rng = np.random.default_rng(args.seed)
     cases = (_dense_cases(rng, 200, 320, 264) + _fused_cases(rng, 300, 328, 200)
-             + _ragged_cases(rng, 500, 192, 136, 6))
+             + _ragged_cases(rng, 500, 192, 136, 6) + _fp8_cases(rng, 260, 776, 520))
     outputs = jax.jit(lambda: [c.run() for c in cases])()
     failed = 0
     for case, out in zip(cases, outputs):

@@ -35,18 +35,21 @@ XLA_TOL = {F32: 1e-5, BF16: 1e-2}
 
 
 @pytest.fixture(autouse=True)
-def fp8_kernel(monkeypatch, request):
-    """The FP8 kernel is opt-in (JAX_TMA_FP8_KERNEL=1, jax_tma.fp8.kernel_enabled): it faults on
-    an H100 at this release. The CUDA-lowering tests turn it on (lowering runs no kernel); the
-    GPU tests that run it are skipped unless the variable is set, so that a faulting kernel does
-    not take the rest of a GPU run's process down with it. Those skips are not passes: issue 29
-    is open."""
-    if "gpu" in request.keywords:
-        if not fp8.kernel_enabled():
-            pytest.skip("the FP8 kernel faults on an H100 at this release (illegal instruction at "
-                        "the block scales' TMA load); set JAX_TMA_FP8_KERNEL=1 to run it")
-    else:
-        monkeypatch.setenv("JAX_TMA_FP8_KERNEL", "1")
+def fp8_kernel(monkeypatch):
+    """Every test runs with the FP8 kernel allowed (the default), whatever the caller's
+    environment says; the opt-out has its own test."""
+    monkeypatch.delenv("JAX_TMA_FP8_KERNEL", raising=False)
+
+
+def test_kernel_switch(monkeypatch):
+    assert fp8.kernel_enabled()
+    for value, enabled in (("1", True), ("on", True), ("0", False), ("off", False),
+                           ("False", False)):
+        monkeypatch.setenv("JAX_TMA_FP8_KERNEL", value)
+        assert fp8.kernel_enabled() is enabled
+    monkeypatch.setenv("JAX_TMA_FP8_KERNEL", "maybe")
+    with pytest.raises(ValueError, match="JAX_TMA_FP8_KERNEL='maybe'"):
+        fp8.kernel_enabled()
 
 
 def _f64(values, scale, block):
@@ -287,6 +290,14 @@ def test_cuda_lowering_is_one_kernel(dtype):
     # Per-tensor scales: no block-scale operands at all, still one kernel.
     hlo = cuda_hlo(lambda a, b: jax_tma.fp8_dot_general(a, b, 2.0, 0.5), a, b)
     assert _calls(hlo) == {fp8.KERNEL_TARGET: 1}
+
+
+@needs_extension
+def test_cuda_lowering_opt_out_is_xla(monkeypatch):
+    monkeypatch.setenv("JAX_TMA_FP8_KERNEL", "0")
+    a, b = _spec((256, 512), E4M3), _spec((384, 512), E4M3)
+    hlo = cuda_hlo(lambda a, b: jax_tma.fp8_dot_general(a, b, 2.0, 0.5), a, b)
+    assert _calls(hlo) == {} and "stablehlo.dot_general" in hlo
 
 
 @needs_extension

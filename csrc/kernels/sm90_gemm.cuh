@@ -268,8 +268,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           }
         }
       };
-      K::Mainloop::mma(pipeline, read, smem.operands, a_block, count, acc, hand_over, midway,
-                       mainloop);
+      K::Mainloop::mma(pipeline, read, smem.operands, a_block, w.n_block * Tile::kBlockN, count,
+                       acc, hand_over, midway, mainloop);
       if constexpr (K::kStreamK) {
         if (w.piece >= 0) {
           if (w.k_begin > 0) {  // not the tile's head: leave the partial sums for it

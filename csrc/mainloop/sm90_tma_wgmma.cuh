@@ -217,14 +217,14 @@ struct MainloopSm90TmaWgmma {
   static constexpr int kMidwaySlice = 4;
 
   // Consumer warpgroup: accumulate A's row block `a_block` of one output tile over `k_blocks`
-  // (>= 1) slices. Keeps one wgmma group in flight and releases each stage as soon as the
+  // (>= 1) slices (`n0`, the tile's first column, is for mainloops with column-block scales). Keeps one wgmma group in flight and releases each stage as soon as the
   // group reading it has retired. `waited()` runs once the tile's last stage is known full;
   // `midway()` once, after slice kMidwaySlice is issued (at the end for shorter tiles), for the
   // epilogue's prefetches.
   template <class Waited, class Midway>
   __device__ static void mma(Pipeline& pipeline, State& read, const SharedStorage& smem,
-                             int a_block, int k_blocks, float (&acc)[kAccRegs], Waited&& waited,
-                             Midway&& midway, const Params& = {}) {
+                             int a_block, int /*n0*/, int k_blocks, float (&acc)[kAccRegs],
+                             Waited&& waited, Midway&& midway, const Params& = {}) {
     pipeline.consumer_wait(read);
     if (k_blocks == 1) waited();
     ptx::wgmma_fence_operands(acc);

@@ -9,8 +9,12 @@
 // receives its K slice's scales, by TMA, on the stage's full barrier:
 //   A: kBlockM fp32 from a map over [batch, K / 128, M] (M contiguous): row m's scale of the
 //      slice; a warpgroup reads the two of its thread's rows.
-//   B: one 16-byte box from a map over [batch, K / 128, N / 128]: the scales of the 128-wide
-//      column blocks from the tile's first (a tile spans 1 or 2 of them, or half of one).
+//   B: one 16-byte box from a map over [batch, K / 128, N / 128]: four column blocks' scales,
+//      from the 4-aligned block at or before the tile's first (a tile spans 1 or 2 of them, or
+//      half of one). NOTE: a TMA tile copy's innermost coordinate must fall on a 16-byte
+//      boundary of the global tensor; a box starting at the tile's own block (4 bytes a block)
+//      faulted with an illegal instruction on an H100. The consumer finds the tile's scales at
+//      (first block) % 4 in the box.
 //
 // Promotion: a slice's partial sums (one wgmma group per 128 columns: kPartRegs registers,
 // reused) are retired with wgmma.wait_group 0 and added into the fp32 accumulators times
@@ -125,11 +129,19 @@ struct MainloopSm90Fp8 {
       }
       if (params.has_sb) {
         ptx::tma_load(scales.b, &params.sb, full,
-                      ptx::TmaCoord<3>{{plan.at.n0 / kScaleBlock, kb, plan.at.batch_b}});
+                      ptx::TmaCoord<3>{{b_scale_box_origin(plan.at.n0), kb, plan.at.batch_b}});
       }
       ++write;
     }
   }
+
+  // B's scale box: its first column block (16-byte aligned: see the header), and where in it
+  // the scales of a tile starting at column `n0` begin.
+  __device__ static int b_scale_box_origin(int n0) { return (n0 / kScaleBlock) & ~3; }
+  __device__ static int b_scale_offset(int n0) { return (n0 / kScaleBlock) & 3; }
+  static_assert(Tile::kBScaleBox == 4 && (kParts == 1 || kBlockN == 2 * kScaleBlock),
+                "a tile's scale blocks lie in one aligned box (a 256-wide tile starts at an even "
+                "block)");
 
   // Descriptors of k32 step `kk` of K-major tiles: 32 bytes along the swizzled rows.
   __device__ static uint64_t desc(const uint8_t* tile, int kk) {
@@ -152,16 +164,16 @@ struct MainloopSm90Fp8 {
     return *reinterpret_cast<float(*)[kPartRegs]>(acc + p * kPartRegs);
   }
 
-  // Consumer warpgroup: A's row block `a_block` of one output tile over `k_blocks` (>= 1)
-  // slices into `acc`. `waited()` runs once the tile's last stage is known full; `midway()`
+  // Consumer warpgroup: A's row block `a_block` of the output tile at column `n0` over
+  // `k_blocks` (>= 1) slices into `acc`. `waited()` runs once the tile's last stage is known full; `midway()`
   // (the epilogue's prefetch hook, MainloopSm90TmaWgmma::mma) once, at the end: the fp8
   // epilogues read no operand.
   template <class Waited, class Midway>
   __device__ static void mma(Pipeline& pipeline, State& read, const SharedStorage& smem,
-                             int a_block, int k_blocks, float (&acc)[kAccRegs], Waited&& waited,
-                             Midway&& midway, const Params& params) {
+                             int a_block, int n0, int k_blocks, float (&acc)[kAccRegs],
+                             Waited&& waited, Midway&& midway, const Params& params) {
     if constexpr (kPromote) {
-      promoted(pipeline, read, smem, a_block, k_blocks, acc, waited, params);
+      promoted(pipeline, read, smem, a_block, n0, k_blocks, acc, waited, params);
     } else {
       unpromoted(pipeline, read, smem, a_block, k_blocks, acc, waited);
     }
@@ -170,12 +182,13 @@ struct MainloopSm90Fp8 {
 
   template <class Waited>
   __device__ static void promoted(Pipeline& pipeline, State& read, const SharedStorage& smem,
-                                  int a_block, int k_blocks, float (&acc)[kAccRegs],
+                                  int a_block, int n0, int k_blocks, float (&acc)[kAccRegs],
                                   Waited&& waited, const Params& params) {
     const bool has_sa = params.has_sa;
     const bool has_sb = params.has_sb;
     // This thread's rows of the warpgroup's 64 (accumulator layout: ptx/wgmma.cuh): r, r + 8.
     const int row = a_block * 64 + 16 * ((threadIdx.x / 32) % 4) + (threadIdx.x % 32) / 4;
+    const int sb0 = b_scale_offset(n0);
 #pragma unroll
     for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
 #pragma unroll 1
@@ -188,7 +201,7 @@ struct MainloopSm90Fp8 {
       float sb[kParts];
 #pragma unroll
       for (int p = 0; p < kParts; ++p) {
-        sb[p] = has_sb ? ptx::ld_shared_f32(ptx::smem_u32(scales.b + p)) : 1.0f;
+        sb[p] = has_sb ? ptx::ld_shared_f32(ptx::smem_u32(scales.b + sb0 + p)) : 1.0f;
       }
 #pragma unroll
       for (int p = 0; p < kParts; ++p) {
