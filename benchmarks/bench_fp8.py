@@ -154,6 +154,11 @@ def sweep(shape, args) -> list[Row]:
         contenders["x".join(map(str, cfg.tile))] = (
             lambda a, b, sa, sb, *rest, cfg=cfg: jax_tma.fp8_dot_general(a, b, sa, sb, NT,
                                                                          config=cfg))
+    # The tensor core's own accumulation over all of K (no promotion; e4m3, per-tensor scales,
+    # fp32 out, the one tile compiled so): what promotion costs on this shape.
+    if fp8.kernel_applies(*sets[0][:2], jnp.float32, promote=False):
+        contenders["unpromoted 128x128x5x1, per-tensor, fp32 out"] = (
+            lambda a, b, *rest: fp8.fp8_unpromoted_matmul(a, b, 1.0, 1.0))
     timings = _timing.compare(contenders, sets, rounds=args.rounds, iterations=args.iterations)
     rows = [Row(shape, "sweep " + name, t.median_s, t.spread_s) for name, t in timings.items()]
     for r in rows:
