@@ -15,8 +15,6 @@ LOG_DIR="${OUT:-fp8_check_logs}"
 mkdir -p "$LOG_DIR"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
-# The FP8 kernel is opt-in (jax_tma.fp8.kernel_enabled): this script is where it is tried.
-export JAX_TMA_FP8_KERNEL=1
 status=0
 
 {

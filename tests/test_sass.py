@@ -269,3 +269,6 @@ def test_fp8_kernels(kernels):
     # accumulators (FFMA); 128 x 256 tiles issue two 128-column parts per slice.
     wide = [b for n, b in found.items() if _tile(n)[1] == 256]
     assert wide and all(len(re.findall(r"\bQGMMA\b", b)) >= 8 for b in wide)
+    # 128-column tiles keep the next slice's group in flight while promoting (wait_group 1).
+    narrow = [b for n, b in found.items() if _tile(n)[1] == 128]
+    assert narrow and all(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", b) for b in narrow)
