@@ -18,11 +18,14 @@ Public API:
     products with per-tensor, row/column or block (1x128, 128x128) scales on the FP8 kernel.
   GemmConfig: a compiled tile configuration to pass as ``config=``.
   kernel_status(): whether the kernels run on the default backend, and why not.
+  autotune(lhs, rhs, dimension_numbers): times every configuration of a product on the device
+    and caches the fastest for the kernel's later lowerings (JAX_TMA_AUTOTUNE=1: at trace time).
   export_disabled_checks(): what ``jax.export`` needs to serialize the kernels' custom calls.
 """
 
 from jax_tma._export import export_disabled_checks
 from jax_tma._ext import KernelStatus, kernel_status
+from jax_tma.autotuning import TuneResult, autotune
 from jax_tma.epilogues import DENSE_CONFIGS, dense, gated_dense, mlp
 from jax_tma.fp8 import FP8_CONFIGS, Fp8Config, fp8_dot_general, fp8_matmul, quantize_fp8
 from jax_tma.gemm import COMPILED_CONFIGS, GemmConfig, default_config, dot_general, matmul
@@ -37,6 +40,8 @@ __all__ = [
     "Fp8Config",
     "GemmConfig",
     "KernelStatus",
+    "TuneResult",
+    "autotune",
     "default_config",
     "dense",
     "dot_general",

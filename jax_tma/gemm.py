@@ -41,7 +41,7 @@ from jax._src import dispatch
 from jax._src.lax.lax import _convert_element_type, canonicalize_precision
 from jax.interpreters import ad, batching, mlir
 
-from jax_tma import _ext, gemm_plan, gemm_sharding
+from jax_tma import _ext, autotuning, gemm_plan, gemm_sharding
 from jax_tma.gemm_config import (  # noqa: F401 - re-exported: the gemm module's public names
     BLOCK_K,
     COMPILED_CONFIGS,
@@ -276,11 +276,17 @@ def out_strides(plan: GemmPlan) -> tuple[int, ...]:
     return tuple(strides)
 
 
-def config_for(plan: GemmPlan, out_dtype, config: GemmConfig | None) -> GemmConfig | None:
+def config_for(plan: GemmPlan, out_dtype, config: GemmConfig | None, *, in_dtype=None,
+               use_cache: bool = True) -> GemmConfig | None:
     """`config`, checked against the product (ValueError naming the shapes if it cannot
-    compute it), or the heuristic's choice: None when no configuration can (the product
-    runs on XLA)."""
+    compute it), or else the autotuning cache's entry for the product (jax_tma.autotune; read
+    where `in_dtype` is given and `use_cache`), or else the heuristic's choice: None when no
+    configuration can (the product runs on XLA)."""
     out_dtype = jnp.dtype(out_dtype)
+    if config is None and use_cache and in_dtype is not None:
+        tuned = autotuning.lookup(plan, in_dtype, out_dtype)
+        if tuned is not None:
+            return tuned
     if config is None:
         return default_config(plan.m, plan.n, plan.k, _num_sms(), out_dtype, batch=plan.batch,
                               out_strides=out_strides(plan),
@@ -388,7 +394,8 @@ def _local_lowering(ctx, lhs, rhs, *, platform: str, **params):
         route = kernel_route(*ctx.avals_in, params["dimension_numbers"], params["out_dtype"],
                              params["precision"])
         if route is not None:
-            cfg = config_for(route.plan, params["out_dtype"], params["config"])
+            cfg = config_for(route.plan, params["out_dtype"], params["config"],
+                             in_dtype=ctx.avals_in[0].dtype)
     if cfg is None:
         fn = functools.partial(_reference, **params)
     else:
@@ -668,6 +675,11 @@ def dot_general(lhs: Any, rhs: Any, dimension_numbers, precision=None,
         route = kernel_route(lhs, rhs, dims, out_dtype, canonical)
         if route is not None:
             config_for(route.plan, out_dtype, config)
+    elif autotuning.enabled():
+        route = kernel_route(lhs, rhs, dims, out_dtype, canonical)
+        if route is not None and _ext.kernel_status().available:
+            autotuning.tune_if_enabled(lhs, rhs, dims, route.plan, out_dtype, precision,
+                                     preferred_element_type)
     out = dot_general_p.bind(lhs, rhs, dimension_numbers=dims, out_dtype=out_dtype,
                              precision=canonical, config=config, local=False)
     return _weak_as(out, expected)

@@ -1,0 +1,281 @@
+"""Autotuning of the dense GEMM's configuration, with a persistent cache.
+
+``default_config``'s cost model was fitted to a suite of shapes; on others its pick can be a
+few percent to 20% slower than the best compiled configuration. ``autotune(lhs, rhs, ...)`` times
+every legal configuration of one product on the device (the heuristic's pick among them, each
+product over distinct random operands of the given shapes and dtypes, the benchmarks' harness:
+CUPTI kernel time), and stores the fastest in a JSON cache keyed by device kind, dtypes, layout
+and shape. Whenever the kernel lowers a product without an explicit ``config=``, it reads that
+cache first; the heuristic stays the fallback.
+
+Tuning happens where it is asked for:
+  * ``jax_tma.autotune(lhs, rhs, dimension_numbers)`` (arrays or ``jax.ShapeDtypeStruct``s),
+    ahead of the jitted code, for products one knows;
+  * ``JAX_TMA_AUTOTUNE=1``: ``jax_tma.dot_general`` / ``matmul`` tune a product whose key is not
+    in the cache when they are traced (once per key and cache; the first trace takes the tuning
+    time, about 10 ms of kernel time per candidate plus each candidate's compilation).
+Sharded and vmapped calls are tuned for the product they are called with; the local products
+of a sharded call read the cache under their own (local) shapes.
+
+The cache is ``$JAX_TMA_AUTOTUNE_CACHE`` or ``<cache dir>/jax_tma/autotune.json`` (``<cache dir>``:
+``$XDG_CACHE_HOME`` or ``~/.cache``). Writers take an exclusive lock on a sibling ``.lock``
+file, merge their entries into what is on disk and replace the file atomically, so concurrent
+processes lose no entry and readers never see a partial file. Results do not depend on the
+configuration beyond floating-point summation order (split-K sums partial products).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import pathlib
+import tempfile
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_tma import _ext, _timing
+from jax_tma.gemm_config import GemmConfig, check_config, legal_configs
+from jax_tma.gemm_plan import GemmPlan
+
+CACHE_VERSION = 1
+_ENV = "JAX_TMA_AUTOTUNE"
+_CACHE_ENV = "JAX_TMA_AUTOTUNE_CACHE"
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def enabled() -> bool:
+    """Whether ``JAX_TMA_AUTOTUNE`` asks for tuning at trace time (1/true/yes/on; 0/false/no/off
+    or unset: no; anything else is an error)."""
+    value = os.environ.get(_ENV, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"jax_tma: {_ENV}={value!r} is not one of 1/true/yes/on or 0/false/no/off")
+
+
+def cache_path() -> pathlib.Path:
+    """Where the cache lives (see the module's docstring)."""
+    explicit = os.environ.get(_CACHE_ENV, "").strip()
+    if explicit:
+        return pathlib.Path(explicit).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join("~", ".cache")
+    return pathlib.Path(base).expanduser() / "jax_tma" / "autotune.json"
+
+
+def cache_key(plan: GemmPlan, in_dtype, out_dtype, device_kind: str | None = None) -> str:
+    """The cache's key of one product: device kind, input and output dtypes, layout (which
+    operands are transposed, which rows are misaligned, the output's strides) and shape."""
+    if device_kind is None:
+        device_kind = jax.devices()[0].device_kind
+    return "|".join([
+        device_kind, jnp.dtype(in_dtype).name, jnp.dtype(out_dtype).name, plan.layout,
+        f"misaligned={plan.misaligned_rows or '-'}",
+        f"d_strides={plan.d_m_stride},{plan.d_batch_stride}",
+        f"b{plan.batch}m{plan.m}n{plan.n}k{plan.k}",
+    ])
+
+
+# ---------------------------------------------------------------------------------------
+# The cache file.
+
+_memory: dict[str, tuple[float, dict[str, Any]]] = {}  # path -> (mtime, entries)
+
+
+def _read(path: pathlib.Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as err:
+        raise RuntimeError(f"jax_tma: the autotuning cache {path} cannot be read ({err}); "
+                           f"delete it or point {_CACHE_ENV} elsewhere") from err
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+        return {}  # another version's cache: ignored, rewritten on the next store
+    entries = data.get("entries", {})
+    return entries if isinstance(entries, dict) else {}
+
+
+def entries() -> dict[str, Any]:
+    """Every cached entry (re-read when the file changed)."""
+    path = cache_path()
+    try:
+        mtime = path.stat().st_mtime_ns
+    except FileNotFoundError:
+        return {}
+    cached = _memory.get(str(path))
+    if cached is None or cached[0] != mtime:
+        cached = (mtime, _read(path))
+        _memory[str(path)] = cached
+    return cached[1]
+
+
+@contextlib.contextmanager
+def _locked(path: pathlib.Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def store(key: str, entry: dict[str, Any]) -> None:
+    """Adds one entry: under the lock, merged into the file's current entries, written to a
+    temporary file and renamed over the cache."""
+    path = cache_path()
+    with _locked(path):
+        merged = dict(_read(path))
+        merged[key] = entry
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump({"version": CACHE_VERSION, "entries": merged}, f, indent=1,
+                          sort_keys=True)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+    _memory.pop(str(path), None)
+
+
+def lookup(plan: GemmPlan, in_dtype, out_dtype) -> GemmConfig | None:
+    """The cached configuration of this product, if any and if it still computes it (a
+    configuration that is no longer compiled or legal is ignored)."""
+    entry = entries().get(cache_key(plan, in_dtype, out_dtype))
+    if entry is None:
+        return None
+    try:
+        cfg = GemmConfig(**entry["config"])
+        check_config(cfg, plan.m, plan.n, plan.k, jnp.dtype(out_dtype),
+                     _out_strides(plan), plan.batch)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if cfg.split_k > 1 and cfg.splits_for(plan.k) != cfg.split_k:
+        return None  # more K ranges than this depth has slices: not a candidate autotune times
+    return cfg
+
+
+def _out_strides(plan: GemmPlan) -> tuple[int, ...]:
+    return (plan.d_m_stride, plan.d_batch_stride) if plan.batch > 1 else (plan.d_m_stride,)
+
+
+# ---------------------------------------------------------------------------------------
+# Tuning.
+
+
+def candidates(plan: GemmPlan, out_dtype) -> list[GemmConfig]:
+    """The configurations worth timing: every legal one (split-K runs without clusters, and
+    stream-K only where M fills the tile, as default_config also rules)."""
+    return [cfg for cfg in legal_configs(plan.m, plan.n, plan.k, jnp.dtype(out_dtype),
+                                         _out_strides(plan), batch=plan.batch)
+            if not (cfg.split_k > 1 and cfg.cluster_m > 1 or cfg.stream_k and plan.m < cfg.block_m)]
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneResult:
+    key: str
+    best: GemmConfig
+    default: GemmConfig | None
+    seconds: dict[str, float]  # GemmConfig.describe() -> median seconds per product
+
+    @property
+    def speedup(self) -> float:
+        """The heuristic's time / the best's."""
+        if self.default is None:
+            return 1.0
+        return self.seconds[self.default.describe()] / self.seconds[self.best.describe()]
+
+
+def autotune(lhs: Any, rhs: Any, dimension_numbers=None, *, preferred_element_type=None,
+             precision=None, rounds: int = 3, sets: int = 2, force: bool = False) -> TuneResult:
+    """Times every legal configuration of ``jax_tma.dot_general(lhs, rhs, dimension_numbers)``
+    (``dimension_numbers=None``: ``matmul`` of 2-D operands) on the device and caches the
+    fastest. ``lhs`` and ``rhs`` may be arrays or ``jax.ShapeDtypeStruct``s: only their shapes and
+    dtypes are used (the timing runs on random operands). A key already cached is returned
+    without timing unless ``force``. Raises RuntimeError where the kernels cannot run here and
+    ValueError for a product the kernel does not compute (it runs on XLA: nothing to tune)."""
+    from jax_tma import gemm  # noqa: PLC0415 (gemm imports this module)
+
+    if dimension_numbers is None:
+        if len(lhs.shape) != 2 or len(rhs.shape) != 2:
+            raise ValueError(f"jax_tma.autotune: without dimension_numbers lhs and rhs must be "
+                             f"2-D (a matmul), got {lhs.shape} and {rhs.shape}")
+        dimension_numbers = (((1,), (0,)), ((), ()))
+    status = _ext.kernel_status()
+    if not status.available:
+        raise RuntimeError(f"jax_tma.autotune: the kernels cannot run here ({status.reason})")
+    lhs_s = jax.ShapeDtypeStruct(lhs.shape, lhs.dtype)
+    rhs_s = jax.ShapeDtypeStruct(rhs.shape, rhs.dtype)
+    out = jax.eval_shape(lambda a, b: jax.lax.dot_general(
+        a, b, dimension_numbers, precision=precision,
+        preferred_element_type=preferred_element_type), lhs_s, rhs_s)
+    dims = gemm._normalize(dimension_numbers, len(lhs.shape), len(rhs.shape))
+    route = gemm.kernel_route(lhs_s, rhs_s, dims, out.dtype,
+                              gemm.canonicalize_precision(precision))
+    if route is None:
+        raise ValueError(f"jax_tma.autotune: the kernel does not compute {lhs.shape} "
+                         f"{jnp.dtype(lhs.dtype).name} x {rhs.shape} {jnp.dtype(rhs.dtype).name} "
+                         f"with {dimension_numbers} (it runs on XLA)")
+    plan = route.plan
+    key = cache_key(plan, lhs.dtype, out.dtype)
+    cached = None if force else lookup(plan, lhs.dtype, out.dtype)
+    if cached is not None:
+        entry = entries()[key]
+        return TuneResult(key, cached, _config_or_none(entry.get("default")),
+                          dict(entry.get("seconds", {})))
+    configs = candidates(plan, out.dtype)
+    if not configs:
+        raise ValueError(f"jax_tma.autotune: no compiled configuration computes {key}")
+    default = gemm.config_for(plan, out.dtype, None, use_cache=False)
+    seconds = _time(configs, lhs_s, rhs_s, dimension_numbers, preferred_element_type,
+                    precision, rounds, sets)
+    best = min(configs, key=lambda c: seconds[c.describe()])
+    store(key, {"config": dataclasses.asdict(best),
+                "default": dataclasses.asdict(default) if default is not None else None,
+                "seconds": seconds, "method": _timing.timing_method()})
+    return TuneResult(key, best, default, seconds)
+
+
+def _config_or_none(fields) -> GemmConfig | None:
+    try:
+        return GemmConfig(**fields) if fields else None
+    except (TypeError, ValueError):
+        return None
+
+
+def _time(configs, lhs, rhs, dimension_numbers, preferred_element_type, precision, rounds,
+          sets) -> dict[str, float]:
+    """Median seconds per product of each configuration, all timed in one harness run."""
+    from jax_tma import gemm  # noqa: PLC0415
+
+    # Executed now even when called while a jit is being traced (JAX_TMA_AUTOTUNE=1).
+    with jax.ensure_compile_time_eval():
+        operand_sets = _timing.random_operands(jax.random.key(0), [lhs.shape, rhs.shape],
+                                               lhs.dtype, sets)
+        operand_sets = [(a, b.astype(rhs.dtype)) for a, b in operand_sets]
+        contenders = {
+            cfg.describe(): (lambda a, b, cfg=cfg: gemm.dot_general(
+                a, b, dimension_numbers, precision=precision,
+                preferred_element_type=preferred_element_type, config=cfg))
+            for cfg in configs}
+        timings = _timing.compare(contenders, operand_sets, rounds=rounds, iterations=2)
+    return {name: t.median_s for name, t in timings.items()}
+
+
+def tune_if_enabled(lhs, rhs, dimension_numbers, plan: GemmPlan, out_dtype, precision,
+                    preferred_element_type) -> None:
+    """``JAX_TMA_AUTOTUNE=1``: tunes a traced product whose key is not cached yet."""
+    if not enabled() or lookup(plan, lhs.dtype, out_dtype) is not None:
+        return
+    autotune(jax.ShapeDtypeStruct(lhs.shape, lhs.dtype), jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
+             dimension_numbers, preferred_element_type=preferred_element_type,
+             precision=precision)
