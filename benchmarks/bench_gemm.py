@@ -10,6 +10,8 @@ min-max spread. Outputs are checked against XLA before timing.
     python benchmarks/bench_gemm.py                  # the suite of the fast-matmul issue
     python benchmarks/bench_gemm.py --quick          # a handful of shapes, under a minute
     python benchmarks/bench_gemm.py --batched        # attention-like [B,M,K] @ [B,K,N]
+    python benchmarks/bench_gemm.py --suite llm      # projections of public LLMs (below)
+    python benchmarks/bench_gemm.py --random 200 --seed 3   # random shapes (below)
     python benchmarks/bench_gemm.py --shapes 4096,4096,4096 32,2048,2048,128 --dtype fp16
     python benchmarks/bench_gemm.py --sweep --shapes 8192,8192,8192   # every legal config
     python benchmarks/bench_gemm.py --quick --layout NT   # b stored [N, K] (dot_general)
@@ -23,11 +25,31 @@ a reference for products bound by memory, listed in GB/s of operand bytes beside
 read rate and kept out of the ratio. It is no bound: a GEMM may read faster than XLA's
 reductions do.
 
+--suite llm: the dense projections (M tokens × K in features -> N out features) of Llama 3 8B and
+70B, Mixtral 8x7B, Qwen2.5 7B and 72B and DeepSeek-V3, at 4096 and 16384 prefill tokens and 1, 16
+and 128 decode tokens; 106 distinct products, each named for every projection it stands for. QKV
+and gate+up are fused, as serving stacks run them. Mixtral's attention is Llama 3 8B's; an expert
+sees a quarter of the tokens (balanced top-2 of 8 routing). DeepSeek-V3 gives its MLA projections
+(q_a, kv_a, q_b, o) and the FFN of its dense layers. Decode 64 is left out to stay near 100
+products: up to 128 tokens a decode product is bound by reading its weights, so 16 and 128
+bracket it.
+
+--random N --seed S: N distinct shapes from numpy's Generator (the same for the same seed). A third
+(on average) are misaligned: M, N and K log-uniform integers on [1, 32768], with at least one not
+a multiple of 8. The others are log-uniform on [64, 32768] rounded to multiples of 64 (drawing from
+1 would round 44 % of them to 64). A shape whose bf16 a, b and output take over 6 GiB, or whose
+product takes over 2^41 FLOP (about 3 ms on an H100; each shape runs some 100 times: checks,
+warm-up, rounds), is drawn again, so that 200 shapes take minutes of GPU time (compilation and
+XLA's autotuning come on top).
+
 A shape is M,N,K (a[M,K] @ b[K,N]) or B,M,N,K (a[B,M,K] @ b[B,K,N]); every suite runs in bf16
 or fp16. --layout NT/TN/TT stores b as [N, K] and/or a as [K, M] and times
-jax_tma.dot_general against lax.dot_general on them (2-D shapes). Results go to
-benchmarks/results/<device>/: bench_gemm[_batched][_sweep][_<layout>][_fp16] .json, .md and .png
-(a dry run writes files only when --out is given).
+jax_tma.dot_general against lax.dot_general on them (2-D shapes). The table ends with the geometric
+mean of the speed ratio, its minimum (the slowest product) and how many products fall below
+0.95. Results go to benchmarks/results/<device>/:
+bench_gemm[_llm|_random][_batched][_sweep][_<layout>][_fp16] .json, .md and .png (a dry run writes
+files only when --out is given; it shrinks --suite llm to each family's first projection, features
+and tokens divided by 128, and draws --random shapes on [1, 256]).
 """
 
 from __future__ import annotations
@@ -79,6 +101,42 @@ BATCHED_SUITE = [
 ]
 BATCHED_QUICK = [(32, 2048, 2048, 128), (32, 2048, 128, 2048), (8, 2048, 4096, 4096)]
 BATCHED_DRY_RUN = [(2, 64, 64, 64), (3, 7, 129, 72)]
+# The dense projections of public models: (family, projection, N = out features, K = in features,
+# share of the tokens the product sees). Attention heads are 128 wide; QKV fuses q, k and v;
+# gate_up fuses gate and up (2 × intermediate).
+LLM_PROJECTIONS = (
+    # Llama 3 8B: hidden 4096, intermediate 14336, 32 q / 8 kv heads
+    ("llama3-8b", "qkv", 4096 + 2 * 1024, 4096, 1), ("llama3-8b", "o", 4096, 4096, 1),
+    ("llama3-8b", "gate_up", 2 * 14336, 4096, 1), ("llama3-8b", "down", 4096, 14336, 1),
+    # Llama 3 70B: hidden 8192, intermediate 28672, 64 q / 8 kv heads
+    ("llama3-70b", "qkv", 8192 + 2 * 1024, 8192, 1), ("llama3-70b", "o", 8192, 8192, 1),
+    ("llama3-70b", "gate_up", 2 * 28672, 8192, 1), ("llama3-70b", "down", 8192, 28672, 1),
+    # Mixtral 8x7B: Llama 3 8B's attention; 8 experts of intermediate 14336, 2 per token
+    ("mixtral-8x7b", "qkv", 4096 + 2 * 1024, 4096, 1), ("mixtral-8x7b", "o", 4096, 4096, 1),
+    ("mixtral-8x7b", "expert gate_up", 2 * 14336, 4096, 2 / 8),
+    ("mixtral-8x7b", "expert down", 4096, 14336, 2 / 8),
+    # Qwen2.5 72B: hidden 8192, intermediate 29568, 64 q / 8 kv heads
+    ("qwen2.5-72b", "qkv", 8192 + 2 * 1024, 8192, 1), ("qwen2.5-72b", "o", 8192, 8192, 1),
+    ("qwen2.5-72b", "gate_up", 2 * 29568, 8192, 1), ("qwen2.5-72b", "down", 8192, 29568, 1),
+    # Qwen2.5 7B: hidden 3584, intermediate 18944, 28 q / 4 kv heads
+    ("qwen2.5-7b", "qkv", 3584 + 2 * 512, 3584, 1), ("qwen2.5-7b", "o", 3584, 3584, 1),
+    ("qwen2.5-7b", "gate_up", 2 * 18944, 3584, 1), ("qwen2.5-7b", "down", 3584, 18944, 1),
+    # DeepSeek-V3: hidden 7168; MLA down to a q rank of 1536 and a kv rank of 512 (+ 64 rope
+    # dims), q up to 128 heads × 192, o from 128 heads × 128; dense layers' intermediate 18432
+    ("deepseek-v3", "q_a", 1536, 7168, 1), ("deepseek-v3", "kv_a", 512 + 64, 7168, 1),
+    ("deepseek-v3", "q_b", 128 * 192, 1536, 1), ("deepseek-v3", "o", 7168, 128 * 128, 1),
+    ("deepseek-v3", "gate_up", 2 * 18432, 7168, 1), ("deepseek-v3", "down", 7168, 18432, 1),
+)
+LLM_PREFILL = (4096, 16384)  # tokens
+LLM_DECODE = (1, 16, 128)
+LLM_DRY_RUN_DIVISOR = 128
+RANDOM_MAX_DIM = 32768
+RANDOM_DRY_RUN_MAX_DIM = 256
+RANDOM_MISALIGNED = 1 / 3  # the chance a drawn shape is misaligned
+RANDOM_ALIGN = 64
+RANDOM_MAX_BYTES = 6 * 2**30  # bf16 a, b and output of one product
+RANDOM_MAX_FLOP = 2**41
+RATIO_FLOOR = 0.95  # the summary counts the products below this jax_tma/XLA speed ratio
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 LAYOUTS = ("NN", "NT", "TN", "TT")  # a then b: N as in a[M, K] @ b[K, N], T stored transposed
 L2_BYTES = 50 * 2**20
@@ -93,6 +151,7 @@ class Row:
     seconds: float | None
     spread_s: float | None
     note: str = ""
+    label: str = ""  # what the shape stands for (--suite llm), else empty
 
     def tflops(self) -> float | None:
         if self.seconds is None or self.contender == READ_ONCE:
@@ -109,6 +168,57 @@ def _label(shape: tuple[int, ...]) -> str:
     return "×".join(map(str, shape))
 
 
+def llm_suite(projections=LLM_PROJECTIONS, prefill=LLM_PREFILL, decode=LLM_DECODE,
+              divisor: int = 1) -> dict[tuple[int, int, int], str]:
+    """The distinct (M, N, K) products of `projections` at each token count, in the order
+    drawn (prefill, then decode), each mapped to a label naming every projection it stands for
+    ("llama3-70b/qwen2.5-72b qkv decode"). Token counts and features are divided by `divisor`
+    (rounded up), for a dry run."""
+    origins: dict[tuple[int, int, int], dict[str, list[str]]] = {}
+    for phase, counts in (("prefill", prefill), ("decode", decode)):
+        for tokens in counts:
+            for family, projection, n, k, share in projections:
+                shape = (math.ceil(math.ceil(tokens * share) / divisor), math.ceil(n / divisor),
+                         math.ceil(k / divisor))
+                families = origins.setdefault(shape, {}).setdefault(f"{projection} {phase}", [])
+                if family not in families:
+                    families.append(family)
+    return {shape: ", ".join(f"{'/'.join(families)} {what}" for what, families in found.items())
+            for shape, found in origins.items()}
+
+
+def random_shapes(count: int, seed: int, max_dim: int = RANDOM_MAX_DIM
+                  ) -> tuple[list[tuple[int, int, int]], int]:
+    """`count` distinct (M, N, K) shapes drawn from numpy's Generator seeded with `seed`, and how
+    many draws were rejected (over RANDOM_MAX_BYTES or RANDOM_MAX_FLOP, or repeated).
+
+    With chance RANDOM_MISALIGNED a shape's sizes are log-uniform integers on [1, max_dim] with at
+    least one not a multiple of 8; otherwise they are log-uniform on [RANDOM_ALIGN, max_dim],
+    rounded to multiples of RANDOM_ALIGN.
+    """
+    rng = np.random.default_rng(seed)
+    shapes: list[tuple[int, int, int]] = []
+    rejected = 0
+    while len(shapes) < count:
+        misaligned = rng.random() < RANDOM_MISALIGNED
+        low = 1 if misaligned else RANDOM_ALIGN
+        # floor(exp(U[log low, log(max + 1)))) puts mass log((d + 1) / d) on each integer d
+        dims = np.floor(np.exp(rng.uniform(math.log(low), math.log(max_dim + 1), 3)))
+        dims = np.minimum(dims.astype(np.int64), max_dim)
+        if not misaligned:
+            dims = np.maximum(RANDOM_ALIGN, np.round(dims / RANDOM_ALIGN).astype(np.int64)
+                              * RANDOM_ALIGN)
+        elif np.all(dims % 8 == 0):
+            dims[rng.integers(3)] -= 1
+        m, n, k = (int(d) for d in dims)
+        if (2 * (m * k + k * n + m * n) > RANDOM_MAX_BYTES or 2 * m * n * k > RANDOM_MAX_FLOP
+                or (m, n, k) in shapes):
+            rejected += 1
+            continue
+        shapes.append((m, n, k))
+    return shapes, rejected
+
+
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a handful of shapes")
@@ -116,6 +226,12 @@ def _parse(argv=None) -> argparse.Namespace:
                    help="the batched suite: [B,M,K] @ [B,K,N] (attention-like shapes)")
     p.add_argument("--shapes", nargs="+", metavar="[B,]M,N,K",
                    help="ad-hoc shapes: M,N,K for 2-D products, B,M,N,K for batched ones")
+    p.add_argument("--suite", choices=("default", "llm"), default="default",
+                   help="llm: dense projections of public models at prefill and decode token "
+                        "counts")
+    p.add_argument("--random", type=int, metavar="N",
+                   help="N random shapes, log-uniform sizes in [1, 32768], a third misaligned")
+    p.add_argument("--seed", type=int, help="seed of --random (default 0)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--layout", choices=sorted(LAYOUTS), default="NN",
                    help="operand layout: T stores a as [K, M] (first letter) or b as [N, K]")
@@ -145,6 +261,18 @@ def _parse(argv=None) -> argparse.Namespace:
         args.split_list = ()
     if not args.split_list or min(args.split_list) < 1:
         p.error(f"--splits takes positive ints separated by commas, got {args.splits!r}")
+    chosen = [flag for flag, on in (("--shapes", args.shapes),
+                                    ("--suite llm", args.suite == "llm"),
+                                    ("--random", args.random is not None)) if on]
+    if len(chosen) > 1:
+        p.error(f"{' and '.join(chosen)} each choose the shapes: give one of them")
+    if chosen and chosen[0] != "--shapes" and (args.quick or args.batched):
+        p.error(f"--quick and --batched apply to the default suite, not to {chosen[0]}")
+    if args.seed is not None and (args.random is None or args.seed < 0):
+        p.error(f"--seed takes a non-negative int and applies to --random, got {args.seed}")
+    if args.random is not None and args.random < 1:
+        p.error(f"--random takes a positive number of shapes, got {args.random}")
+    args.labels, args.rejected = {}, 0
     if args.shapes:
         try:
             args.shape_list = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
@@ -154,6 +282,20 @@ def _parse(argv=None) -> argparse.Namespace:
                                       for s in args.shape_list):
             p.error("--shapes takes M,N,K triples or B,M,N,K quadruples of positive ints, "
                     f"got {args.shapes}")
+    elif args.suite == "llm":
+        if args.dry_run:  # each family's first projection, shrunk
+            firsts: dict[str, tuple] = {}
+            for projection in LLM_PROJECTIONS:
+                firsts.setdefault(projection[0], projection)
+            args.labels = llm_suite(tuple(firsts.values()), LLM_PREFILL[:1], LLM_DECODE[:1],
+                                    LLM_DRY_RUN_DIVISOR)
+        else:
+            args.labels = llm_suite()
+        args.shape_list = list(args.labels)
+    elif args.random is not None:
+        args.seed = 0 if args.seed is None else args.seed
+        args.shape_list, args.rejected = random_shapes(
+            args.random, args.seed, RANDOM_DRY_RUN_MAX_DIM if args.dry_run else RANDOM_MAX_DIM)
     elif args.batched:
         args.shape_list = (BATCHED_DRY_RUN if args.dry_run else BATCHED_QUICK if args.quick
                            else BATCHED_SUITE)
@@ -337,35 +479,62 @@ def jaxlib_version() -> str | None:
         return None
 
 
-def _table(rows: list[Row], env: dict, dtype: str) -> str:
+def _ratios(rows: list[Row]) -> dict[tuple[int, ...], float]:
+    """XLA time / jax_tma time of each shape both timed, in the order of `rows`."""
+    found = {(r.shape, r.contender): r.seconds for r in rows if r.seconds}
+    return {shape: found[(shape, "xla")] / found[(shape, "jax_tma")]
+            for shape in dict.fromkeys(r.shape for r in rows)
+            if (shape, "jax_tma") in found and (shape, "xla") in found}
+
+
+def ratio_summary(rows: list[Row]) -> dict | None:
+    """Geometric mean and minimum of the jax_tma/XLA speed ratio over the shapes both timed,
+    the slowest shape (with its label) and how many fall below RATIO_FLOOR; None where none."""
+    ratios = _ratios(rows)
+    if not ratios:
+        return None
+    slowest = min(ratios, key=ratios.get)
+    labels = {r.shape: r.label for r in rows}
+    return {"shapes": len(ratios), "geomean": math.exp(np.mean(np.log(list(ratios.values())))),
+            "min": ratios[slowest], "slowest_shape": list(slowest),
+            "slowest_label": labels[slowest], "floor": RATIO_FLOOR,
+            "below_floor": sum(r < RATIO_FLOOR for r in ratios.values())}
+
+
+def _table(rows: list[Row], env: dict, dtype: str, about: str = "") -> str:
+    """The Markdown report; `about` (where given) is a line saying where the shapes come from."""
     peak = max((r.tflops() for r in rows if r.tflops()), default=0.0)
     by_shape: dict = {}
     for r in rows:
         by_shape.setdefault(r.shape, {})[r.contender] = r
+    labels = {r.shape: r.label for r in rows if r.label}
     ranks = {len(s) for s in by_shape}
     header = "M×N×K" if ranks == {3} else "B×M×N×K" if ranks == {4} else "[B×]M×N×K"
+    header += " | origin" if labels else ""
     lines = [
         f"{env['device']}, driver {env['driver']}, CUDA {env.get('cuda_runtime')}, "
         f"jax {env['jax']}, {env['date']}, {dtype} in and out, timing: {env['timing']}; "
         f"% of peak = of the highest TFLOP/s measured in this run ({peak:.1f})",
+        *(["", about] if about else []),
         "",
         f"| {header} | jax_tma µs | jax_tma TFLOP/s | % peak | XLA µs | XLA TFLOP/s | ratio (XLA time / jax_tma time) |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|" + ("---|" if labels else ""),
     ]
-    ratios = []
-    for shape, found in by_shape.items():
-        ours, xla = found.get("jax_tma"), found.get("xla")
-        if not (ours and xla and ours.seconds and xla.seconds):
-            continue
-        ratio = xla.seconds / ours.seconds
-        ratios.append(ratio)
+    for shape, ratio in _ratios(rows).items():
+        ours, xla = by_shape[shape]["jax_tma"], by_shape[shape]["xla"]
+        origin = f" | {labels.get(shape, '')}" if labels else ""
         lines.append(
-            f"| {_label(shape)} | {ours.seconds * 1e6:.1f} ± {ours.spread_s * 1e6:.1f} "
+            f"| {_label(shape)}{origin} | {ours.seconds * 1e6:.1f} ± {ours.spread_s * 1e6:.1f} "
             f"| {ours.tflops():.1f} | {100 * ours.tflops() / peak:.0f} | {xla.seconds * 1e6:.1f} "
             f"| {xla.tflops():.1f} | {ratio:.3f} |")
-    if ratios:
-        lines += ["", f"geometric mean of the ratio: {math.exp(np.mean(np.log(ratios))):.3f} "
-                      f"over {len(ratios)} shapes; slowest: {min(ratios):.3f}"]
+    summary = ratio_summary(rows)
+    if summary:
+        slowest = _label(tuple(summary["slowest_shape"]))
+        if summary["slowest_label"]:
+            slowest += f", {summary['slowest_label']}"
+        lines += ["", f"geometric mean of the ratio: {summary['geomean']:.3f} over "
+                      f"{summary['shapes']} shapes; slowest: {summary['min']:.3f} ({slowest}); "
+                      f"{summary['below_floor']} below {RATIO_FLOOR}"]
     others = sorted({r.contender for r in rows} - {"jax_tma", "xla"})
     for name in others:
         lines += ["", f"{name}:"]
@@ -455,10 +624,41 @@ def _plot(rows: list[Row], path: pathlib.Path, title: str) -> bool:
 
 
 def _stem(args) -> str:
-    suffixes = [name for name, on in (("batched", args.batched), ("sweep", args.sweep),
+    suffixes = [name for name, on in (("llm", args.suite == "llm"),
+                                      ("random", args.random is not None),
+                                      ("batched", args.batched), ("sweep", args.sweep),
                                       (args.layout, args.layout != "NN"),
                                       (args.dtype, args.dtype != "bf16")) if on]
     return "_".join(["bench_gemm", *suffixes])
+
+
+def _suite(args) -> str:
+    """Where the shapes came from: shapes (--shapes), llm, random, batched or default."""
+    if args.shapes:
+        return "shapes"
+    if args.random is not None:
+        return "random"
+    return "batched" if args.batched else args.suite
+
+
+def _about(args) -> str:
+    """Where the shapes of --suite llm and --random come from, for the report; else empty."""
+    if args.suite == "llm":
+        families = dict.fromkeys(family for family, *_ in LLM_PROJECTIONS)
+        shrunk = (" (dry run: each family's first projection, tokens and features divided by "
+                  f"{LLM_DRY_RUN_DIVISOR}, one prefill and one decode count)"
+                  if args.dry_run else "")
+        return (f"Dense projections of {', '.join(families)} at "
+                f"{' and '.join(map(str, LLM_PREFILL))} prefill and "
+                f"{', '.join(map(str, LLM_DECODE))} decode tokens{shrunk}; M = tokens (a quarter "
+                f"for a Mixtral expert).")
+    if args.random is not None:
+        shrunk = f" (dry run: sizes up to {RANDOM_DRY_RUN_MAX_DIM})" if args.dry_run else ""
+        return (f"{args.random} random shapes, seed {args.seed}{shrunk}: log-uniform sizes, a "
+                f"third misaligned, the rest multiples of {RANDOM_ALIGN}; {args.rejected} draws "
+                f"rejected (bf16 operands and output over {RANDOM_MAX_BYTES / 2**30:.0f} GiB, "
+                f"over {RANDOM_MAX_FLOP / 1e12:.1f} TFLOP, or repeated).")
+    return ""
 
 
 def main(argv=None) -> int:
@@ -469,9 +669,12 @@ def main(argv=None) -> int:
     pallas = None if args.no_pallas or args.dry_run else _pallas_contender(dtype)
     rows: list[Row] = []
     for i, shape in enumerate(args.shape_list):
-        print(f"[{i + 1}/{len(args.shape_list)}] {'x'.join(map(str, shape))} ...", end="",
-              file=sys.stderr, flush=True)
+        label = args.labels.get(shape, "")
+        print(f"[{i + 1}/{len(args.shape_list)}] {'x'.join(map(str, shape))}"
+              f"{f' ({label})' if label else ''} ...", end="", file=sys.stderr, flush=True)
         new = bench_shape(shape, dtype, args, pallas)
+        for r in new:
+            r.label = label
         rows += new
         best = {r.contender: r for r in new if r.seconds}
         ours, xla = best.get("jax_tma"), best.get("xla")
@@ -481,15 +684,19 @@ def main(argv=None) -> int:
             for r in sorted((r for r in new if r.tflops()), key=lambda r: r.seconds):
                 print(f"    {r.seconds * 1e6:10.1f} us {r.tflops():7.1f} TFLOP/s  {r.contender}")
     what = args.dtype if args.layout == "NN" else f"{args.dtype}, layout {args.layout}"
-    table = _table(rows, env, what)
+    table = _table(rows, env, what, _about(args))
     print(table)
     if args.dry_run and args.out is None:
         return 0
-    write_report(
-        args.out, env, _stem(args),
-        {"environment": env, "dtype": args.dtype, "layout": args.layout, "dry_run": args.dry_run,
-         "rows": [dict(dataclasses.asdict(r), tflops=r.tflops()) for r in rows]},
-        table, lambda path: _plot(rows, path, f"{env['device']}, {what}"))
+    payload = {"environment": env, "dtype": args.dtype, "layout": args.layout,
+               "dry_run": args.dry_run, "suite": _suite(args),
+               "summary": ratio_summary(rows),
+               "rows": [dict(dataclasses.asdict(r), tflops=r.tflops()) for r in rows]}
+    if args.random is not None:
+        payload["random"] = {"count": args.random, "seed": args.seed, "rejected": args.rejected}
+    title = f"{env['device']}, {what}" + (f", {_suite(args)} suite" if _about(args) else "")
+    write_report(args.out, env, _stem(args), payload, table,
+                 lambda path: _plot(rows, path, title))
     return 0
 
 

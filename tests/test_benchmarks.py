@@ -8,11 +8,13 @@ import csv
 import importlib.util
 import io
 import json
+import math
 import pathlib
 import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from jax_tma import _ext
@@ -127,6 +129,147 @@ def test_bench_gemm_rejects_bad_shapes(shapes):
     assert result.returncode == 2 and "M,N,K triples or B,M,N,K" in result.stderr
 
 
+def _bench_module(name: str):
+    """benchmarks/<name>.py imported from this checkout (registered in sys.modules, where
+    dataclasses look their module up)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _families(label: str) -> set[str]:
+    """The model families of an --suite llm label ("llama3-8b/mixtral-8x7b qkv prefill, ...")."""
+    return {family for part in label.split(", ") for family in part.split(" ")[0].split("/")}
+
+
+def test_bench_gemm_llm_suite():
+    bench = _bench_module("bench_gemm")
+    args = bench._parse(["--suite", "llm"])
+    shapes, labels = args.shape_list, args.labels
+    assert len(set(shapes)) == len(shapes) <= 120 and set(shapes) == set(labels)
+    assert f"{len(shapes)} distinct products" in bench.__doc__
+    families = set().union(*map(_families, labels.values()))
+    assert families == {"llama3-8b", "llama3-70b", "mixtral-8x7b", "qwen2.5-7b", "qwen2.5-72b",
+                        "deepseek-v3"}
+    for phase, tokens in (("prefill", {4096, 16384}), ("decode", {1, 16, 128})):
+        of_phase = {s: label for s, label in labels.items() if phase in label}
+        assert tokens <= {m for m, _, _ in of_phase}, phase
+        assert families == set().union(*map(_families, of_phase.values())), phase
+    # (M, N, K): M tokens, K in features, N out features; shared products name every origin
+    assert labels[(4096, 6144, 4096)] == "llama3-8b/mixtral-8x7b qkv prefill"
+    assert labels[(16, 10240, 8192)] == "llama3-70b/qwen2.5-72b qkv decode"
+    assert labels[(16384, 4096, 14336)] == "llama3-8b down prefill"
+    assert labels[(4096, 28672, 4096)] == (
+        "llama3-8b gate_up prefill, mixtral-8x7b expert gate_up prefill")  # 16384 tokens / 4
+    assert labels[(1024, 4096, 14336)] == "mixtral-8x7b expert down prefill"
+    assert labels[(128, 59136, 8192)] == "qwen2.5-72b gate_up decode"
+    assert labels[(1, 4608, 3584)] == "qwen2.5-7b qkv decode"
+    assert labels[(1, 576, 7168)] == "deepseek-v3 kv_a decode"
+    assert labels[(16384, 24576, 1536)] == "deepseek-v3 q_b prefill"
+    assert labels[(128, 7168, 16384)] == "deepseek-v3 o decode"
+    assert labels[(4096, 36864, 7168)] == "deepseek-v3 gate_up prefill"
+
+
+def test_bench_gemm_llm_dry_run(tmp_path):
+    result = _run("bench_gemm.py", "--suite", "llm", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "| M×N×K | origin | jax_tma µs |" in result.stdout
+    assert "| 32×48×32 | llama3-8b/mixtral-8x7b qkv prefill |" in result.stdout, result.stdout
+    report = _written(tmp_path, "bench_gemm_llm")
+    assert report["suite"] == "llm" and report["dry_run"]
+    labels = {tuple(r["shape"]): r["label"] for r in report["rows"]}
+    assert len(labels) == 8 and all(labels.values())
+    assert set().union(*map(_families, labels.values())) == {
+        "llama3-8b", "llama3-70b", "mixtral-8x7b", "qwen2.5-7b", "qwen2.5-72b", "deepseek-v3"}
+    assert {m for m, _, _ in labels} == {1, 32}  # 4096 prefill and 1 decode tokens, shrunk
+    _check_summary(report, result.stdout)
+
+
+def _check_summary(report: dict, stdout: str) -> None:
+    """The report's summary agrees with its rows and is printed under the table."""
+    seconds = {(tuple(r["shape"]), r["contender"]): r["seconds"] for r in report["rows"]}
+    ratios = {s: seconds[(s, "xla")] / seconds[(s, "jax_tma")] for s, c in seconds if c == "xla"}
+    summary = report["summary"]
+    assert summary["shapes"] == len(ratios)
+    assert math.isclose(summary["geomean"], math.exp(np.mean(np.log(list(ratios.values())))))
+    assert summary["min"] == min(ratios.values())
+    assert ratios[tuple(summary["slowest_shape"])] == summary["min"]
+    assert summary["below_floor"] == sum(r < 0.95 for r in ratios.values())
+    assert (f"geometric mean of the ratio: {summary['geomean']:.3f} over {len(ratios)} shapes; "
+            f"slowest: {summary['min']:.3f} (") in stdout
+    assert f"; {summary['below_floor']} below 0.95" in stdout
+
+
+def test_bench_gemm_random_shapes():
+    bench = _bench_module("bench_gemm")
+    shapes = bench._parse(["--random", "50", "--seed", "3"]).shape_list
+    assert shapes == bench._parse(["--random", "50", "--seed", "3"]).shape_list
+    assert shapes != bench._parse(["--random", "50", "--seed", "4"]).shape_list
+    assert len(set(shapes)) == len(shapes) == 50
+    dims = np.array(shapes)
+    assert dims.min() >= 1 and dims.max() <= 32768
+    assert (dims.max(axis=0) >= 100 * dims.min(axis=0)).all()  # two decades in M, N and K
+    misaligned = [s for s in shapes if any(d % 8 for d in s)]
+    assert all(d % 64 == 0 for s in set(shapes) - set(misaligned) for d in s)
+    assert 50 / 6 < len(misaligned) < 50 / 2  # about a third
+    for m, n, k in shapes:
+        assert 2 * (m * k + k * n + m * n) <= 6 * 2**30 and 2 * m * n * k <= 2**41
+
+
+def test_bench_gemm_random_sizes_are_log_uniform():
+    """Quartiles of log-uniform sizes: on [1, 32768] at 2^3.75, 2^7.5 and 2^11.25 (misaligned
+    shapes); on [64, 32768] the median is 2^10.5 (aligned ones, before rounding to 64)."""
+    bench = _bench_module("bench_gemm")
+    shapes, _ = bench.random_shapes(3000, seed=3)
+    misaligned = [s for s in shapes if any(d % 8 for d in s)]
+    assert abs(len(misaligned) / len(shapes) - 1 / 3) < 0.03
+    sizes = np.array(misaligned).ravel()
+    for quantile, exponent in ((0.25, 3.75), (0.5, 7.5), (0.75, 11.25)):
+        assert abs(np.mean(sizes <= 2**exponent) - quantile) < 0.05, quantile
+    aligned = np.array(sorted(set(shapes) - set(misaligned))).ravel()
+    assert abs(np.mean(aligned <= 2**10.5) - 0.5) < 0.05
+
+
+def test_bench_gemm_random_caps_reject_draws(monkeypatch):
+    bench = _bench_module("bench_gemm")
+    monkeypatch.setattr(bench, "RANDOM_MAX_FLOP", 2**30)
+    monkeypatch.setattr(bench, "RANDOM_MAX_BYTES", 2**22)
+    shapes, rejected = bench.random_shapes(50, seed=3)
+    assert len(shapes) == 50 and rejected > 50
+    for m, n, k in shapes:
+        assert 2 * (m * k + k * n + m * n) <= 2**22 and 2 * m * n * k <= 2**30
+
+
+def test_bench_gemm_random_dry_run(tmp_path):
+    result = _run("bench_gemm.py", "--random", "3", "--seed", "3", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "3 random shapes, seed 3 (dry run: sizes up to 256)" in result.stdout
+    report = _written(tmp_path, "bench_gemm_random")
+    assert report["suite"] == "random" and report["random"]["seed"] == 3
+    shapes, rejected = _bench_module("bench_gemm").random_shapes(3, 3, max_dim=256)
+    assert [tuple(r["shape"]) for r in report["rows"] if r["contender"] == "jax_tma"] == shapes
+    assert report["random"] == {"count": 3, "seed": 3, "rejected": rejected}
+    assert "| origin |" not in result.stdout  # random shapes carry no label
+    _check_summary(report, result.stdout)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--suite", "llm", "--random", "5"], "--suite llm and --random each choose the shapes"),
+    (["--shapes", "8,8,8", "--suite", "llm"], "--shapes and --suite llm each choose"),
+    (["--random", "5", "--batched"], "apply to the default suite, not to --random"),
+    (["--suite", "llm", "--quick"], "apply to the default suite, not to --suite llm"),
+    (["--seed", "3"], "applies to --random"),
+    (["--random", "5", "--seed", "-1"], "non-negative"),
+    (["--random", "0"], "positive number of shapes"),
+])
+def test_bench_gemm_rejects_conflicting_shape_sources(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _bench_module("bench_gemm")._parse(args)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_bench_mlp_block_dry_run(tmp_path):
     result = _run("bench_mlp_block.py", "--out", str(tmp_path), "--commit", "0123abc")
     assert result.returncode == 0, result.stderr
@@ -151,11 +294,7 @@ def test_bench_mlp_block_rejects_bad_sizes():
 
 
 def _profile_gemm_module():
-    spec = importlib.util.spec_from_file_location("profile_gemm",
-                                                  REPO / "benchmarks" / "profile_gemm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _bench_module("profile_gemm")
 
 
 _SEPARATOR_NAME = "void jax_tma::testing::(anonymous namespace)::named_barrier_ping_pong_kernel()"
