@@ -37,10 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import dispatch
-from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jax_tma import _ext, epilogues_sharding
+from jax_tma import _aval
+from jax_tma._aval import result_aval
 from jax_tma.gemm import _as_config, _dram_bytes_per_s, _for_export, _l2_bytes, _num_sms
 from jax_tma.gemm import dot_general as _dot_general
 from jax_tma.gemm_config import KERNEL_INPUT_DTYPES, GemmConfig, estimate_seconds
@@ -134,7 +135,7 @@ def _check_config(config: GemmConfig, kind: str, activation) -> GemmConfig:
 # stored); then b2 (gated), bias (fp32 [N]) and aux ([M, N]) where present. Results: out
 # [M, N], and with save_pre the pre-activation(s): [M, N], gated [2, M, N].
 
-dense_p = Primitive("jax_tma_dense")
+dense_p = _aval.Primitive("jax_tma_dense")
 dense_p.multiple_results = True
 
 
@@ -149,11 +150,11 @@ def _shapes(a, b, *, kind, b_k_major, save_pre):
 
 def _abstract_eval(a, b, *rest, kind, activation, has_bias, has_aux, save_pre, b_k_major,
                    out_dtype, config, local):
-    del rest, activation, has_bias, has_aux, config, local
+    del activation, has_bias, has_aux, config, local
     out, pre = _shapes(a, b, kind=kind, b_k_major=b_k_major, save_pre=save_pre)
-    results = [jax.core.ShapedArray(out, out_dtype)]
+    results = [result_aval(out, out_dtype, a, b, *rest)]
     if pre is not None:
-        results.append(jax.core.ShapedArray(pre, out_dtype))
+        results.append(result_aval(pre, out_dtype, a, b, *rest))
     return results
 
 
@@ -523,7 +524,7 @@ def _agp_bwd(activation, saved, ct):
     dw = _dot_general(t, g, (((0,), (0,)), ((), ())))
     gw = _dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     dz = (ct.astype(jnp.float32) * gw * _activation_second(activation, z32)).astype(z.dtype)
-    return dg, dw, dz
+    return tuple(_aval.sum_to_varying(c, p) for c, p in zip((dg, dw, dz), saved))
 
 
 _act_grad_product.defvjp(_agp_fwd, _agp_bwd)
@@ -543,12 +544,16 @@ def _mlp_fwd(x, w1, b1, w2, b2, residual, activation, config):
     y, = _bind(h, w2, *([b2] if b2 is not None else []),
                *([residual] if residual is not None else []), kind=FORWARD,
                has_bias=b2 is not None, has_aux=residual is not None, out_dtype=x.dtype)
-    return y, (x, w1, w2, h, z, b1 is not None, b2 is not None, residual is not None)
+    # Empty slices of the optional operands: how each varies inside shard_map, for the
+    # backward pass's cotangents (None where absent).
+    probes = tuple(None if v is None else v.reshape(-1)[:0] for v in (b1, b2, residual))
+    return y, (x, w1, w2, h, z, probes)
 
 
 def _mlp_bwd(activation, config, saved, dy):
     del config
-    x, w1, w2, h, z, has_b1, has_b2, has_residual = saved
+    x, w1, w2, h, z, (b1, b2, residual) = saved
+    has_b1, has_b2, has_residual = b1 is not None, b2 is not None, residual is not None
     tn = (((0,), (0,)), ((), ()))
     # The hidden pre-activation's cotangent straight from the product's epilogue.
     dz = (_act_grad_product(dy, w2, z, activation) if activation is not None
@@ -558,7 +563,9 @@ def _mlp_bwd(activation, config, saved, dy):
     dw1 = _dot_general(x, dz, tn)
     db1 = jnp.sum(dz, axis=0, dtype=jnp.float32) if has_b1 else None
     db2 = jnp.sum(dy, axis=0, dtype=jnp.float32) if has_b2 else None
-    return dx, dw1, db1, dw2, db2, dy if has_residual else None
+    cts = (dx, dw1, db1, dw2, db2, dy if has_residual else None)
+    return tuple(None if c is None else _aval.sum_to_varying(c, p)
+                 for c, p in zip(cts, (x, w1, b1, w2, b2, residual)))
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)

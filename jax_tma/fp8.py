@@ -51,10 +51,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import dispatch
-from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 from jax_tma import _ext, fp8_sharding
+from jax_tma import _aval
+from jax_tma._aval import result_aval
 from jax_tma.gemm import _dram_bytes_per_s, _for_export, _num_sms
 from jax_tma.gemm import dot_general as _bf16_dot_general
 
@@ -222,13 +223,13 @@ def _quantize(x, block, dtype):
 
 
 def _quantize_fwd(x, block, dtype):
-    return _quantize(x, block, dtype), jnp.zeros((0,), x.dtype)
+    return _quantize(x, block, dtype), x.reshape(-1)[:0]  # x's dtype (and shard_map type)
 
 
 def _quantize_bwd(block, dtype, residual, cts):
     ct_values, _ = cts
     # Straight-through: the values' cotangent (bf16 from fp8_dot_general) reaches x unchanged.
-    return (ct_values.astype(residual.dtype),)
+    return (_aval.sum_to_varying(ct_values.astype(residual.dtype), residual),)
 
 
 _quantize.defvjp(_quantize_fwd, _quantize_bwd)
@@ -353,7 +354,7 @@ def _expand_reference(scale, form: _Form, shape, contracting: int):
 # The primitive: a [M, K] and b [N, K] FP8 (K-major), then where present sa [Kb, M] (block),
 # sb [Kb, Nb] (block), row_scale ([] or [M]), col_scale ([] or [N]), bias [N]; out [M, N].
 
-fp8_dot_p = Primitive("jax_tma_fp8_dot")
+fp8_dot_p = _aval.Primitive("jax_tma_fp8_dot")
 
 
 def _split(rest, has_sa, has_sb, row_scale, col_scale, has_bias):
@@ -364,8 +365,8 @@ def _split(rest, has_sa, has_sb, row_scale, col_scale, has_bias):
 
 
 def _abstract_eval(a, b, *rest, out_dtype, **params):
-    del rest, params
-    return jax.core.ShapedArray((a.shape[0], b.shape[0]), out_dtype)
+    del params
+    return result_aval((a.shape[0], b.shape[0]), out_dtype, a, b, *rest)
 
 
 def _reference(a, b, *rest, has_sa, has_sb, row_scale, col_scale, has_bias, out_dtype, config,
@@ -656,7 +657,8 @@ def _fp8_dot_bwd(dims, out_dtype, config, has_bias, promote, saved, ct):
         d_rhs = d_rhs.T
     d_bias = jnp.sum(ct.astype(jnp.float32), axis=0).astype(bias.dtype) if has_bias else (
         jnp.zeros_like(bias))
-    return (d_lhs, d_rhs, jnp.zeros_like(lhs_scale), jnp.zeros_like(rhs_scale), d_bias)
+    cts = (d_lhs, d_rhs, jnp.zeros_like(lhs_scale), jnp.zeros_like(rhs_scale), d_bias)
+    return tuple(_aval.sum_to_varying(c, p) for c, p in zip(cts, saved))
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)

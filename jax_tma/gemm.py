@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.extend.core import Primitive
 from jax._src import dispatch
 # NOTE: lax.dot_general's own canonical precision (it reads jax_default_matmul_precision for
 # None) and the weak-typed convert that jnp uses; both present in jax 0.10 and 0.11.
@@ -42,6 +41,8 @@ from jax._src.lax.lax import _convert_element_type, canonicalize_precision
 from jax.interpreters import ad, batching, mlir
 
 from jax_tma import _ext, autotuning, gemm_plan, gemm_sharding
+from jax_tma import _aval
+from jax_tma._aval import result_aval
 from jax_tma.gemm_config import (  # noqa: F401 - re-exported: the gemm module's public names
     BLOCK_K,
     COMPILED_CONFIGS,
@@ -299,12 +300,13 @@ def config_for(plan: GemmPlan, out_dtype, config: GemmConfig | None, *, in_dtype
 # --------------------------------------------------------------------------------------
 # The primitive.
 
-dot_general_p = Primitive("jax_tma_dot_general")
+dot_general_p = _aval.Primitive("jax_tma_dot_general")
 
 
 def _abstract_eval(lhs, rhs, *, dimension_numbers, out_dtype, precision, config, local):
     del precision, config, local
-    return jax.core.ShapedArray(output_shape(lhs.shape, rhs.shape, dimension_numbers), out_dtype)
+    return result_aval(output_shape(lhs.shape, rhs.shape, dimension_numbers), out_dtype, lhs,
+                       rhs)
 
 
 def _reference(lhs, rhs, *, dimension_numbers, out_dtype, precision, config, local):

@@ -37,10 +37,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import dispatch
-from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jax_tma import _ext, ragged_sharding
+from jax_tma import _aval
+from jax_tma._aval import result_aval
 from jax_tma.gemm import _as_config, _dram_bytes_per_s, _for_export, _l2_bytes, _num_sms
 from jax_tma.gemm_config import (KERNEL_INPUT_DTYPES, STRIDE_ELEMS, GemmConfig, estimate_seconds,
                                  kernel_output_dtypes)
@@ -107,7 +108,7 @@ def default_config(mode: str, rows: int, n: int, k: int, groups: int,
 # out [B, M, N]; contraction mode: w is dy [B, M, N], out [B, G, K, N]. Bw and the group sizes'
 # leading dim are 1 (shared by every batch entry) or B.
 
-ragged_dot_p = Primitive("jax_tma_ragged_dot")
+ragged_dot_p = _aval.Primitive("jax_tma_ragged_dot")
 
 
 def _out_shape(x_shape, w_shape, gs_shape, mode, w_k_major):
@@ -120,8 +121,8 @@ def _out_shape(x_shape, w_shape, gs_shape, mode, w_k_major):
 
 def _abstract_eval(x, w, gs, *, mode, w_k_major, out_dtype, config, local):
     del config, local
-    return jax.core.ShapedArray(_out_shape(x.shape, w.shape, gs.shape, mode, w_k_major),
-                                out_dtype)
+    return result_aval(_out_shape(x.shape, w.shape, gs.shape, mode, w_k_major), out_dtype,
+                       x, w, gs)
 
 
 def _broadcast_batch(v, batch):
