@@ -180,19 +180,24 @@ struct MainloopSm90Fp8 {
     midway();
   }
 
+  // Where this thread reads a slice's scales: its first row of A's (the second is row + 8),
+  // the tile's first block in B's box, and which operands have block scales.
+  struct SliceReads {
+    int row, sb0;
+    bool has_sa, has_sb;
+  };
   // One K slice's scales for this thread: A's of its two rows, B's of each column part.
   struct SliceScales {
     float a0, a1;
     float b[kParts];
   };
-  __device__ static SliceScales slice_scales(const StageScales& scales, int row, int sb0,
-                                             bool has_sa, bool has_sb) {
+  __device__ static SliceScales slice_scales(const StageScales& scales, const SliceReads& at) {
     SliceScales s;
-    s.a0 = has_sa ? ptx::ld_shared_f32(ptx::smem_u32(scales.a + row)) : 1.0f;
-    s.a1 = has_sa ? ptx::ld_shared_f32(ptx::smem_u32(scales.a + row + 8)) : 1.0f;
+    s.a0 = at.has_sa ? ptx::ld_shared_f32(ptx::smem_u32(scales.a + at.row)) : 1.0f;
+    s.a1 = at.has_sa ? ptx::ld_shared_f32(ptx::smem_u32(scales.a + at.row + 8)) : 1.0f;
 #pragma unroll
     for (int p = 0; p < kParts; ++p) {
-      s.b[p] = has_sb ? ptx::ld_shared_f32(ptx::smem_u32(scales.b + sb0 + p)) : 1.0f;
+      s.b[p] = at.has_sb ? ptx::ld_shared_f32(ptx::smem_u32(scales.b + at.sb0 + p)) : 1.0f;
     }
     return s;
   }
@@ -216,10 +221,15 @@ struct MainloopSm90Fp8 {
   __device__ static void promoted(Pipeline& pipeline, State& read, const SharedStorage& smem,
                                   int a_block, int n0, int k_blocks, float (&acc)[kAccRegs],
                                   Waited&& waited, const Params& params) {
+    // This thread's rows of the warpgroup's 64 (accumulator layout: ptx/wgmma.cuh): r, r + 8.
+    const int row = a_block * 64 + 16 * ((threadIdx.x / 32) % 4) + (threadIdx.x % 32) / 4;
+    const SliceReads at{row, b_scale_offset(n0), params.has_sa, params.has_sb};
+#pragma unroll
+    for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
     if constexpr (kParts == 1) {
-      promoted_overlapped(pipeline, read, smem, a_block, n0, k_blocks, acc, waited, params);
+      promoted_overlapped(pipeline, read, smem, a_block, at, k_blocks, acc, waited);
     } else {
-      promoted_in_parts(pipeline, read, smem, a_block, n0, k_blocks, acc, waited, params);
+      promoted_in_parts(pipeline, read, smem, a_block, at, k_blocks, acc, waited);
     }
   }
 
@@ -231,23 +241,16 @@ struct MainloopSm90Fp8 {
   // so that each set is a fixed register array.
   template <class Waited>
   __device__ static void promoted_overlapped(Pipeline& pipeline, State& read,
-                                             const SharedStorage& smem, int a_block, int n0,
-                                             int k_blocks, float (&acc)[kAccRegs],
-                                             Waited&& waited, const Params& params) {
-    const bool has_sa = params.has_sa;
-    const bool has_sb = params.has_sb;
-    // This thread's rows of the warpgroup's 64 (accumulator layout: ptx/wgmma.cuh): r, r + 8.
-    const int row = a_block * 64 + 16 * ((threadIdx.x / 32) % 4) + (threadIdx.x % 32) / 4;
-    const int sb0 = b_scale_offset(n0);
-#pragma unroll
-    for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
+                                             const SharedStorage& smem, int a_block,
+                                             const SliceReads& at, int k_blocks,
+                                             float (&acc)[kAccRegs], Waited&& waited) {
     float d0[kPartRegs], d1[kPartRegs];
     SliceScales s0, s1;
     // Waits for slice kb's stage, reads its scales and issues its group into `d`.
     const auto start = [&](float (&d)[kPartRegs], SliceScales& s, int kb) {
       pipeline.consumer_wait(read);
       if (kb == k_blocks - 1) waited();
-      s = slice_scales(smem.scales[read.index], row, sb0, has_sa, has_sb);
+      s = slice_scales(smem.scales[read.index], at);
       ptx::wgmma_fence();
       issue(smem, read.index, a_block, 0, d, false);
       ptx::wgmma_commit_group();
@@ -293,20 +296,14 @@ struct MainloopSm90Fp8 {
   // consumer warpgroup's groups keep the tensor core busy meanwhile.
   template <class Waited>
   __device__ static void promoted_in_parts(Pipeline& pipeline, State& read,
-                                           const SharedStorage& smem, int a_block, int n0,
-                                           int k_blocks, float (&acc)[kAccRegs],
-                                           Waited&& waited, const Params& params) {
-    const bool has_sa = params.has_sa;
-    const bool has_sb = params.has_sb;
-    const int row = a_block * 64 + 16 * ((threadIdx.x / 32) % 4) + (threadIdx.x % 32) / 4;
-    const int sb0 = b_scale_offset(n0);
-#pragma unroll
-    for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
+                                           const SharedStorage& smem, int a_block,
+                                           const SliceReads& at, int k_blocks,
+                                           float (&acc)[kAccRegs], Waited&& waited) {
 #pragma unroll 1
     for (int kb = 0; kb < k_blocks; ++kb) {
       pipeline.consumer_wait(read);
       if (kb == k_blocks - 1) waited();
-      const SliceScales s = slice_scales(smem.scales[read.index], row, sb0, has_sa, has_sb);
+      const SliceScales s = slice_scales(smem.scales[read.index], at);
 #pragma unroll
       for (int p = 0; p < kParts; ++p) {
         float d[kPartRegs];
