@@ -39,25 +39,18 @@ import jax
 import jax.numpy as jnp
 
 from jax_tma import _ext, _timing
-from jax_tma.gemm_config import GemmConfig, check_config, legal_configs
-from jax_tma.gemm_plan import GemmPlan
+from jax_tma.gemm_config import GemmConfig, scored_configs
+from jax_tma.gemm_plan import GemmPlan, out_strides
 
 CACHE_VERSION = 1
 _ENV = "JAX_TMA_AUTOTUNE"
 _CACHE_ENV = "JAX_TMA_AUTOTUNE_CACHE"
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
 
 
 def enabled() -> bool:
-    """Whether ``JAX_TMA_AUTOTUNE`` asks for tuning at trace time (1/true/yes/on; 0/false/no/off
-    or unset: no; anything else is an error)."""
-    value = os.environ.get(_ENV, "").strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(f"jax_tma: {_ENV}={value!r} is not one of 1/true/yes/on or 0/false/no/off")
+    """Whether ``JAX_TMA_AUTOTUNE`` asks for tuning at trace time (_ext.env_flag; unset: no)."""
+    return _ext.env_flag(_ENV, default=False, on="to tune products when traced",
+                         off="to read the cache only")
 
 
 def cache_path() -> pathlib.Path:
@@ -148,24 +141,17 @@ def store(key: str, entry: dict[str, Any]) -> None:
 
 
 def lookup(plan: GemmPlan, in_dtype, out_dtype) -> GemmConfig | None:
-    """The cached configuration of this product, if any and if it still computes it (a
-    configuration that is no longer compiled or legal is ignored)."""
+    """The cached configuration of this product, if any and if it is still one autotune would
+    time for it (an entry naming a tile no longer compiled, or one that cannot compute the
+    product, is ignored)."""
     entry = entries().get(cache_key(plan, in_dtype, out_dtype))
     if entry is None:
         return None
     try:
         cfg = GemmConfig(**entry["config"])
-        check_config(cfg, plan.m, plan.n, plan.k, jnp.dtype(out_dtype),
-                     _out_strides(plan), plan.batch)
     except (KeyError, TypeError, ValueError):
         return None
-    if cfg.split_k > 1 and cfg.splits_for(plan.k) != cfg.split_k:
-        return None  # more K ranges than this depth has slices: not a candidate autotune times
-    return cfg
-
-
-def _out_strides(plan: GemmPlan) -> tuple[int, ...]:
-    return (plan.d_m_stride, plan.d_batch_stride) if plan.batch > 1 else (plan.d_m_stride,)
+    return cfg if cfg in candidates(plan, out_dtype) else None
 
 
 # ---------------------------------------------------------------------------------------
@@ -173,11 +159,9 @@ def _out_strides(plan: GemmPlan) -> tuple[int, ...]:
 
 
 def candidates(plan: GemmPlan, out_dtype) -> list[GemmConfig]:
-    """The configurations worth timing: every legal one (split-K runs without clusters, and
-    stream-K only where M fills the tile, as default_config also rules)."""
-    return [cfg for cfg in legal_configs(plan.m, plan.n, plan.k, jnp.dtype(out_dtype),
-                                         _out_strides(plan), batch=plan.batch)
-            if not (cfg.split_k > 1 and cfg.cluster_m > 1 or cfg.stream_k and plan.m < cfg.block_m)]
+    """The configurations worth timing: those default_config scores (scored_configs)."""
+    return list(scored_configs(plan.m, plan.n, plan.k, jnp.dtype(out_dtype),
+                               out_strides(plan), batch=plan.batch))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -271,10 +255,10 @@ def _time(configs, lhs, rhs, dimension_numbers, preferred_element_type, precisio
     return {name: t.median_s for name, t in timings.items()}
 
 
-def tune_if_enabled(lhs, rhs, dimension_numbers, plan: GemmPlan, out_dtype, precision,
-                    preferred_element_type) -> None:
-    """``JAX_TMA_AUTOTUNE=1``: tunes a traced product whose key is not cached yet."""
-    if not enabled() or lookup(plan, lhs.dtype, out_dtype) is not None:
+def tune_missing(lhs, rhs, dimension_numbers, plan: GemmPlan, out_dtype, precision,
+                 preferred_element_type) -> None:
+    """Tunes a product being traced (JAX_TMA_AUTOTUNE=1) unless its key is cached."""
+    if lookup(plan, lhs.dtype, out_dtype) is not None:
         return
     autotune(jax.ShapeDtypeStruct(lhs.shape, lhs.dtype), jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
              dimension_numbers, preferred_element_type=preferred_element_type,

@@ -65,7 +65,7 @@ from jax_tma.gemm_config import (  # noqa: F401 - re-exported: the gemm module's
     tma_store_aligned,
 )
 from jax_tma.gemm_config import _EPILOGUE_DIRECT, _EPILOGUE_TMA_STORE
-from jax_tma.gemm_plan import DimensionNumbers, GemmPlan, free_axes
+from jax_tma.gemm_plan import DimensionNumbers, GemmPlan, free_axes, out_strides
 
 KERNEL_TARGET = "jax_tma_gemm_sm90"
 # Every FFI target a lowering of these ops can emit (the second writes over a given buffer:
@@ -266,15 +266,6 @@ def kernel_plan(lhs_aval, rhs_aval, dimension_numbers: DimensionNumbers, out_dty
     if not _kernel_dtypes(lhs_aval.dtype, rhs_aval.dtype, out_dtype):
         return None
     return gemm_plan.plan(lhs_aval.shape, rhs_aval.shape, dimension_numbers)
-
-
-def out_strides(plan: GemmPlan) -> tuple[int, ...]:
-    """Strides of D (elements) that a TMA store steps by: rows, and batch entries where there
-    is more than one. (Split-K partial products lie batch * M * N apart, a multiple of these.)"""
-    strides = [plan.d_m_stride]
-    if plan.batch > 1:
-        strides.append(plan.d_batch_stride)
-    return tuple(strides)
 
 
 def config_for(plan: GemmPlan, out_dtype, config: GemmConfig | None, *, in_dtype=None,
@@ -680,8 +671,8 @@ def dot_general(lhs: Any, rhs: Any, dimension_numbers, precision=None,
     elif autotuning.enabled():
         route = kernel_route(lhs, rhs, dims, out_dtype, canonical)
         if route is not None and _ext.kernel_status().available:
-            autotuning.tune_if_enabled(lhs, rhs, dims, route.plan, out_dtype, precision,
-                                     preferred_element_type)
+            autotuning.tune_missing(lhs, rhs, dims, route.plan, out_dtype, precision,
+                                   preferred_element_type)
     out = dot_general_p.bind(lhs, rhs, dimension_numbers=dims, out_dtype=out_dtype,
                              precision=canonical, config=config, local=False)
     return _weak_as(out, expected)

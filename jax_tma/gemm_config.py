@@ -394,6 +394,19 @@ def legal_configs(m: int, n: int, k: int, out_dtype, out_strides: tuple[int, ...
                 yield dataclasses.replace(cfg, stream_k=True)
 
 
+def scored_configs(m: int, n: int, k: int, out_dtype, out_strides: tuple[int, ...] | None = None,
+                   batch: int = 1):
+    """The legal configurations worth considering for a product (default_config scores them,
+    jax_tma.autotune times them): split-K runs without clusters (measured, the cluster's
+    lockstep only slows its short K ranges down) and stream-K only where M fills the tile's
+    rows (on 64 rows, 128-row stream-K took 35.2 us against 23.4 for 64 x 128 tiles, 64 x 7000 x
+    4096, H100, B misaligned; 8.8 against 5.3 for 64 x 64 tiles split 4 ways on 64 x 1000 x
+    1000)."""
+    for cfg in legal_configs(m, n, k, out_dtype, out_strides, batch=batch):
+        if not (cfg.split_k > 1 and cfg.cluster_m > 1 or cfg.stream_k and m < cfg.block_m):
+            yield cfg
+
+
 def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
                    out_dtype=jnp.bfloat16, batch: int = 1,
                    out_strides: tuple[int, ...] | None = None,
@@ -403,12 +416,11 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
     """Picks a configuration for `batch` products of M x N x K, or None when none can compute
     them (more work units or output bytes than the kernel takes: the product runs on XLA).
 
-    Every compiled tile with every split-K choice is scored by ``estimate_seconds`` (waves,
+    Every configuration of ``scored_configs`` is scored by ``estimate_seconds`` (waves,
     last-wave utilization, tile efficiency and a fixed cost per tile, or memory traffic for
     skinny problems); among equal scores the deeper pipeline wins, then the cluster of 2 (B
     multicast), which halves the L2 traffic of B whenever both CTAs of a cluster have a tile,
-    then no split and no stream-K. Split-K runs without clusters: measured, the cluster's
-    lockstep only slows its short K ranges down; stream-K runs where M fills the tile.
+    then no split and no stream-K.
     `misaligned_rows` names the operands, "a" and/or "b", whose rows are not 32-byte multiples
     apart (GemmPlan.misaligned_rows).
     `num_sms`, `dram_bytes_per_s` (peak DRAM bandwidth) and `l2_bytes` describe the device;
@@ -425,12 +437,7 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
                          f"got {l2_bytes!r}")
     out_bytes = jnp.dtype(out_dtype).itemsize
     best, best_key = None, None
-    for cfg in legal_configs(m, n, k, out_dtype, out_strides, batch=batch):
-        # Stream-K only where the matrix fills the tile's rows: on 64 rows, 128-row stream-K
-        # took 35.2 us against 23.4 for 64 x 128 tiles (64 x 7000 x 4096, H100, B misaligned),
-        # 8.8 against 5.3 for 64 x 64 tiles split 4 ways on 64 x 1000 x 1000.
-        if cfg.split_k > 1 and cfg.cluster_m > 1 or cfg.stream_k and m < cfg.block_m:
-            continue
+    for cfg in scored_configs(m, n, k, out_dtype, out_strides, batch=batch):
         multicast = cfg.multicasts(m)
         key = (
             round(estimate_seconds(cfg, m, n, k, num_sms, out_bytes, batch,

@@ -73,6 +73,15 @@ class GemmPlan:
         return ("N" if self.lhs.k_major else "T") + ("T" if self.rhs.k_major else "N")
 
 
+def out_strides(plan: GemmPlan) -> tuple[int, ...]:
+    """Strides of D (elements) that a TMA store steps by: rows, and batch entries where there
+    is more than one. (Split-K partial products lie batch * M * N apart, a multiple of these.)"""
+    strides = [plan.d_m_stride]
+    if plan.batch > 1:
+        strides.append(plan.d_batch_stride)
+    return tuple(strides)
+
+
 def free_axes(ndim: int, contract_axes, batch_axes) -> list[int]:
     """The axes of an operand of rank `ndim` that are neither contracted nor batch, in order:
     ``dot_general`` puts them in the output after the batch dims, lhs's before rhs's."""
