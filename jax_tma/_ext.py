@@ -82,27 +82,36 @@ def _register() -> str | None:
 _REGISTRATION_ERROR = _register()
 
 
-_DISABLE_TRUE = ("1", "true", "yes", "on", "y", "t")
-_DISABLE_FALSE = ("", "0", "false", "no", "off", "n", "f")
+_TRUE_WORDS = ("1", "true", "yes", "on", "y", "t")
+_FALSE_WORDS = ("0", "false", "no", "off", "n", "f")
+
+
+def env_flag(name: str, *, default: bool, on: str, off: str) -> bool:
+    """A boolean environment variable, read (case-insensitive, surrounding spaces ignored) each
+    time it is asked: 1, true, yes, on, y, t are True; 0, false, no, off, n, f are False; unset
+    or empty is `default`. Any other value raises ValueError naming the variable and what
+    each choice does (`on`, `off`)."""
+    value = os.environ.get(name, "")
+    word = value.strip().lower()
+    if not word:
+        return default
+    if word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS:
+        return False
+    unset = " (or leave it unset)"
+    raise ValueError(
+        f"{name}={value!r} is not a boolean: use one of {', '.join(_TRUE_WORDS)} {on}"
+        f"{unset if default else ''}, or one of {', '.join(_FALSE_WORDS)}"
+        f"{'' if default else unset} {off}"
+    )
 
 
 def disabled_by_env() -> bool:
-    """True when ``JAX_TMA_DISABLE`` asks for the XLA path everywhere.
-
-    Read (case-insensitive, surrounding spaces ignored) each time a decision is made: 1, true,
-    yes, on, y, t disable the kernels; unset, empty, 0, false, no, off, n, f keep them. Any
-    other value raises ValueError (at the first op, not at import)."""
-    value = os.environ.get("JAX_TMA_DISABLE", "")
-    word = value.strip().lower()
-    if word in _DISABLE_TRUE:
-        return True
-    if word in _DISABLE_FALSE:
-        return False
-    raise ValueError(
-        f"JAX_TMA_DISABLE={value!r} is not a boolean: use one of "
-        f"{', '.join(_DISABLE_TRUE)} to run every op through XLA, or one of "
-        f"{', '.join(repr(v) for v in _DISABLE_FALSE)} (or leave it unset) to use the kernels"
-    )
+    """True when ``JAX_TMA_DISABLE`` asks for the XLA path everywhere (env_flag's words; unset
+    keeps the kernels). Any other value raises ValueError at the first op, not at import."""
+    return env_flag("JAX_TMA_DISABLE", default=False, on="to run every op through XLA",
+                    off="to use the kernels")
 
 
 def extension_error() -> str | None:

@@ -43,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from typing import Any
 
 import jax
@@ -403,16 +402,11 @@ def _impl(*args, **params):
 
 
 def kernel_enabled() -> bool:
-    """Whether the FP8 kernel may run: yes unless ``JAX_TMA_FP8_KERNEL=0`` (then the fp8 ops
-    lower to XLA's reference of the same math: dequantise, fp32 dot). ``JAX_TMA_DISABLE``
+    """Whether the FP8 kernel may run: yes unless ``JAX_TMA_FP8_KERNEL`` says no (then the fp8
+    ops lower to XLA's reference of the same math: dequantise, fp32 dot). ``JAX_TMA_DISABLE``
     turns every kernel off, this one included."""
-    value = os.environ.get("JAX_TMA_FP8_KERNEL", "").strip().lower()
-    if value in ("", "1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"jax_tma: JAX_TMA_FP8_KERNEL={value!r} is not one of 1/true/yes/on or "
-                     "0/false/no/off")
+    return _ext.env_flag("JAX_TMA_FP8_KERNEL", default=True, on="to use the FP8 kernel",
+                         off="to lower the FP8 ops to XLA's reference")
 
 
 def kernel_applies(a, b, out_dtype, promote: bool = True) -> bool:
