@@ -31,7 +31,8 @@ import jax_tma
 from jax_tma import _timing, gemm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_gemm import banner, environment, pyplot, save_figure, write_report  # noqa: E402
+from bench_gemm import (  # noqa: E402
+    banner, environment, harness_arguments, pyplot, save_figure, write_report)
 
 SHAPES = [(6144, 3072, 24576), (1536, 1536, 1536), (2048, 13824, 5120), (12288, 12288, 4096),
           (1000, 1000, 1000), (777, 1234, 3000), (4096, 24576, 3072), (16, 8192, 8192, 128),
@@ -133,12 +134,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", nargs="*", metavar="[B,]M,N,K")
     p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--sets", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--iterations", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--commit")
-    p.add_argument("--out", type=pathlib.Path)
+    harness_arguments(p)
     args = p.parse_args(argv)
     if args.shapes:
         try:

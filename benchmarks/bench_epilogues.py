@@ -36,7 +36,8 @@ import jax_tma
 from jax_tma import _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_gemm import banner, environment, pyplot, save_figure, write_report  # noqa: E402
+from bench_gemm import (  # noqa: E402
+    banner, environment, harness_arguments, pyplot, save_figure, write_report)
 
 SHAPES = [(16384, 14336, 4096), (8192, 4096, 4096), (4096, 11008, 4096), (8192, 28672, 8192),
           (16, 14336, 4096), (64, 14336, 4096)]
@@ -171,12 +172,7 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--shapes", nargs="*", metavar="M,N,K")
     p.add_argument("--patterns", nargs="*", choices=PATTERNS, default=list(PATTERNS))
-    p.add_argument("--sets", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--iterations", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--commit")
-    p.add_argument("--out", type=pathlib.Path)
+    harness_arguments(p)
     args = p.parse_args(argv)
     if args.dry_run:
         shapes, args.rounds, args.iterations = DRY_RUN, 1, 1

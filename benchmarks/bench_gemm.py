@@ -554,6 +554,17 @@ def _table(rows: list[Row], env: dict, dtype: str, about: str = "") -> str:
     return "\n".join(lines)
 
 
+def harness_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of the benchmarks that time contenders with _timing.compare over random
+    operand sets (bench_ragged_dot, bench_epilogues, bench_fp8, bench_autotune)."""
+    p.add_argument("--sets", type=int, default=2, help="distinct operand sets per timed call")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
+    p.add_argument("--out", type=pathlib.Path, help="results root (default benchmarks/results)")
+
+
 def banner(env: dict, dtype: str) -> str:
     """One line naming the device, its software and the run's dtype, timing and kernel path."""
     return (f"{env['device']} | driver {env['driver']} | CUDA {env['cuda_runtime']} | "

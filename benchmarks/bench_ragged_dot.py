@@ -36,7 +36,8 @@ import jax_tma
 from jax_tma import _ext, _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_gemm import banner, environment, pyplot, save_figure, write_report  # noqa: E402
+from bench_gemm import (  # noqa: E402
+    banner, environment, harness_arguments, pyplot, save_figure, write_report)
 
 SUITE = [  # (M, K, N, G, sizes, form)
     (16384, 4096, 14336, 8, "uniform", "rows"),
@@ -277,12 +278,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--sweep", action="store_true",
                    help="time every compiled configuration of jax_tma instead of the contenders")
-    p.add_argument("--sets", type=int, default=2, help="distinct operand sets per timed call")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--iterations", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
-    p.add_argument("--out", type=pathlib.Path, help="results root (default benchmarks/results)")
+    harness_arguments(p)
     return p.parse_args(argv)
 
 

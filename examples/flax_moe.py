@@ -147,9 +147,9 @@ def max_relative_difference(curve: Sequence[float], reference: Sequence[float]) 
     return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-30)))
 
 
-def _parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=300)
+def model_arguments(p: argparse.ArgumentParser, steps: int = 300) -> None:
+    """The layer's and the training run's options (examples/flax_moe_ep.py takes them too)."""
+    p.add_argument("--steps", type=int, default=steps)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--d-ff", type=int, default=512)
@@ -158,11 +158,20 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+
+
+def check_model_arguments(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if min(args.steps, args.tokens, args.d_model, args.d_ff, args.experts) < 1:
         p.error("--steps, --tokens, --d-model, --d-ff and --experts must be positive")
     if not 1 <= args.top_k <= args.experts:
         p.error(f"--top-k must be in [1, --experts={args.experts}]")
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    model_arguments(p)
+    args = p.parse_args(argv)
+    check_model_arguments(p, args)
     return args
 
 

@@ -123,23 +123,14 @@ def setup_expert_parallel(mesh: Mesh, *, tokens, d_model, d_ff, experts, top_k, 
 def _parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--devices", type=int, default=min(4, jax.device_count()))
-    p.add_argument("--steps", type=int, default=100)
-    p.add_argument("--tokens", type=int, default=2048)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--d-ff", type=int, default=512)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--dtype", choices=sorted(flax_moe.DTYPES), default="bf16")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    flax_moe.model_arguments(p, steps=100)
     args = p.parse_args(argv)
+    flax_moe.check_model_arguments(p, args)
     if not 1 <= args.devices <= jax.device_count():
         p.error(f"--devices must be in [1, {jax.device_count()}] (the devices visible)")
     if args.experts % args.devices or args.tokens % args.devices:
         p.error(f"--experts ({args.experts}) and --tokens ({args.tokens}) must be multiples of "
                 f"--devices ({args.devices})")
-    if min(args.steps, args.d_model, args.d_ff) < 1 or not 1 <= args.top_k <= args.experts:
-        p.error("--steps, --d-model and --d-ff must be positive, --top-k in [1, --experts]")
     return args
 
 
