@@ -19,6 +19,21 @@ min-max spread. Outputs are checked against XLA before timing.
     python benchmarks/bench_gemm.py --read-once      # also time reading the operands once
     python benchmarks/bench_gemm.py --dry-run        # tiny shapes; runs without a GPU (CI)
     python benchmarks/bench_gemm.py --commit abc1234 # the commit that ran, if .git is stale
+    python benchmarks/bench_gemm.py --random 600 --part 2/3   # one of 3 processes of a suite
+    python benchmarks/bench_gemm.py --merge <results>/bench_gemm_random_part*of3.json
+
+The jax_tma row of each product records the path its lowering takes (column "jax_tma path", key
+"path" of the JSON rows): the kernel configuration (GemmConfig.describe()), "+ transpose" where an
+operand is copied into the kernel's layout first, or "xla" where the product runs on XLA's dot.
+It is worked out from gemm.kernel_route and gemm.config_for, which need no GPU, so a dry run
+shows the path a Hopper GPU would take.
+
+--part I/N runs the I-th of N contiguous chunks of the shape list and writes its report under
+the suite's name with a _partIofN suffix, so that a long suite can run as N processes (on several
+GPUs at once, or one after another where a process has a time limit). --merge reads the N part
+reports (JSON), checks that they come from one suite (device, commit, dtype, layout, random
+draw, stem) and writes the suite's report from their rows in the order of the parts, with the
+summary over all of them; it runs nothing on a GPU.
 
 --read-once adds a contender that only reads both operands once (XLA's fp32 row sums of each):
 a reference for products bound by memory, listed in GB/s of operand bytes beside jax_tma's
@@ -47,9 +62,9 @@ or fp16. --layout NT/TN/TT stores b as [N, K] and/or a as [K, M] and times
 jax_tma.dot_general against lax.dot_general on them (2-D shapes). The table ends with the geometric
 mean of the speed ratio, its minimum (the slowest product) and how many products fall below
 0.95. Results go to benchmarks/results/<device>/:
-bench_gemm[_llm|_random][_batched][_sweep][_<layout>][_fp16] .json, .md and .png (a dry run writes
-files only when --out is given; it shrinks --suite llm to each family's first projection, features
-and tokens divided by 128, and draws --random shapes on [1, 256]).
+bench_gemm[_llm|_random][_batched][_sweep][_<layout>][_fp16][_partIofN] .json, .md and .png (a
+dry run writes files only when --out is given; it shrinks --suite llm to each family's first
+projection, features and tokens divided by 128, and draws --random shapes on [1, 256]).
 """
 
 from __future__ import annotations
@@ -152,6 +167,15 @@ class Row:
     spread_s: float | None
     note: str = ""
     label: str = ""  # what the shape stands for (--suite llm), else empty
+    path: str = ""  # jax_tma: the kernel configuration its lowering takes, or "xla" (jax_tma_path)
+
+    @classmethod
+    def from_json(cls, row: dict) -> Row:
+        """A row of a report's JSON. Keys that are no field (tflops, derived) are left out and
+        fields the row lacks (a report older than the field) take their defaults."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{**{k: v for k, v in row.items() if k in fields},
+                      "shape": tuple(row["shape"])})
 
     def tflops(self) -> float | None:
         if self.seconds is None or self.contender == READ_ONCE:
@@ -254,7 +278,20 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true",
                    help="tiny shapes, 1 round; files only with --out; exercises the harness "
                         "without a GPU")
+    p.add_argument("--part", metavar="I/N",
+                   help="run the I-th (from 1) of N contiguous chunks of the shapes; the report "
+                        "gets a _partIofN suffix")
+    p.add_argument("--merge", nargs="+", type=pathlib.Path, metavar="FILE.json",
+                   help="write the report of a whole suite from the JSON reports of its --part "
+                        "runs (no GPU work); takes only --out besides")
     args = p.parse_args(argv)
+    if args.merge:
+        defaults = vars(p.parse_args([]))
+        others = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
+                  if name not in ("merge", "out") and value != defaults[name]]
+        if others:
+            p.error(f"--merge takes only --out besides, got {' '.join(others)}")
+        return args
     try:
         args.split_list = tuple(int(x) for x in args.splits.split(","))
     except ValueError:
@@ -272,7 +309,7 @@ def _parse(argv=None) -> argparse.Namespace:
         p.error(f"--seed takes a non-negative int and applies to --random, got {args.seed}")
     if args.random is not None and args.random < 1:
         p.error(f"--random takes a positive number of shapes, got {args.random}")
-    args.labels, args.rejected = {}, 0
+    args.labels, args.rejected, args.part_note = {}, 0, ""
     if args.shapes:
         try:
             args.shape_list = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
@@ -303,9 +340,28 @@ def _parse(argv=None) -> argparse.Namespace:
         args.shape_list = DRY_RUN if args.dry_run else QUICK if args.quick else SUITE
     if args.layout != "NN" and any(len(s) != 3 for s in args.shape_list):
         p.error("--layout applies to 2-D (M,N,K) shapes")
+    if args.part is not None:
+        match = re.fullmatch(r"(\d+)/(\d+)", args.part)
+        index, count = map(int, match.groups()) if match else (0, 0)
+        if not 1 <= index <= count:
+            p.error(f"--part takes I/N with 1 <= I <= N, got {args.part!r}")
+        if count > len(args.shape_list):
+            p.error(f"--part {args.part}: {len(args.shape_list)} shapes make fewer than {count} "
+                    "parts")
+        total = len(args.shape_list)
+        args.part = (index, count)
+        args.part_note = (f"Part {index} of {count}: shapes {(index - 1) * total // count + 1} "
+                          f"to {index * total // count} of {total}.")
+        args.shape_list = part(args.shape_list, index, count)
     if args.dry_run:
         args.rounds, args.iterations = 1, 1
     return args
+
+
+def part(shapes: list, index: int, count: int) -> list:
+    """The `index`-th (from 1) of `count` contiguous chunks of `shapes`, whose lengths differ by
+    at most one: the chunks of 1..count, in order, are `shapes`."""
+    return shapes[(index - 1) * len(shapes) // count:index * len(shapes) // count]
 
 
 def _pallas_contender(dtype):
@@ -355,6 +411,31 @@ def _products(layout: str):
             lambda cfg: lambda a, b: jax_tma.dot_general(a, b, dims, config=cfg))
 
 
+def jax_tma_path(product, operands) -> str:
+    """The path the lowering of `product(*operands)` (the jax_tma contender) takes: the kernel
+    configuration it chooses ("block_m=128, block_n=256, ...", "+ transpose" where an operand is
+    copied into the kernel's layout first), or "xla" where the product runs on XLA's dot.
+
+    The product is traced, so that the dimension numbers are those jax_tma.matmul or
+    dot_general hand the primitive rather than a copy of their rules; kernel_route and
+    config_for then decide as the lowering does. Both are pure Python: without the kernel (a dry
+    run on a CPU) this is the path a Hopper GPU would take (an H100, as gemm assumes without
+    one); the lowering itself then runs XLA's dot."""
+    jaxpr = jax.make_jaxpr(product)(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands))
+    paths = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is not gemm.dot_general_p:
+            continue
+        (lhs, rhs), params = (v.aval for v in eqn.invars), eqn.params
+        route = gemm.kernel_route(lhs, rhs, params["dimension_numbers"], params["out_dtype"],
+                                  params["precision"])
+        cfg = None if route is None else gemm.config_for(
+            route.plan, params["out_dtype"], params["config"], in_dtype=lhs.dtype)
+        paths.append("xla" if cfg is None else
+                     cfg.describe() + (" + transpose" if route.copies else ""))
+    return "; ".join(paths) or "xla"
+
+
 def _read_once(a, b):
     """Reads every element of both operands once (fp32 sums of each row) and nothing else."""
     return jnp.sum(a, axis=-1, dtype=jnp.float32), jnp.sum(b, axis=-1, dtype=jnp.float32)
@@ -395,7 +476,9 @@ def bench_shape(shape, dtype, args, pallas) -> list[Row]:
     timings = _timing.compare(contenders, sets, rounds=args.rounds, iterations=args.iterations)
     if args.breakdown:
         _print_breakdown(shape, {n: contenders[n] for n in ("jax_tma", "xla")}, sets[0])
-    rows = [Row(shape, name, t.median_s, t.spread_s) for name, t in timings.items()]
+    path = jax_tma_path(ours, sets[0])
+    rows = [Row(shape, name, t.median_s, t.spread_s, path=path if name == "jax_tma" else "")
+            for name, t in timings.items()]
     rows += [Row(shape, name, None, None, note) for name, note in notes.items()]
     return rows
 
@@ -517,8 +600,9 @@ def _table(rows: list[Row], env: dict, dtype: str, about: str = "") -> str:
         f"% of peak = of the highest TFLOP/s measured in this run ({peak:.1f})",
         *(["", about] if about else []),
         "",
-        f"| {header} | jax_tma µs | jax_tma TFLOP/s | % peak | XLA µs | XLA TFLOP/s | ratio (XLA time / jax_tma time) |",
-        "|---|---|---|---|---|---|---|" + ("---|" if labels else ""),
+        (f"| {header} | jax_tma µs | jax_tma TFLOP/s | % peak | XLA µs | XLA TFLOP/s "
+         "| ratio (XLA time / jax_tma time) | jax_tma path |"),
+        "|---|---|---|---|---|---|---|---|" + ("---|" if labels else ""),
     ]
     for shape, ratio in _ratios(rows).items():
         ours, xla = by_shape[shape]["jax_tma"], by_shape[shape]["xla"]
@@ -526,7 +610,7 @@ def _table(rows: list[Row], env: dict, dtype: str, about: str = "") -> str:
         lines.append(
             f"| {_label(shape)}{origin} | {ours.seconds * 1e6:.1f} ± {ours.spread_s * 1e6:.1f} "
             f"| {ours.tflops():.1f} | {100 * ours.tflops() / peak:.0f} | {xla.seconds * 1e6:.1f} "
-            f"| {xla.tflops():.1f} | {ratio:.3f} |")
+            f"| {xla.tflops():.1f} | {ratio:.3f} | {ours.path or '–'} |")
     summary = ratio_summary(rows)
     if summary:
         slowest = _label(tuple(summary["slowest_shape"]))
@@ -635,11 +719,14 @@ def _plot(rows: list[Row], path: pathlib.Path, title: str) -> bool:
 
 
 def _stem(args) -> str:
+    """The report's name: the suite's, then _partIofN for a --part run."""
     suffixes = [name for name, on in (("llm", args.suite == "llm"),
                                       ("random", args.random is not None),
                                       ("batched", args.batched), ("sweep", args.sweep),
                                       (args.layout, args.layout != "NN"),
                                       (args.dtype, args.dtype != "bf16")) if on]
+    if args.part:
+        suffixes.append("part{}of{}".format(*args.part))
     return "_".join(["bench_gemm", *suffixes])
 
 
@@ -672,12 +759,93 @@ def _about(args) -> str:
     return ""
 
 
+def _what(dtype: str, layout: str) -> str:
+    """The run's dtype and (where not NN) layout, for the table and the plot."""
+    return dtype if layout == "NN" else f"{dtype}, layout {layout}"
+
+
+def _json_row(r: Row) -> dict:
+    return dict(dataclasses.asdict(r), tflops=r.tflops())
+
+
+def _write(out_root: pathlib.Path | None, payload: dict, rows: list[Row], table: str) -> None:
+    """Writes the report `payload` (of `rows`, with the Markdown `table`) under its stem."""
+    env = payload["environment"]
+    title = (f"{env['device']}, {_what(payload['dtype'], payload['layout'])}"
+             + (f", {payload['suite']} suite" if payload.get("about") else ""))
+    write_report(out_root, env, payload["stem"], payload, table,
+                 lambda path: _plot(rows, path, title))
+
+
+def _whole(stem: str) -> str:
+    """The suite's stem of a --part report's stem."""
+    return re.sub(r"_part\d+of\d+$", "", stem)
+
+
+def _identity(payload: dict) -> dict:
+    """What the reports of the parts of one suite share (--merge checks that they agree)."""
+    env = payload["environment"]
+    return {"device": env.get("device"), "commit": env.get("commit"),
+            "dtype": payload.get("dtype"), "layout": payload.get("layout"),
+            "suite": payload.get("suite"), "dry run": payload.get("dry_run"),
+            "random shapes": payload.get("random"), "stem": _whole(payload["stem"]),
+            "number of parts": payload["part"].get("count")}
+
+
+def merge(paths: list[pathlib.Path]) -> tuple[dict, list[Row], str]:
+    """The report (JSON payload, rows, Markdown table) of a whole suite from the JSON reports
+    of its --part runs at `paths`, given in any order: their rows in the order of the parts and
+    the summary over all of them, under the suite's stem.
+
+    ValueError where a file is no report of a --part run, where the reports differ in what
+    identifies the suite (_identity; named), or where a part is missing or given twice: the
+    merged report stands for the whole suite, run by one commit on one device."""
+    parts = []
+    for path in paths:
+        try:
+            payload = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read {path}: {e}") from None
+        if not (isinstance(payload, dict)
+                and {"environment", "rows", "part", "stem"} <= payload.keys()):
+            raise ValueError(f"{path} is no report of a bench_gemm --part run")
+        parts.append((path, payload))
+    identities = [(path, _identity(payload)) for path, payload in parts]
+    for key, value in identities[0][1].items():
+        if any(identity[key] != value for _, identity in identities):
+            raise ValueError(f"the parts differ in {key}: " + ", ".join(
+                f"{path} {identity[key]!r}" for path, identity in identities))
+    parts.sort(key=lambda part: part[1]["part"]["index"])
+    indices = [payload["part"]["index"] for _, payload in parts]
+    count = parts[0][1]["part"]["count"]
+    if indices != list(range(1, count + 1)):
+        raise ValueError(f"a suite of {count} parts takes each once, got parts {indices}")
+    first = parts[0][1]
+    rows = [Row.from_json(r) for _, payload in parts for r in payload["rows"]]
+    merged = {key: value for key, value in first.items() if key != "part"}
+    merged.update(stem=_whole(first["stem"]), summary=ratio_summary(rows),
+                  rows=[_json_row(r) for r in rows], merged_from=[str(p) for p, _ in parts])
+    table = _table(rows, first["environment"], _what(first["dtype"], first["layout"]),
+                   first.get("about", ""))
+    return merged, rows, table
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
+    if args.merge:
+        try:
+            payload, rows, table = merge(args.merge)
+        except ValueError as e:
+            sys.exit(f"bench_gemm --merge: {e}")
+        print(table)
+        _write(args.out, payload, rows, table)
+        return 0
     dtype = DTYPES[args.dtype]
     env = environment(args.commit)
     print(banner(env, args.dtype), flush=True)
     pallas = None if args.no_pallas or args.dry_run else _pallas_contender(dtype)
+    if args.part:
+        print(args.part_note, file=sys.stderr)
     rows: list[Row] = []
     for i, shape in enumerate(args.shape_list):
         label = args.labels.get(shape, "")
@@ -689,25 +857,26 @@ def main(argv=None) -> int:
         rows += new
         best = {r.contender: r for r in new if r.seconds}
         ours, xla = best.get("jax_tma"), best.get("xla")
-        print(f" jax_tma {ours.tflops():.1f} vs XLA {xla.tflops():.1f} TFLOP/s",
+        print(f" jax_tma {ours.tflops():.1f} vs XLA {xla.tflops():.1f} TFLOP/s ({ours.path})",
               file=sys.stderr, flush=True)
         if args.sweep:
             for r in sorted((r for r in new if r.tflops()), key=lambda r: r.seconds):
                 print(f"    {r.seconds * 1e6:10.1f} us {r.tflops():7.1f} TFLOP/s  {r.contender}")
-    what = args.dtype if args.layout == "NN" else f"{args.dtype}, layout {args.layout}"
-    table = _table(rows, env, what, _about(args))
+    about = _about(args)
+    table = _table(rows, env, _what(args.dtype, args.layout),
+                   " ".join(filter(None, [about, args.part_note])))
     print(table)
     if args.dry_run and args.out is None:
         return 0
     payload = {"environment": env, "dtype": args.dtype, "layout": args.layout,
-               "dry_run": args.dry_run, "suite": _suite(args),
-               "summary": ratio_summary(rows),
-               "rows": [dict(dataclasses.asdict(r), tflops=r.tflops()) for r in rows]}
+               "dry_run": args.dry_run, "suite": _suite(args), "stem": _stem(args),
+               "about": about, "summary": ratio_summary(rows),
+               "rows": [_json_row(r) for r in rows]}
     if args.random is not None:
         payload["random"] = {"count": args.random, "seed": args.seed, "rejected": args.rejected}
-    title = f"{env['device']}, {what}" + (f", {_suite(args)} suite" if _about(args) else "")
-    write_report(args.out, env, _stem(args), payload, table,
-                 lambda path: _plot(rows, path, title))
+    if args.part:
+        payload["part"] = dict(zip(("index", "count"), args.part))
+    _write(args.out, payload, rows, table)
     return 0
 
 

@@ -55,7 +55,7 @@ from jax.interpreters import batching, mlir
 from jax_tma import _ext, fp8_sharding
 from jax_tma import _aval
 from jax_tma._aval import result_aval
-from jax_tma.gemm import _dram_bytes_per_s, _for_export, _num_sms
+from jax_tma.gemm import _dram_bytes_per_s, _for_export, _num_sms, sum_split_partials
 from jax_tma.gemm import dot_general as _bf16_dot_general
 
 KERNEL_TARGET = "jax_tma_fp8_gemm_sm90"
@@ -471,7 +471,7 @@ def _kernel_call(a, b, *rest, has_sa, has_sb, row_scale, col_scale, has_bias, ou
     else:
         d = jax.ffi.ffi_call(KERNEL_TARGET, out_type)(*operands, **attrs)
     if splits > 1:
-        d = jnp.sum(d, axis=0, dtype=f32)
+        d = sum_split_partials(d)
         if bias is not None:
             d = d + bias
         return d[:, :n].astype(out_dtype)

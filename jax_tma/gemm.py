@@ -376,8 +376,19 @@ def _kernel_call(lhs, rhs, *, plan: GemmPlan, dimension_numbers, out_dtype, conf
     else:
         d, _ = jax.ffi.ffi_call(KERNEL_TARGET, out_types)(lhs, rhs, **attrs)
     if splits > 1:
-        d = jnp.sum(d, axis=0).astype(out_dtype)
+        d = sum_split_partials(d).astype(out_dtype)
     return d
+
+
+def sum_split_partials(d: jax.Array) -> jax.Array:
+    """Sum over the leading axis of split-K partial products, in a fixed order:
+    ((d[0] + d[1]) + d[2]) + ... as one elementwise fusion. A reduce leaves the order to the
+    emitter XLA picks when it compiles, and on an H100 two processes compiling the same
+    reduce-then-convert got outputs that differ in the last bf16 bit."""
+    total = d[0]
+    for i in range(1, d.shape[0]):
+        total = total + d[i]
+    return total
 
 
 def _local_lowering(ctx, lhs, rhs, *, platform: str, **params):

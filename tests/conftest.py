@@ -79,6 +79,16 @@ def rng(request) -> np.random.Generator:
 
 
 @pytest.fixture
+def exact_f32():
+    """float32 products at full precision: on a GPU XLA's default for them is TF32, whose
+    rounding (~1e-3) a finite-difference gradient check divides by its step and reports as
+    errors of order 1. Tests of float32 results or gradients (which run through XLA's dot, not
+    the kernel) use it to check jax_tma's rules rather than TF32 on every backend."""
+    with jax.default_matmul_precision("highest"):
+        yield
+
+
+@pytest.fixture
 def on_cpu():
     """Runs the test on the CPU device: lax-parity tests that compare bits hold on a GPU
     machine too (there the kernel's results differ from XLA's dot within the error bounds,

@@ -33,8 +33,11 @@ def test_benchmark_dry_run(script, tmp_path):
 
 
 def _script(script: str, *args: str) -> subprocess.CompletedProcess:
+    """benchmarks/<script> run by this interpreter, with -S where this one runs with it, so that
+    it imports the jax_tma the tests import (a site-packages .pth may name another checkout)."""
+    flags = ["-S"] if sys.flags.no_site else []
     return subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / script), *args],
+        [sys.executable, *flags, str(REPO / "benchmarks" / script), *args],
         capture_output=True, text=True, timeout=600, cwd=REPO,
     )
 
@@ -75,6 +78,13 @@ def test_bench_gemm_dry_run(tmp_path):
     assert env["commit_source"].startswith("git rev-parse HEAD")
     assert report["dtype"] == "bf16" and report["dry_run"]
     assert {tuple(r["shape"]) for r in report["rows"]} == {(64, 64, 64), (7, 129, 72)}
+    # the path jax_tma's lowering takes on a Hopper GPU, worked out without one
+    assert "| ratio (XLA time / jax_tma time) | jax_tma path |" in result.stdout
+    paths = {tuple(r["shape"]): r["path"] for r in report["rows"] if r["contender"] == "jax_tma"}
+    assert all(path.startswith("block_m=") for path in paths.values()), paths
+    assert f"| {paths[(7, 129, 72)]} |" in result.stdout
+    assert f"TFLOP/s ({paths[(7, 129, 72)]})" in result.stderr
+    assert all(r["path"] == "" for r in report["rows"] if r["contender"] != "jax_tma")
 
 
 @pytest.mark.parametrize("layout", ["NT", "TN", "TT"])
@@ -253,6 +263,143 @@ def test_bench_gemm_random_dry_run(tmp_path):
     assert report["random"] == {"count": 3, "seed": 3, "rejected": rejected}
     assert "| origin |" not in result.stdout  # random shapes carry no label
     _check_summary(report, result.stdout)
+
+
+def test_bench_gemm_jax_tma_path():
+    """The path is what kernel_route and config_for choose for the product jax_tma hands its
+    primitive; "xla" where there is none (fp32, or no jax_tma product at all)."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax_tma import gemm
+
+    bench = _bench_module("bench_gemm")
+
+    def avals(*shapes, dtype=jnp.bfloat16):
+        return [jax.ShapeDtypeStruct(s, dtype) for s in shapes]
+
+    lhs, rhs = avals((72, 7), (129, 72))  # TT: a stored [K, M], b stored [N, K]
+    dims = (((0,), (1,)), ((), ()))
+    route = gemm.kernel_route(lhs, rhs, dims, jnp.bfloat16)
+    expected = gemm.config_for(route.plan, jnp.bfloat16, None, in_dtype=jnp.bfloat16).describe()
+    ours = bench._products("TT")[0]
+    assert bench.jax_tma_path(ours, [lhs, rhs]) == expected + (
+        " + transpose" if route.copies else "")
+    matmul = bench._products("NN")[0]
+    assert bench.jax_tma_path(matmul, avals((3, 7, 72), (3, 72, 129))).startswith("block_m=")
+    assert bench.jax_tma_path(matmul, avals((7, 72), (72, 129), dtype=jnp.float32)) == "xla"
+    assert bench.jax_tma_path(jnp.matmul, avals((7, 72), (72, 129))) == "xla"
+
+
+def test_bench_gemm_row_from_json():
+    bench = _bench_module("bench_gemm")
+    row = bench.Row((2, 3, 4), "jax_tma", 1e-3, 1e-5, path="block_m=64")
+    as_json = json.loads(json.dumps(bench._json_row(row)))  # shape a list, tflops added
+    assert bench.Row.from_json(as_json) == row
+    del as_json["path"]  # a report older than the field
+    assert bench.Row.from_json(as_json).path == ""
+
+
+def test_bench_gemm_parts_split_the_shapes():
+    bench = _bench_module("bench_gemm")
+    flags = ["--random", "7", "--seed", "3", "--dry-run"]
+    shapes = bench._parse(flags).shape_list
+    for count in (1, 2, 3, 7):
+        chunks = [bench._parse([*flags, "--part", f"{i}/{count}"]).shape_list
+                  for i in range(1, count + 1)]
+        assert [s for chunk in chunks for s in chunk] == shapes, count  # all, once, in order
+        assert max(map(len, chunks)) - min(map(len, chunks)) <= 1, count
+    args = bench._parse([*flags, "--part", "2/3"])
+    assert bench._stem(args) == "bench_gemm_random_part2of3"
+    assert args.part_note == "Part 2 of 3: shapes 3 to 4 of 7."
+
+
+@pytest.mark.parametrize("part,message", [
+    ("0/3", "1 <= I <= N"), ("4/3", "1 <= I <= N"), ("2", "1 <= I <= N"), ("a/b", "1 <= I <= N"),
+    ("1/8", "7 shapes make fewer than 8 parts"),
+])
+def test_bench_gemm_rejects_bad_parts(part, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _bench_module("bench_gemm")._parse(["--random", "7", "--dry-run", "--part", part])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def random_runs(tmp_path_factory) -> pathlib.Path:
+    """A --random 5 dry run, whole (reports under whole/) and as two parts (under parts/)."""
+    root = tmp_path_factory.mktemp("random_runs")
+    for out, extra in (("whole", []), ("parts", ["--part", "1/2"]), ("parts", ["--part", "2/2"])):
+        result = _run("bench_gemm.py", "--random", "5", "--seed", "3", "--out", str(root / out),
+                      *extra)
+        assert result.returncode == 0, result.stderr
+    return root
+
+
+def _part_files(random_runs: pathlib.Path) -> list[pathlib.Path]:
+    (device_dir,) = (random_runs / "parts").iterdir()
+    return [device_dir / f"bench_gemm_random_part{i}of2.json" for i in (1, 2)]
+
+
+def test_bench_gemm_merge_parts(random_runs, tmp_path):
+    files = _part_files(random_runs)
+    parts = [_written(random_runs / "parts", f"bench_gemm_random_part{i}of2") for i in (1, 2)]
+    assert [p["part"] for p in parts] == [{"index": 1, "count": 2}, {"index": 2, "count": 2}]
+    result = _script("bench_gemm.py", "--merge", *map(str, files[::-1]), "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    merged = _written(tmp_path, "bench_gemm_random")
+    whole = _written(random_runs / "whole", "bench_gemm_random")
+    assert merged["rows"] == parts[0]["rows"] + parts[1]["rows"]  # in the parts' order
+    merged_rows, whole_rows = ([(r["shape"], r["contender"], r["label"], r["path"])
+                                for r in report["rows"]] for report in (merged, whole))
+    assert merged_rows == whole_rows  # the unsplit run's, but for the timings
+    for key in ("dtype", "layout", "suite", "dry_run", "random", "stem", "about"):
+        assert merged[key] == whole[key], key
+    assert "part" not in merged and merged["summary"]["shapes"] == 5
+    _check_summary(merged, result.stdout)  # over the rows of both parts
+    assert "5 random shapes, seed 3 (dry run" in result.stdout and "Part " not in result.stdout
+    assert "| jax_tma path |" in result.stdout
+
+
+@pytest.mark.parametrize("what,change", [
+    ("device", lambda p: p["environment"].update(device="NVIDIA H200")),
+    ("commit", lambda p: p["environment"].update(commit="0123abc")),
+    ("dtype", lambda p: p.update(dtype="fp16")),
+    ("layout", lambda p: p.update(layout="NT")),
+    ("random shapes", lambda p: p["random"].update(seed=4)),
+])
+def test_bench_gemm_merge_rejects_parts_of_other_runs(random_runs, tmp_path, what, change):
+    first, second = _part_files(random_runs)
+    other = json.loads(second.read_text())
+    change(other)
+    (tmp_path / second.name).write_text(json.dumps(other))
+    with pytest.raises(ValueError, match=f"the parts differ in {what}: "):
+        _bench_module("bench_gemm").merge([first, tmp_path / second.name])
+
+
+def test_bench_gemm_merge_errors(random_runs, tmp_path):
+    bench = _bench_module("bench_gemm")
+    first, second = _part_files(random_runs)
+    for files in ([first], [first, first, second]):
+        with pytest.raises(ValueError, match=r"a suite of 2 parts takes each once, got parts"):
+            bench.merge(files)
+    (whole,) = (random_runs / "whole").glob("*/bench_gemm_random.json")
+    with pytest.raises(ValueError, match="no report of a bench_gemm --part run"):
+        bench.merge([first, whole])
+    other = json.loads(second.read_text())
+    other["dtype"] = "fp16"
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    result = _script("bench_gemm.py", "--merge", str(first), str(tmp_path / "other.json"),
+                     "--out", str(tmp_path))
+    assert result.returncode == 1 and "the parts differ in dtype: " in result.stderr
+    assert "'bf16'" in result.stderr and "'fp16'" in result.stderr
+    assert not list(tmp_path.glob("*/bench_gemm_random.*"))  # nothing written
+
+
+def test_bench_gemm_merge_takes_no_run_flags(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _bench_module("bench_gemm")._parse(["--merge", "a.json", "--dry-run", "--random", "3"])
+    assert exit_.value.code == 2
+    assert "--merge takes only --out besides, got --random --dry-run" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,message", [

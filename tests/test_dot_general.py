@@ -220,7 +220,7 @@ RULE_CASES = [c for c in CASES if c[3] in ("NN", "NT", "TN", "TT")][:8]
 
 
 @pytest.mark.parametrize("lhs_shape,rhs_shape,dims,layout", RULE_CASES, ids=CASE_IDS[:8])
-def test_check_grads_order_2(rng, lhs_shape, rhs_shape, dims, layout):
+def test_check_grads_order_2(rng, lhs_shape, rhs_shape, dims, layout, exact_f32):
     del layout
     small = lambda s: tuple(min(d, 6) for d in s)  # noqa: E731 - finite differences are costly
     lhs_shape, rhs_shape = small(lhs_shape), small(rhs_shape)

@@ -127,21 +127,21 @@ def test_mlp_matches_float64(rng, activation):
 
 
 @pytest.mark.parametrize("activation", ["gelu", "silu", "gelu_erf", None])
-def test_dense_check_grads(rng, activation):
+def test_dense_check_grads(rng, activation, exact_f32):
     x, w = _operands(rng, 6, 8, 8, F32)
     b, r = rng.standard_normal(8).astype(F32), random_array(rng, (6, 8), F32)
     f = lambda x, w, b, r: jax_tma.dense(x, w, b, activation, r)  # noqa: E731
     check_grads(f, (x, w, b, r), order=2, modes=("fwd", "rev"), atol=1e-2, rtol=1e-2)
 
 
-def test_relu_check_grads_order_1(rng):
+def test_relu_check_grads_order_1(rng, exact_f32):
     x, w = _operands(rng, 6, 8, 8, F32)
     check_grads(lambda x, w: jax_tma.dense(x, w, activation="relu"), (x, w), order=1,
                 modes=("fwd", "rev"), atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
-def test_gated_and_mlp_check_grads(rng, activation):
+def test_gated_and_mlp_check_grads(rng, activation, exact_f32):
     x, wg = _operands(rng, 6, 8, 8, F32)
     wu = rng.standard_normal((8, 8)).astype(F32) / 3
     check_grads(lambda x, a, b: jax_tma.gated_dense(x, a, b, activation), (x, wg, wu), order=2,

@@ -954,29 +954,43 @@ def test_kernel_is_bitwise_deterministic_across_processes():
     assert first == second
 
 
+_PAST_2_31_SCRIPT = r"""
+import jax, jax.numpy as jnp, numpy as np
+import jax_tma
+from jax_tma import _testing
+config = {config}
+m, n, k = 65536, 40000, 256
+key_a, key_b = jax.random.split(jax.random.key(7))
+a = jax.random.normal(key_a, (m, k), jnp.float32).astype(jnp.bfloat16)
+b = jax.random.normal(key_b, (k, n), jnp.float32).astype(jnp.bfloat16)
+out = _testing.gemm_poisoned(a, b, jnp.bfloat16, config=config)
+assert out.shape == (m, n) and out.size > 2**31
+assert not bool(jnp.isnan(out).any()), "kernel left poisoned (unwritten) outputs"
+rows = np.unique([0, 1, 127, 128, m // 2, 2**31 // n - 1, 2**31 // n, 2**31 // n + 1, m - 129,
+                  m - 2, m - 1])
+cols = np.unique([0, 1, 255, 256, n // 2, 2**31 % n, n - 257, n - 2, n - 1])
+a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
+def rel(x, ref):
+    return np.linalg.norm(np.asarray(x, np.float64) - ref) / np.linalg.norm(ref)
+print(f"{{rel(out[rows], a64[rows] @ b64):.3e}} {{rel(out[:, cols], a64 @ b64[:, cols]):.3e}}")
+"""
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "config",
-    [None, jax_tma.GemmConfig(128, 128, 6, 1, split_k=2), jax_tma.GemmConfig(128, 256, 3, 1, stream_k=True)],
+    ["None", "jax_tma.GemmConfig(128, 128, 6, 1, split_k=2)",
+     "jax_tma.GemmConfig(128, 256, 3, 1, stream_k=True)"],
     ids=["default", "split2", "stream_k"],
 )
 def test_kernel_output_past_2_31_elements(config):
     """65536 x 40000 bf16 (2.6e9 elements, 5.2 GB) over a NaN-filled output: every element
     written (checked on the device), and sampled rows and columns, the last ones and those
-    around element 2^31, within the bf16 bound of a float64 reference."""
-    m, n, k = 65536, 40000, 256
-    key_a, key_b = jax.random.split(jax.random.key(7))
-    a = jax.random.normal(key_a, (m, k), jnp.float32).astype(jnp.bfloat16)
-    b = jax.random.normal(key_b, (k, n), jnp.float32).astype(jnp.bfloat16)
-    out = _testing.gemm_poisoned(a, b, BF16, config=config)
-    assert out.shape == (m, n) and out.size > 2**31
-    assert not bool(jnp.isnan(out).any()), "kernel left poisoned (unwritten) outputs"
-    rows = np.unique([0, 1, 127, 128, m // 2, 2**31 // n - 1, 2**31 // n, 2**31 // n + 1, m - 129, m - 2, m - 1])
-    cols = np.unique([0, 1, 255, 256, n // 2, 2**31 % n, n - 257, n - 2, n - 1])
-    a64, b64 = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert rel_error(np.asarray(out[rows]), a64[rows] @ b64) <= TOL[BF16]
-    assert rel_error(np.asarray(out[:, cols]), a64 @ b64[:, cols]) <= TOL[BF16]
-    del out
+    around element 2^31, within the bf16 bound of a float64 reference. In a subprocess: XLA's
+    allocator keeps what a process once held, and the 2^31 tests below need most of the GPU."""
+    out = _run_python(_PAST_2_31_SCRIPT.format(config=config), timeout_s=300)
+    errors = [float(e) for e in out.strip().splitlines()[-1].split()]
+    assert len(errors) == 2 and max(errors) <= TOL[BF16], out
 
 
 _NEAR_2_31_SCRIPT = r"""

@@ -97,7 +97,9 @@ PARITY = [  # (m, k, n, g)
 @pytest.mark.parametrize("dtype,out_dtype", [(BF16, None), (F16, None), (BF16, F32),
                                              (F32, None)])
 @pytest.mark.parametrize("m,k,n,g", PARITY)
-def test_matches_lax_and_float64(rng, m, k, n, g, dtype, out_dtype):
+def test_matches_lax_and_float64(rng, m, k, n, g, dtype, out_dtype, request):
+    if dtype == F32:
+        request.getfixturevalue("exact_f32")
     x, w = random_array(rng, (m, k), dtype), random_array(rng, (g, k, n), dtype)
     gs = sizes("ragged" if g > 1 else "uniform", m, g, rng)
     ours = jax_tma.ragged_dot(x, w, gs, preferred_element_type=out_dtype)
@@ -183,7 +185,10 @@ def _prim(x, w, gs, mode=rd.ROWS, w_k_major=False, out_dtype=None):
 
 @pytest.mark.parametrize("mode,w_k_major", [(rd.ROWS, False), (rd.ROWS, True),
                                             (rd.CONTRACTION, False)])
-def test_check_grads_order_2(rng, mode, w_k_major):
+def test_check_grads_order_2(rng, mode, w_k_major, on_cpu):
+    """The rules, on the CPU device: float32 operands run through XLA's ragged products, which
+    on an H100 missed the order-2 check by 1.8% even under default_matmul_precision("highest")
+    (the kernel's gradients are checked on the GPU by the tests below)."""
     b, m, k, n, g = 2, 12, 4, 6, 3
     gs = np.stack([sizes("ragged", m, g, rng), sizes("short", m, g, rng)])
     x = random_array(rng, (b, m, k), F32)
