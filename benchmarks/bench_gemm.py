@@ -25,7 +25,7 @@ min-max spread. Outputs are checked against XLA before timing.
 The jax_tma row of each product records the path its lowering takes (column "jax_tma path", key
 "path" of the JSON rows): the kernel configuration (GemmConfig.describe()), "+ transpose" where an
 operand is copied into the kernel's layout first, or "xla" where the product runs on XLA's dot.
-It is worked out from gemm.kernel_route and gemm.config_for, which need no GPU, so a dry run
+It is worked out by gemm.kernel_choice, as the lowering does, which needs no GPU, so a dry run
 shows the path a Hopper GPU would take.
 
 --part I/N runs the I-th of N contiguous chunks of the shape list and writes its report under
@@ -417,8 +417,8 @@ def jax_tma_path(product, operands) -> str:
     copied into the kernel's layout first), or "xla" where the product runs on XLA's dot.
 
     The product is traced, so that the dimension numbers are those jax_tma.matmul or
-    dot_general hand the primitive rather than a copy of their rules; kernel_route and
-    config_for then decide as the lowering does. Both are pure Python: without the kernel (a dry
+    dot_general hand the primitive rather than a copy of their rules; gemm.kernel_choice then
+    decides as the lowering does. It is pure Python: without the kernel (a dry
     run on a CPU) this is the path a Hopper GPU would take (an H100, as gemm assumes without
     one); the lowering itself then runs XLA's dot."""
     jaxpr = jax.make_jaxpr(product)(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands))
@@ -427,12 +427,10 @@ def jax_tma_path(product, operands) -> str:
         if eqn.primitive is not gemm.dot_general_p:
             continue
         (lhs, rhs), params = (v.aval for v in eqn.invars), eqn.params
-        route = gemm.kernel_route(lhs, rhs, params["dimension_numbers"], params["out_dtype"],
-                                  params["precision"])
-        cfg = None if route is None else gemm.config_for(
-            route.plan, params["out_dtype"], params["config"], in_dtype=lhs.dtype)
-        paths.append("xla" if cfg is None else
-                     cfg.describe() + (" + transpose" if route.copies else ""))
+        choice = gemm.kernel_choice(lhs, rhs, params["dimension_numbers"], params["out_dtype"],
+                                    params["precision"], params["config"])
+        paths.append("xla" if choice is None else
+                     choice[1].describe() + (" + transpose" if choice[0].copies else ""))
     return "; ".join(paths) or "xla"
 
 

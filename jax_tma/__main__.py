@@ -48,14 +48,17 @@ def main() -> None:
 
     sets = _timing.random_operands(jax.random.key(0), [(m, k), (k, n)], dtype, reps)
     hlo = jax.jit(ours).lower(*sets[0]).compile().as_text()
-    used_kernel = gemm.KERNEL_TARGET in hlo
-    if used_kernel:
-        plan = gemm.kernel_plan(jax.ShapeDtypeStruct((m, k), dtype),
-                                jax.ShapeDtypeStruct((k, n), dtype), gemm.MATMUL_DIMS, dtype)
-        cfg = gemm.config_for(plan, dtype, None)
-        print(f"path: jax_tma kernel ({gemm.KERNEL_TARGET}; {cfg.describe()})")
-    else:
+    avals = jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype)
+    choice = gemm.kernel_choice(*avals, gemm.MATMUL_DIMS, dtype)
+    if gemm.KERNEL_TARGET in hlo:
+        print(f"path: jax_tma kernel ({gemm.KERNEL_TARGET}; {choice[1].describe()})")
+    elif not status.available:
         print(f"path: XLA fallback ({status.reason})")
+    else:
+        route = gemm.kernel_route(*avals, gemm.MATMUL_DIMS, dtype)
+        cfg = None if route is None else gemm.config_for(route.plan, dtype, None)
+        why = None if cfg is None else gemm.why_xla(route, cfg, *avals, dtype)
+        print(f"path: XLA's dot ({why or 'the kernel takes no configuration of this product'})")
 
     a, b = sets[0]
     out, ref_xla = jax.jit(ours)(a, b), jax.jit(xla)(a, b)

@@ -107,6 +107,16 @@ def env_flag(name: str, *, default: bool, on: str, off: str) -> bool:
     )
 
 
+def kernel_always() -> bool:
+    """True when ``JAX_TMA_KERNEL_ALWAYS`` asks the GEMM lowering to take the kernel for every
+    product it can compute, also those it leaves to XLA's dot as faster there
+    (gemm_config.xla_reason): tests of the kernel on small products, measurements. Read at
+    lowering time (env_flag's words; unset: XLA takes those products)."""
+    return env_flag("JAX_TMA_KERNEL_ALWAYS", default=False,
+                    on="to run the kernel also where XLA's dot is faster",
+                    off="to leave XLA's dot the products it computes faster")
+
+
 def disabled_by_env() -> bool:
     """True when ``JAX_TMA_DISABLE`` asks for the XLA path everywhere (env_flag's words; unset
     keeps the kernels). Any other value raises ValueError at the first op, not at import."""

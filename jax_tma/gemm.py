@@ -57,12 +57,14 @@ from jax_tma.gemm_config import (  # noqa: F401 - re-exported: the gemm module's
     STRIDE_ELEMS,
     GemmConfig,
     check_config,
+    copy_seconds,
     default_config,
     estimate_seconds,
     kernel_output_dtypes,
     legal_configs,
     stream_k_shared_operand_bytes,
     tma_store_aligned,
+    xla_reason,
 )
 from jax_tma.gemm_config import _EPILOGUE_DIRECT, _EPILOGUE_TMA_STORE
 from jax_tma.gemm_plan import DimensionNumbers, GemmPlan, free_axes, out_strides
@@ -288,6 +290,46 @@ def config_for(plan: GemmPlan, out_dtype, config: GemmConfig | None, *, in_dtype
     return config
 
 
+def why_xla(route: KernelRoute, cfg: GemmConfig, lhs_aval, rhs_aval, out_dtype) -> str | None:
+    """Why XLA's dot is faster than the kernel (configuration `cfg`, reached by `route`) on this
+    product, or None: gemm_config.xla_reason on the plan's sizes, the copies the route makes
+    (transposes, pads of rows that are not 16-byte multiples) and the kernel's estimate."""
+    plan = route.plan
+    copies, copied = 0, 0
+    for aval, perm, view in ((lhs_aval, route.lhs_perm, plan.lhs),
+                             (rhs_aval, route.rhs_perm, plan.rhs)):
+        count = (perm is not None) + bool(view.pad)
+        copies += count
+        copied += count * math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
+    out_dtype = jnp.dtype(out_dtype)
+    kernel_s = estimate_seconds(cfg, plan.m, plan.n, plan.k, _num_sms(), out_dtype.itemsize,
+                                plan.batch, plan.misaligned_rows, _dram_bytes_per_s(),
+                                _l2_bytes())
+    return xla_reason(plan.m, plan.n, plan.k, kernel_s,
+                      copy_seconds(copies, copied, _dram_bytes_per_s()))
+
+
+def kernel_choice(lhs_aval, rhs_aval, dimension_numbers: DimensionNumbers, out_dtype,
+                  precision=None, config: GemmConfig | None = None,
+                  xla_when_faster: bool | None = None) -> tuple[KernelRoute, GemmConfig] | None:
+    """(route, configuration) with which the lowering runs the kernel on this product, or None
+    where it runs XLA's dot: no route (kernel_route), no configuration (config_for), or, when
+    the caller names no `config` and `xla_when_faster` (default: unless JAX_TMA_KERNEL_ALWAYS
+    is set), a product XLA computes faster (why_xla). A `config` that cannot compute the
+    product is a ValueError naming the shapes."""
+    route = kernel_route(lhs_aval, rhs_aval, dimension_numbers, out_dtype, precision)
+    if route is None:
+        return None
+    cfg = config_for(route.plan, out_dtype, config, in_dtype=lhs_aval.dtype)
+    if cfg is None:
+        return None
+    if xla_when_faster is None:
+        xla_when_faster = not _ext.kernel_always()
+    if config is None and xla_when_faster and why_xla(route, cfg, lhs_aval, rhs_aval, out_dtype):
+        return None
+    return route, cfg
+
+
 # --------------------------------------------------------------------------------------
 # The primitive.
 
@@ -393,16 +435,14 @@ def sum_split_partials(d: jax.Array) -> jax.Array:
 
 def _local_lowering(ctx, lhs, rhs, *, platform: str, **params):
     """Lowering of one device's product: the kernel where it applies, else XLA's dot."""
-    route, cfg = None, None
+    choice = None
     if platform == "cuda" and _ext.cuda_lowering_blocker() is None:
-        route = kernel_route(*ctx.avals_in, params["dimension_numbers"], params["out_dtype"],
-                             params["precision"])
-        if route is not None:
-            cfg = config_for(route.plan, params["out_dtype"], params["config"],
-                             in_dtype=ctx.avals_in[0].dtype)
-    if cfg is None:
+        choice = kernel_choice(*ctx.avals_in, params["dimension_numbers"], params["out_dtype"],
+                               params["precision"], params["config"])
+    if choice is None:
         fn = functools.partial(_reference, **params)
     else:
+        route, cfg = choice
         fn = functools.partial(
             _kernel_call, plan=route.plan, dimension_numbers=params["dimension_numbers"],
             out_dtype=params["out_dtype"], config=cfg, route=route,
@@ -680,7 +720,8 @@ def dot_general(lhs: Any, rhs: Any, dimension_numbers, precision=None,
         if route is not None:
             config_for(route.plan, out_dtype, config)
     elif autotuning.enabled():
-        route = kernel_route(lhs, rhs, dims, out_dtype, canonical)
+        choice = kernel_choice(lhs, rhs, dims, out_dtype, canonical)
+        route = None if choice is None else choice[0]
         if route is not None and _ext.kernel_status().available:
             autotuning.tune_missing(lhs, rhs, dims, route.plan, out_dtype, precision,
                                    preferred_element_type)

@@ -266,6 +266,15 @@ _SPLIT_CHOICES = (1, 2, 4, 8, 16)  # measured: split 3 lost to 4 on 1x4096x4096
 # pieces' partial sums' round trip, and K ranges that no longer line up across the CTAs that
 # share operands.
 _STREAM_K_EXTRA_TILES = 0.33
+# ...and, on products of fewer than _STREAM_K_FIXED_WAVES whole waves, this once: the flags'
+# memset before the kernel and the pieces' fixup (partial tiles through the workspace, the
+# owner's wait for them). H100 sweeps of products the random suite lost (docs/cost-model.md):
+# there stream-K ran 2-10 us over the estimate beyond what the same tile without it did
+# (768 x 384 x 2368: 16.3 us against 7.8 for 64 x 64 tiles; 8832 x 64 x 640: 10.9 against 7.7
+# for 128 x 128 whole). On many waves the model's stream-K share is pessimistic by more than
+# that (H200, 16384 x 4096 x 14336: 26 us ahead, estimated 0.7), so the charge stops there.
+_STREAM_K_FIXED_S = 4e-6
+_STREAM_K_FIXED_WAVES = 4
 _STREAM_K_MIN_SLICES = 4  # TileScheduler::kMinStreamKSlices
 _GROUP_M = 8  # TileScheduler's kGroupM: cluster rows that sweep the N blocks together
 DEFAULT_L2_BYTES = 50 * 2**20  # an H100's or H200's, for a device that does not say
@@ -361,6 +370,8 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
         waves = tiles // num_sms + left / ctas + _STREAM_K_EXTRA_TILES
         shared = stream_k_shared_operand_bytes(config, m, n, k, batch, num_sms)
         reread_s = _STREAM_K_REREAD * max(0, shared - l2_bytes) / streaming
+        if tiles // num_sms < _STREAM_K_FIXED_WAVES:
+            reread_s += _STREAM_K_FIXED_S
     compute_s = waves * tile_s
     load_s = waves * 2 * (config.block_m + config.block_n) * k_per_split / _SM_LOAD_BYTES_PER_S
     # The misaligned rows each CTA issues per K range (none past the matrix): its A block, and
@@ -373,6 +384,42 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
     misaligned_s = waves * 2 * misaligned * k_per_split / _MISALIGNED_ISSUE_BYTES_PER_S
     return (max(compute_s, load_s, memory_s, misaligned_s)
             + _OVERLAP_LOSS * min(compute_s, memory_s) + split_s + reread_s)
+
+
+# Products the kernel could compute but that run on XLA's dot (gemm.kernel_route; a config
+# passed by the caller still runs the kernel). From the 200-product random suite on an H100
+# (bench_gemm --random 200 --seed 3, docs/benchmarks.md):
+# - K below one K block: the tensor cores multiply zeros for most of the only block and the
+#   product is an outer product bound by its output; all 25 such products ran at 0.20-0.55x.
+MIN_KERNEL_K = BLOCK_K
+# - outputs narrower than 16 columns (a matrix-vector product, to XLA): the narrowest tile is 64
+#   columns; 11 of the 12 with K >= 64 ran at 0.25-0.90x, one at 1.04x.
+MIN_KERNEL_N = 16
+# - copies that cost more than the product: each operand the lowering pads (rows not 16-byte
+#   multiples) or transposes is read and written once more, by one more kernel (about 1 us
+#   each on small products, measured: padded products took 1-1.2 us longer per pad).
+_COPY_FIXED_S = 1.0e-6
+
+
+def copy_seconds(copies: int, copied_bytes: int,
+                 dram_bytes_per_s: float = DEFAULT_DRAM_BYTES_PER_S) -> float:
+    """Time of `copies` operand copies (pads or transposes) of `copied_bytes` in all."""
+    streaming = _STREAMING_SHARE_OF_PEAK * dram_bytes_per_s
+    return copies * _COPY_FIXED_S + 2 * copied_bytes / streaming
+
+
+def xla_reason(m: int, n: int, k: int, kernel_s: float, copy_s: float = 0.0) -> str | None:
+    """Why XLA's dot beats the kernel on an M x N x K product, or None where the kernel runs:
+    K shorter than one K block, N narrower than MIN_KERNEL_N, or operand copies (`copy_s`,
+    copy_seconds) slower than the kernel's estimate (`kernel_s`, estimate_seconds)."""
+    if k < MIN_KERNEL_K:
+        return f"K={k} is shorter than one {MIN_KERNEL_K}-deep K block"
+    if n < MIN_KERNEL_N:
+        return f"N={n} is narrower than {MIN_KERNEL_N} columns (a matrix-vector product)"
+    if copy_s > kernel_s:
+        return (f"copying operands into the kernel's layout ({copy_s * 1e6:.1f} us) costs more "
+                f"than the product ({kernel_s * 1e6:.1f} us)")
+    return None
 
 
 def legal_configs(m: int, n: int, k: int, out_dtype, out_strides: tuple[int, ...] | None = None,

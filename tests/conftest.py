@@ -16,6 +16,12 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 # operand) need the memory XLA would otherwise preallocate for this process (75 % of the GPU).
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
+# The GEMM lowering leaves XLA's dot the products it computes faster (K < 64, narrow outputs,
+# operand copies that cost more than the product: gemm_config.xla_reason). The tests exercise
+# the kernel and its lowering on small products, so they take the kernel wherever it can run;
+# the tests of that choice pass xla_when_faster=True or set the variable to 0 themselves.
+os.environ.setdefault("JAX_TMA_KERNEL_ALWAYS", "1")
+
 import jax
 import numpy as np
 import pytest

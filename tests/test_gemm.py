@@ -292,7 +292,9 @@ def test_cuda_lowering_split_k_sums_partial_products():
     hlo = cuda_hlo(lambda a, b: jax_tma.matmul(a, b, config=cfg), spec((512, 1024), BF16), spec((1024, 512), BF16))
     assert hlo.count(f"custom_call @{gemm.KERNEL_TARGET}(") == 1
     assert "splits = 4" in hlo and "tensor<4x512x512xf32>" in hlo
-    assert "stablehlo.reduce" in hlo and "stablehlo.dot_general" not in hlo
+    # summed in a fixed order (((d0 + d1) + d2) + d3), not a reduce whose order XLA picks
+    assert hlo.count("stablehlo.add") == 3 and "stablehlo.reduce" not in hlo
+    assert "stablehlo.dot_general" not in hlo
 
 
 @needs_extension
@@ -572,6 +574,65 @@ def test_stream_k_pays_for_shared_operands_beyond_l2():
     for bad in (0, -1, 5e7, True, None, "50MB"):
         with pytest.raises(ValueError, match="l2_bytes must be a positive int"):
             gemm.default_config(8192, 8192, 8192, l2_bytes=bad)
+
+
+# ---------------------------------------------------------------- products left to XLA (CPU)
+
+
+@pytest.mark.parametrize("m,n,k,why", [
+    (4096, 4096, 32, "shorter than one 64-deep K block"),
+    (16493, 9023, 11, "shorter than one 64-deep K block"),  # 0.20x XLA on the H100
+    (4096, 8, 4096, "narrower than 16 columns"),
+    (498, 1, 4941, "narrower than 16 columns"),  # 0.41x
+    (1, 18597, 3402, "copying operands"),  # B's rows padded: a second pass over 127 MB; 0.40x
+    (7, 129, 72, "copying operands"),
+])
+def test_products_xla_computes_faster_run_there(m, n, k, why):
+    """The lowering leaves XLA's dot the products it measured faster there (gemm_config.
+    xla_reason), unless the caller names a configuration or sets JAX_TMA_KERNEL_ALWAYS."""
+    a, b = spec((m, k), BF16), spec((k, n), BF16)
+    assert gemm.kernel_choice(a, b, gemm.MATMUL_DIMS, BF16, xla_when_faster=True) is None
+    route = gemm.kernel_route(a, b, gemm.MATMUL_DIMS, BF16)
+    cfg = gemm.config_for(route.plan, BF16, None)
+    assert why in gemm.why_xla(route, cfg, a, b, BF16)
+    named = gemm.kernel_choice(a, b, gemm.MATMUL_DIMS, BF16, config=cfg, xla_when_faster=True)
+    assert named is not None and named[1] == cfg
+    assert gemm.kernel_choice(a, b, gemm.MATMUL_DIMS, BF16, xla_when_faster=False) is not None
+
+
+@pytest.mark.parametrize("m,n,k", [
+    (8192, 8192, 8192), (64, 64, 64), (1, 4096, 4096), (16, 4096, 64),
+    (3277, 702, 8677),  # A's rows padded (K = 8677), but the product hides the copy: 2.4x XLA
+    (74, 1040, 9883),  # A padded: 1.6x
+])
+def test_products_the_kernel_wins_keep_it(m, n, k):
+    a, b = spec((m, k), BF16), spec((k, n), BF16)
+    assert gemm.kernel_choice(a, b, gemm.MATMUL_DIMS, BF16, xla_when_faster=True) is not None
+
+
+@needs_extension
+def test_cuda_lowering_leaves_xla_the_products_it_computes_faster(monkeypatch):
+    a, b = spec((4096, 32), BF16), spec((32, 4096), BF16)
+    cfg = jax_tma.GemmConfig(128, 128, 6, 1)
+    monkeypatch.setenv("JAX_TMA_KERNEL_ALWAYS", "0")
+    assert gemm.KERNEL_TARGET not in cuda_hlo(lambda x, y: jax_tma.matmul(x, y), a, b)
+    assert gemm.KERNEL_TARGET in cuda_hlo(lambda x, y: jax_tma.matmul(x, y, config=cfg), a, b)
+    monkeypatch.setenv("JAX_TMA_KERNEL_ALWAYS", "1")
+    assert gemm.KERNEL_TARGET in cuda_hlo(lambda x, y: jax_tma.matmul(x, y), a, b)
+    monkeypatch.setenv("JAX_TMA_KERNEL_ALWAYS", "sometimes")
+    with pytest.raises(ValueError, match="JAX_TMA_KERNEL_ALWAYS='sometimes' is not a boolean"):
+        cuda_hlo(lambda x, y: jax_tma.matmul(x, y), a, b)
+
+
+def test_stream_k_pays_a_fixed_cost_on_few_waves():
+    """Stream-K's memset and fixup lost it the products of few waves it was chosen for (H100:
+    768 x 384 x 2368 16.3 us against 7.8 for 64 x 64 tiles, 8832 x 64 x 640 10.9 against 7.7 for
+    128 x 128 whole); on many waves it keeps its lead (8192^3, 16384 x 4096 x 4096)."""
+    h100 = 3.352e12
+    for m, n, k in ((768, 384, 2368), (8832, 64, 640), (5312, 256, 1920), (26304, 64, 512)):
+        assert not gemm.default_config(m, n, k, dram_bytes_per_s=h100).stream_k, (m, n, k)
+    for m, n, k in ((8192, 8192, 8192), (16384, 4096, 4096)):
+        assert gemm.default_config(m, n, k, dram_bytes_per_s=h100).stream_k, (m, n, k)
 
 
 # ---------------------------------------------------------------- sizes near 2^31 (CPU)
