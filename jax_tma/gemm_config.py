@@ -337,7 +337,8 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
     memory (they overlap only in part: among memory-bound choices, the one that computes least
     won the sweeps), plus the split-K partial products' round trip through memory. Stream-K
     replaces the last wave by its share of the K slices plus a fixed cost, and pays for the
-    operand blocks its tiles share beyond what L2 holds (stream_k_shared_operand_bytes).
+    operand blocks its tiles share beyond what L2 holds (stream_k_shared_operand_bytes) and,
+    on fewer than _STREAM_K_FIXED_WAVES whole waves, its memset and fixup (_STREAM_K_FIXED_S).
     `batch` independent products of M x N x K share the grid; `misaligned_rows`: the operands,
     "a" and/or "b", whose rows are not 32-byte multiples apart (GemmPlan.misaligned_rows);
     `dram_bytes_per_s`: the device's peak DRAM bandwidth; `l2_bytes`: its L2 cache."""
@@ -364,14 +365,14 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
     memory_s = batch * (2 * (m * k + k * n) + out_bytes * m * n) / bandwidth
     split_s = 0.0 if splits == 1 else _SPLIT_FIXED_S + 8 * splits * batch * m * n / streaming
     share = stream_k_share(tiles, k, num_sms) if config.stream_k else None
-    reread_s = 0.0
+    stream_k_s = 0.0  # stream-K's re-reads of shared operand blocks, and its fixed cost
     if share is not None:
         left, ctas = share
         waves = tiles // num_sms + left / ctas + _STREAM_K_EXTRA_TILES
         shared = stream_k_shared_operand_bytes(config, m, n, k, batch, num_sms)
-        reread_s = _STREAM_K_REREAD * max(0, shared - l2_bytes) / streaming
+        stream_k_s = _STREAM_K_REREAD * max(0, shared - l2_bytes) / streaming
         if tiles // num_sms < _STREAM_K_FIXED_WAVES:
-            reread_s += _STREAM_K_FIXED_S
+            stream_k_s += _STREAM_K_FIXED_S
     compute_s = waves * tile_s
     load_s = waves * 2 * (config.block_m + config.block_n) * k_per_split / _SM_LOAD_BYTES_PER_S
     # The misaligned rows each CTA issues per K range (none past the matrix): its A block, and
@@ -383,7 +384,7 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
                   * _BOX_COLS / sharing)
     misaligned_s = waves * 2 * misaligned * k_per_split / _MISALIGNED_ISSUE_BYTES_PER_S
     return (max(compute_s, load_s, memory_s, misaligned_s)
-            + _OVERLAP_LOSS * min(compute_s, memory_s) + split_s + reread_s)
+            + _OVERLAP_LOSS * min(compute_s, memory_s) + split_s + stream_k_s)
 
 
 # Products the kernel could compute but that run on XLA's dot (gemm.kernel_route; a config
