@@ -9,6 +9,7 @@ import importlib.util
 import io
 import json
 import math
+import os
 import pathlib
 import re
 import subprocess
@@ -33,12 +34,15 @@ def test_benchmark_dry_run(script, tmp_path):
 
 
 def _script(script: str, *args: str) -> subprocess.CompletedProcess:
-    """benchmarks/<script> run by this interpreter, with -S where this one runs with it, so that
-    it imports the jax_tma the tests import (a site-packages .pth may name another checkout)."""
+    """benchmarks/<script> run by this interpreter with this process's import path, so that it
+    imports the jax, jax_tma and packages the tests import: PYTHONPATH set to sys.path (under
+    Bazel's test runner they are on sys.path only, not in a site directory), and -S where this
+    process runs with it (a site-packages .pth may name another checkout)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     flags = ["-S"] if sys.flags.no_site else []
     return subprocess.run(
         [sys.executable, *flags, str(REPO / "benchmarks" / script), *args],
-        capture_output=True, text=True, timeout=600, cwd=REPO,
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=env,
     )
 
 
