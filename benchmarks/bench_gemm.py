@@ -349,19 +349,25 @@ def _parse(argv=None) -> argparse.Namespace:
             p.error(f"--part {args.part}: {len(args.shape_list)} shapes make fewer than {count} "
                     "parts")
         total = len(args.shape_list)
+        start, stop = part_bounds(total, index, count)
         args.part = (index, count)
-        args.part_note = (f"Part {index} of {count}: shapes {(index - 1) * total // count + 1} "
-                          f"to {index * total // count} of {total}.")
+        args.part_note = f"Part {index} of {count}: shapes {start + 1} to {stop} of {total}."
         args.shape_list = part(args.shape_list, index, count)
     if args.dry_run:
         args.rounds, args.iterations = 1, 1
     return args
 
 
+def part_bounds(total: int, index: int, count: int) -> tuple[int, int]:
+    """[start, stop) of the `index`-th (from 1) of `count` contiguous chunks of `total` items,
+    whose lengths differ by at most one."""
+    return (index - 1) * total // count, index * total // count
+
+
 def part(shapes: list, index: int, count: int) -> list:
-    """The `index`-th (from 1) of `count` contiguous chunks of `shapes`, whose lengths differ by
-    at most one: the chunks of 1..count, in order, are `shapes`."""
-    return shapes[(index - 1) * len(shapes) // count:index * len(shapes) // count]
+    """The `index`-th (from 1) of `count` contiguous chunks of `shapes` (part_bounds): the
+    chunks of 1..count, in order, are `shapes`."""
+    return shapes[slice(*part_bounds(len(shapes), index, count))]
 
 
 def _pallas_contender(dtype):

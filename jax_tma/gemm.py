@@ -194,6 +194,18 @@ class KernelRoute:
         """Whether an operand is transposed (a copy) before the kernel."""
         return self.lhs_perm is not None or self.rhs_perm is not None
 
+    def operand_copies(self, lhs_shape, rhs_shape) -> tuple[int, int]:
+        """(copies, elements copied) before the kernel, for operands of these shapes: one per
+        transpose and one per pad of rows that are not 16-byte multiples, each of a whole
+        operand."""
+        copies, elements = 0, 0
+        for shape, perm, view in ((lhs_shape, self.lhs_perm, self.plan.lhs),
+                                  (rhs_shape, self.rhs_perm, self.plan.rhs)):
+            count = (perm is not None) + bool(view.pad)
+            copies += count
+            elements += count * math.prod(shape)
+        return copies, elements
+
 
 def _permuted(perm, dims_of_operand):
     """Axes of an operand after ``lax.transpose(x, perm)``."""
@@ -253,10 +265,10 @@ def kernel_route(lhs_aval, rhs_aval, dimension_numbers: DimensionNumbers, out_dt
         found = gemm_plan.plan(lhs_now, rhs_now, dims)
         if found is None:
             continue
-        copied = (math.prod(lhs_shape) * ((lhs_perm is not None) + bool(found.lhs.pad))
-                  + math.prod(rhs_shape) * ((rhs_perm is not None) + bool(found.rhs.pad)))
+        route = KernelRoute(found, lhs_perm, rhs_perm, lhs_reshape, rhs_reshape)
+        copied = route.operand_copies(lhs_shape, rhs_shape)[1]
         if best is None or copied < best[0]:
-            best = (copied, KernelRoute(found, lhs_perm, rhs_perm, lhs_reshape, rhs_reshape))
+            best = (copied, route)
         if lhs_perm is None and rhs_perm is None:
             break  # in place: nothing copies less (a pad it needs, any other layout needs too)
     return None if best is None else best[1]
@@ -295,18 +307,13 @@ def why_xla(route: KernelRoute, cfg: GemmConfig, lhs_aval, rhs_aval, out_dtype) 
     product, or None: gemm_config.xla_reason on the plan's sizes, the copies the route makes
     (transposes, pads of rows that are not 16-byte multiples) and the kernel's estimate."""
     plan = route.plan
-    copies, copied = 0, 0
-    for aval, perm, view in ((lhs_aval, route.lhs_perm, plan.lhs),
-                             (rhs_aval, route.rhs_perm, plan.rhs)):
-        count = (perm is not None) + bool(view.pad)
-        copies += count
-        copied += count * math.prod(aval.shape) * jnp.dtype(aval.dtype).itemsize
-    out_dtype = jnp.dtype(out_dtype)
-    kernel_s = estimate_seconds(cfg, plan.m, plan.n, plan.k, _num_sms(), out_dtype.itemsize,
-                                plan.batch, plan.misaligned_rows, _dram_bytes_per_s(),
-                                _l2_bytes())
-    return xla_reason(plan.m, plan.n, plan.k, kernel_s,
-                      copy_seconds(copies, copied, _dram_bytes_per_s()))
+    copies, elements = route.operand_copies(lhs_aval.shape, rhs_aval.shape)
+    bandwidth = _dram_bytes_per_s()
+    kernel_s = estimate_seconds(cfg, plan.m, plan.n, plan.k, _num_sms(),
+                                jnp.dtype(out_dtype).itemsize, plan.batch, plan.misaligned_rows,
+                                bandwidth, _l2_bytes())
+    copy_s = copy_seconds(copies, elements * jnp.dtype(lhs_aval.dtype).itemsize, bandwidth)
+    return xla_reason(plan.m, plan.n, plan.k, kernel_s, copy_s)
 
 
 def kernel_choice(lhs_aval, rhs_aval, dimension_numbers: DimensionNumbers, out_dtype,
