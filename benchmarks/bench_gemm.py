@@ -21,6 +21,7 @@ min-max spread. Outputs are checked against XLA before timing.
     python benchmarks/bench_gemm.py --commit abc1234 # the commit that ran, if .git is stale
     python benchmarks/bench_gemm.py --random 600 --part 2/3   # one of 3 processes of a suite
     python benchmarks/bench_gemm.py --merge <results>/bench_gemm_random_part*of3.json
+    python benchmarks/bench_gemm.py --random 200 --seed 7 --autotune   # tuned before timing
 
 The jax_tma row of each product records the path its lowering takes (column "jax_tma path", key
 "path" of the JSON rows): the kernel configuration (GemmConfig.describe()), "+ transpose" where an
@@ -34,6 +35,12 @@ GPUs at once, or one after another where a process has a time limit). --merge re
 reports (JSON), checks that they come from one suite (device, commit, dtype, layout, random
 draw, stem) and writes the suite's report from their rows in the order of the parts, with the
 summary over all of them; it runs nothing on a GPU.
+
+--autotune tunes each product before timing it (jax_tma.autotune: every legal configuration, or
+the --autotune-max the cost model ranks first, and XLA's dot), into --autotune-cache or a new
+cache file in a temporary directory, so that the jax_tma row runs what the cache then chooses:
+the kernel with the tuned configuration, or XLA's dot where that measured faster (path "xla").
+The report's name gets _autotuned, and its JSON the tuning's wall time.
 
 --read-once adds a contender that only reads both operands once (XLA's fp32 row sums of each):
 a reference for products bound by memory, listed in GB/s of operand bytes beside jax_tma's
@@ -75,10 +82,12 @@ import importlib
 import importlib.metadata
 import json
 import math
+import os
 import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -156,6 +165,7 @@ DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 LAYOUTS = ("NN", "NT", "TN", "TT")  # a then b: N as in a[M, K] @ b[K, N], T stored transposed
 L2_BYTES = 50 * 2**20
 READ_ONCE = "read_once"  # the --read-once contender
+UNTUNED = "jax_tma_untuned"  # the --autotune run's heuristic contender
 BUFFER_BUDGET = 4 * 2**30  # operand bytes allotted per shape
 
 
@@ -265,6 +275,15 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--breakdown", action="store_true",
                    help="also print the kernels each contender launches, with their durations")
     p.add_argument("--no-pallas", action="store_true", help="skip the Pallas Mosaic-GPU matmul")
+    p.add_argument("--autotune", action="store_true",
+                   help="tune each product (jax_tma.autotune, XLA's dot among the candidates) "
+                        "before timing it")
+    p.add_argument("--autotune-max", type=int, metavar="N",
+                   help="with --autotune: time the N configurations the cost model ranks first "
+                        "(default: all)")
+    p.add_argument("--autotune-cache", type=pathlib.Path, metavar="FILE",
+                   help="with --autotune: the cache file (default: a new one in a temporary "
+                        "directory)")
     p.add_argument("--read-once", action="store_true",
                    help="also time reading both operands once (XLA row sums): a reference for "
                         "products bound by memory")
@@ -309,6 +328,10 @@ def _parse(argv=None) -> argparse.Namespace:
         p.error(f"--seed takes a non-negative int and applies to --random, got {args.seed}")
     if args.random is not None and args.random < 1:
         p.error(f"--random takes a positive number of shapes, got {args.random}")
+    if not args.autotune and (args.autotune_max is not None or args.autotune_cache is not None):
+        p.error("--autotune-max and --autotune-cache apply to --autotune")
+    if args.autotune_max is not None and args.autotune_max < 1:
+        p.error(f"--autotune-max takes a positive int, got {args.autotune_max}")
     args.labels, args.rejected, args.part_note = {}, 0, ""
     if args.shapes:
         try:
@@ -440,6 +463,43 @@ def jax_tma_path(product, operands) -> str:
     return "; ".join(paths) or "xla"
 
 
+def untuned_product(ours, xla, forced, operands):
+    """What the jax_tma contender `ours` runs without the autotuning cache, as a product that
+    keeps doing so once the cache has an entry: `xla` where the lowering leaves the product to
+    XLA's dot, else `forced` with the configuration the heuristic picks. Called before tuning."""
+    jaxpr = jax.make_jaxpr(ours)(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands))
+    eqns = [e for e in jaxpr.eqns if e.primitive is gemm.dot_general_p]
+    if not eqns:
+        return xla
+    (lhs, rhs), params = (v.aval for v in eqns[0].invars), eqns[0].params
+    choice = gemm.kernel_choice(lhs, rhs, params["dimension_numbers"], params["out_dtype"],
+                                params["precision"], params["config"])
+    return xla if choice is None else forced(choice[1])
+
+
+def tune(product, operands, max_candidates: int | None = None) -> str:
+    """Autotunes every jax_tma product of `product(*operands)` (found as jax_tma_path finds
+    them) into the current cache; returns what happened, for the log: the winners, or why
+    nothing was tuned (the kernels cannot run here, or a product the kernel does not compute)."""
+    jaxpr = jax.make_jaxpr(product)(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands))
+    done = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is not gemm.dot_general_p:
+            continue
+        (lhs, rhs), params = (v.aval for v in eqn.invars), eqn.params
+        try:
+            result = jax_tma.autotune(
+                jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
+                jax.ShapeDtypeStruct(rhs.shape, rhs.dtype), params["dimension_numbers"],
+                preferred_element_type=params["out_dtype"], precision=params["precision"],
+                max_candidates=max_candidates)
+        except (RuntimeError, ValueError) as e:
+            done.append(f"not tuned: {str(e).splitlines()[0]}")
+            continue
+        done.append("xla" if result.xla_faster else result.best.describe())
+    return "; ".join(done) or "no jax_tma product"
+
+
 def _read_once(a, b):
     """Reads every element of both operands once (fp32 sums of each row) and nothing else."""
     return jnp.sum(a, axis=-1, dtype=jnp.float32), jnp.sum(b, axis=-1, dtype=jnp.float32)
@@ -456,8 +516,17 @@ def bench_shape(shape, dtype, args, pallas) -> list[Row]:
     key = jax.random.key(math.prod(batch) * 131 + m * 31 + n * 7 + k)
     sets = _operand_sets(shape, dtype, key, args.layout)
     ours, xla, forced = _products(args.layout)
-    ref = jax.jit(xla)(*sets[0])
     contenders = {"jax_tma": ours, "xla": xla}
+    paths = {}
+    if args.autotune:  # before anything is compiled, so that every lowering reads the cache
+        paths[UNTUNED] = jax_tma_path(ours, sets[0])
+        contenders[UNTUNED] = untuned_product(ours, xla, forced, sets[0])
+        start = time.perf_counter()
+        tuned = tune(ours, sets[0], args.autotune_max)
+        args.tuning_seconds += time.perf_counter() - start
+        print(f" tuned in {time.perf_counter() - start:.1f} s ({tuned}) ...", end="",
+              file=sys.stderr, flush=True)
+    ref = jax.jit(xla)(*sets[0])
     if args.sweep:
         for cfg in gemm.legal_configs(m, n, k, dtype, splits=args.split_list):
             contenders[f"jax_tma[{cfg.describe()}]"] = forced(cfg)
@@ -481,7 +550,8 @@ def bench_shape(shape, dtype, args, pallas) -> list[Row]:
     if args.breakdown:
         _print_breakdown(shape, {n: contenders[n] for n in ("jax_tma", "xla")}, sets[0])
     path = jax_tma_path(ours, sets[0])
-    rows = [Row(shape, name, t.median_s, t.spread_s, path=path if name == "jax_tma" else "")
+    paths["jax_tma"] = path
+    rows = [Row(shape, name, t.median_s, t.spread_s, path=paths.get(name, ""))
             for name, t in timings.items()]
     rows += [Row(shape, name, None, None, note) for name, note in notes.items()]
     return rows
@@ -566,18 +636,18 @@ def jaxlib_version() -> str | None:
         return None
 
 
-def _ratios(rows: list[Row]) -> dict[tuple[int, ...], float]:
-    """XLA time / jax_tma time of each shape both timed, in the order of `rows`."""
+def _ratios(rows: list[Row], contender: str = "jax_tma") -> dict[tuple[int, ...], float]:
+    """XLA time / `contender`'s time of each shape both timed, in the order of `rows`."""
     found = {(r.shape, r.contender): r.seconds for r in rows if r.seconds}
-    return {shape: found[(shape, "xla")] / found[(shape, "jax_tma")]
+    return {shape: found[(shape, "xla")] / found[(shape, contender)]
             for shape in dict.fromkeys(r.shape for r in rows)
-            if (shape, "jax_tma") in found and (shape, "xla") in found}
+            if (shape, contender) in found and (shape, "xla") in found}
 
 
-def ratio_summary(rows: list[Row]) -> dict | None:
-    """Geometric mean and minimum of the jax_tma/XLA speed ratio over the shapes both timed,
+def ratio_summary(rows: list[Row], contender: str = "jax_tma") -> dict | None:
+    """Geometric mean and minimum of the `contender`/XLA speed ratio over the shapes both timed,
     the slowest shape (with its label) and how many fall below RATIO_FLOOR; None where none."""
-    ratios = _ratios(rows)
+    ratios = _ratios(rows, contender)
     if not ratios:
         return None
     slowest = min(ratios, key=ratios.get)
@@ -623,6 +693,12 @@ def _table(rows: list[Row], env: dict, dtype: str, about: str = "") -> str:
         lines += ["", f"geometric mean of the ratio: {summary['geomean']:.3f} over "
                       f"{summary['shapes']} shapes; slowest: {summary['min']:.3f} ({slowest}); "
                       f"{summary['below_floor']} below {RATIO_FLOOR}"]
+    untuned = ratio_summary(rows, UNTUNED)
+    if untuned:
+        lines += ["", (f"{UNTUNED} (the same run, what jax_tma runs without the cache): "
+                       f"geometric mean of the ratio {untuned['geomean']:.3f}; slowest: "
+                       f"{untuned['min']:.3f} ({_label(tuple(untuned['slowest_shape']))}); "
+                       f"{untuned['below_floor']} below {RATIO_FLOOR}")]
     others = sorted({r.contender for r in rows} - {"jax_tma", "xla"})
     for name in others:
         lines += ["", f"{name}:"]
@@ -638,6 +714,8 @@ def _table(rows: list[Row], env: dict, dtype: str, about: str = "") -> str:
                                  f"({r.seconds / ours.seconds:.2f}× this speed)")
                 else:
                     what = f"{r.seconds * 1e6:.1f} µs, {r.tflops():.1f} TFLOP/s"
+                    if r.path:
+                        what += f" ({r.path})"
                 lines.append(f"- {_label(r.shape)}: {what}")
     return "\n".join(lines)
 
@@ -731,6 +809,8 @@ def _stem(args) -> str:
                                       (args.dtype, args.dtype != "bf16")) if on]
     if args.part:
         suffixes.append("part{}of{}".format(*args.part))
+    if args.autotune:
+        suffixes.insert(len(suffixes) - bool(args.part), "autotuned")
     return "_".join(["bench_gemm", *suffixes])
 
 
@@ -744,7 +824,20 @@ def _suite(args) -> str:
 
 
 def _about(args) -> str:
-    """Where the shapes of --suite llm and --random come from, for the report; else empty."""
+    """Where the shapes of --suite llm and --random come from, and (--autotune) how jax_tma was
+    tuned, for the report; else empty."""
+    where = _shapes_about(args)
+    if not args.autotune:
+        return where
+    tuned = ("jax_tma autotuned before timing (jax_tma.autotune: "
+             + (f"the {args.autotune_max} configurations the cost model ranks first"
+                if args.autotune_max else "every legal configuration")
+             + " and XLA's dot; path xla: XLA's dot measured faster).")
+    return " ".join(filter(None, [where, tuned]))
+
+
+def _shapes_about(args) -> str:
+    """Where the shapes of --suite llm and --random come from; else empty."""
     if args.suite == "llm":
         families = dict.fromkeys(family for family, *_ in LLM_PROJECTIONS)
         shrunk = (" (dry run: each family's first projection, tokens and features divided by "
@@ -829,6 +922,10 @@ def merge(paths: list[pathlib.Path]) -> tuple[dict, list[Row], str]:
     merged = {key: value for key, value in first.items() if key != "part"}
     merged.update(stem=_whole(first["stem"]), summary=ratio_summary(rows),
                   rows=[_json_row(r) for r in rows], merged_from=[str(p) for p, _ in parts])
+    if "autotune" in first:
+        merged["autotune"] = dict(first["autotune"], tuning_seconds=sum(
+            payload.get("autotune", {}).get("tuning_seconds", 0.0) for _, payload in parts),
+            untuned_summary=ratio_summary(rows, UNTUNED))
     table = _table(rows, first["environment"], _what(first["dtype"], first["layout"]),
                    first.get("about", ""))
     return merged, rows, table
@@ -848,6 +945,11 @@ def main(argv=None) -> int:
     env = environment(args.commit)
     print(banner(env, args.dtype), flush=True)
     pallas = None if args.no_pallas or args.dry_run else _pallas_contender(dtype)
+    args.tuning_seconds = 0.0
+    if args.autotune:
+        cache = args.autotune_cache or pathlib.Path(tempfile.mkdtemp()) / "autotune.json"
+        os.environ["JAX_TMA_AUTOTUNE_CACHE"] = str(cache)
+        print(f"autotuning into {cache}", file=sys.stderr)
     if args.part:
         print(args.part_note, file=sys.stderr)
     rows: list[Row] = []
@@ -880,6 +982,10 @@ def main(argv=None) -> int:
         payload["random"] = {"count": args.random, "seed": args.seed, "rejected": args.rejected}
     if args.part:
         payload["part"] = dict(zip(("index", "count"), args.part))
+    if args.autotune:
+        payload["autotune"] = {"max_candidates": args.autotune_max,
+                               "tuning_seconds": round(args.tuning_seconds, 1),
+                               "untuned_summary": ratio_summary(rows, UNTUNED)}
     _write(args.out, payload, rows, table)
     return 0
 

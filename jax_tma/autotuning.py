@@ -1,12 +1,15 @@
 """Autotuning of the dense GEMM's configuration, with a persistent cache.
 
 ``default_config``'s cost model was fitted to a suite of shapes; on others its pick can be a
-few percent to 20% slower than the best compiled configuration. ``autotune(lhs, rhs, ...)`` times
-every legal configuration of one product on the device (the heuristic's pick among them, each
-product over distinct random operands of the given shapes and dtypes, the benchmarks' harness:
-CUPTI kernel time), and stores the fastest in a JSON cache keyed by device kind, dtypes, layout
-and shape. Whenever the kernel lowers a product without an explicit ``config=``, it reads that
-cache first; the heuristic stays the fallback.
+few percent to 20% slower than the best compiled configuration, and the rule that leaves a
+product to XLA's dot (gemm.why_xla) can be wrong either way. ``autotune(lhs, rhs, ...)`` times
+every legal configuration of one product on the device (the heuristic's pick among them) and
+XLA's dot of the same product, each over distinct random operands of the given shapes and
+dtypes in one harness run (the benchmarks': CUPTI kernel time), and stores the fastest
+configuration and XLA's time in a JSON cache keyed by device kind, dtypes, layout and shape.
+Whenever a product is lowered without an explicit ``config=``, that cache comes first: the
+kernel with the tuned configuration, or XLA's dot where it measured faster than the kernel's
+best; the heuristic and the rule stay the fallback for products not in the cache.
 
 Tuning happens where it is asked for:
   * ``jax_tma.autotune(lhs, rhs, dimension_numbers)`` (arrays or ``jax.ShapeDtypeStruct``s),
@@ -140,10 +143,10 @@ def store(key: str, entry: dict[str, Any]) -> None:
     _memory.pop(str(path), None)
 
 
-def lookup(plan: GemmPlan, in_dtype, out_dtype) -> GemmConfig | None:
-    """The cached configuration of this product, if any and if it is still one autotune would
-    time for it (an entry naming a tile no longer compiled, or one that cannot compute the
-    product, is ignored)."""
+def _valid_entry(plan: GemmPlan, in_dtype, out_dtype) -> tuple[GemmConfig, dict] | None:
+    """The cached configuration of this product and its entry, if any and if the configuration
+    is still one autotune would time for it (an entry naming a tile no longer compiled, or one
+    that cannot compute the product, is ignored)."""
     entry = entries().get(cache_key(plan, in_dtype, out_dtype))
     if entry is None:
         return None
@@ -151,17 +154,39 @@ def lookup(plan: GemmPlan, in_dtype, out_dtype) -> GemmConfig | None:
         cfg = GemmConfig(**entry["config"])
     except (KeyError, TypeError, ValueError):
         return None
-    return cfg if cfg in candidates(plan, out_dtype) else None
+    legal = scored_configs(plan.m, plan.n, plan.k, jnp.dtype(out_dtype), out_strides(plan),
+                           batch=plan.batch)
+    return (cfg, entry) if cfg in legal else None
+
+
+def lookup(plan: GemmPlan, in_dtype, out_dtype) -> GemmConfig | None:
+    """The cached configuration of this product (_valid_entry), or None."""
+    found = _valid_entry(plan, in_dtype, out_dtype)
+    return None if found is None else found[0]
+
+
+def measured_against_xla(plan: GemmPlan, in_dtype, out_dtype) -> tuple[float, float] | None:
+    """(the cached configuration's seconds, XLA's dot's seconds) per product as autotune
+    measured them, or None without a valid entry that timed both."""
+    found = _valid_entry(plan, in_dtype, out_dtype)
+    if found is None:
+        return None
+    cfg, entry = found
+    kernel_s, xla_s = entry.get("seconds", {}).get(cfg.describe()), entry.get("xla_seconds")
+    ok = all(isinstance(t, (int, float)) and 0 < t < float("inf") for t in (kernel_s, xla_s))
+    return (float(kernel_s), float(xla_s)) if ok else None
 
 
 # ---------------------------------------------------------------------------------------
 # Tuning.
 
 
-def candidates(plan: GemmPlan, out_dtype) -> list[GemmConfig]:
-    """The configurations worth timing: those default_config scores (scored_configs)."""
-    return list(scored_configs(plan.m, plan.n, plan.k, jnp.dtype(out_dtype),
-                               out_strides(plan), batch=plan.batch))
+def candidates(plan: GemmPlan, out_dtype, limit: int | None = None) -> list[GemmConfig]:
+    """The configurations worth timing: those default_config scores, best first by its cost
+    model on this device (gemm.ranked_for), the first `limit` of them (None: all)."""
+    from jax_tma import gemm  # noqa: PLC0415 (gemm imports this module)
+
+    return gemm.ranked_for(plan, out_dtype)[:limit]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,23 +195,40 @@ class TuneResult:
     best: GemmConfig
     default: GemmConfig | None
     seconds: dict[str, float]  # GemmConfig.describe() -> median seconds per product
+    xla_seconds: float | None = None  # XLA's dot, same harness (None: an entry without it)
 
     @property
     def speedup(self) -> float:
-        """The heuristic's time / the best's."""
-        if self.default is None:
+        """The heuristic's time / the best's (1.0 where the heuristic's pick was not timed)."""
+        if self.default is None or self.default.describe() not in self.seconds:
             return 1.0
         return self.seconds[self.default.describe()] / self.seconds[self.best.describe()]
 
+    @property
+    def xla_faster(self) -> bool:
+        """Whether XLA's dot beat the best configuration (the lowering then runs XLA's)."""
+        return self.xla_seconds is not None and self.xla_seconds < self.seconds[
+            self.best.describe()]
+
 
 def autotune(lhs: Any, rhs: Any, dimension_numbers=None, *, preferred_element_type=None,
-             precision=None, rounds: int = 3, sets: int = 2, force: bool = False) -> TuneResult:
+             precision=None, rounds: int = 3, sets: int = 2, force: bool = False,
+             max_candidates: int | None = None) -> TuneResult:
     """Times every legal configuration of ``jax_tma.dot_general(lhs, rhs, dimension_numbers)``
-    (``dimension_numbers=None``: ``matmul`` of 2-D operands) on the device and caches the
-    fastest. ``lhs`` and ``rhs`` may be arrays or ``jax.ShapeDtypeStruct``s: only their shapes and
-    dtypes are used (the timing runs on random operands). A key already cached is returned
-    without timing unless ``force``. Raises RuntimeError where the kernels cannot run here and
-    ValueError for a product the kernel does not compute (it runs on XLA: nothing to tune)."""
+    (``dimension_numbers=None``: ``matmul`` of 2-D operands) and ``lax.dot_general`` of the same
+    product on the device, and caches the fastest configuration with XLA's time: the lowering
+    then runs the kernel with it, or XLA's dot where that was faster. ``lhs`` and ``rhs`` may be
+    arrays or ``jax.ShapeDtypeStruct``s: only their shapes and dtypes are used (the timing runs
+    on random operands). ``max_candidates`` times only the configurations the cost model ranks
+    first (None: all; each costs a compilation and ``rounds`` x ``sets`` x 2 products). A key
+    already cached is returned without timing unless ``force``. Raises RuntimeError where the
+    kernels cannot run here and ValueError for a product the kernel does not compute (it runs on
+    XLA: nothing to tune)."""
+    if max_candidates is not None and (isinstance(max_candidates, bool)
+                                       or not isinstance(max_candidates, int)
+                                       or max_candidates < 1):
+        raise ValueError(f"jax_tma.autotune: max_candidates must be a positive int or None, got "
+                         f"{max_candidates!r}")
     from jax_tma import gemm  # noqa: PLC0415 (gemm imports this module)
 
     if dimension_numbers is None:
@@ -214,19 +256,20 @@ def autotune(lhs: Any, rhs: Any, dimension_numbers=None, *, preferred_element_ty
     cached = None if force else lookup(plan, lhs.dtype, out.dtype)
     if cached is not None:
         entry = entries()[key]
+        measured = measured_against_xla(plan, lhs.dtype, out.dtype)
         return TuneResult(key, cached, _config_or_none(entry.get("default")),
-                          dict(entry.get("seconds", {})))
-    configs = candidates(plan, out.dtype)
+                          dict(entry.get("seconds", {})), measured and measured[1])
+    configs = candidates(plan, out.dtype, max_candidates)
     if not configs:
         raise ValueError(f"jax_tma.autotune: no compiled configuration computes {key}")
     default = gemm.config_for(plan, out.dtype, None, use_cache=False)
-    seconds = _time(configs, lhs_s, rhs_s, dimension_numbers, preferred_element_type,
-                    precision, rounds, sets)
+    seconds, xla_s = _time(configs, lhs_s, rhs_s, dimension_numbers, preferred_element_type,
+                           precision, rounds, sets)
     best = min(configs, key=lambda c: seconds[c.describe()])
     store(key, {"config": dataclasses.asdict(best),
                 "default": dataclasses.asdict(default) if default is not None else None,
-                "seconds": seconds, "method": _timing.timing_method()})
-    return TuneResult(key, best, default, seconds)
+                "seconds": seconds, "xla_seconds": xla_s, "method": _timing.timing_method()})
+    return TuneResult(key, best, default, seconds, xla_s)
 
 
 def _config_or_none(fields) -> GemmConfig | None:
@@ -236,9 +279,13 @@ def _config_or_none(fields) -> GemmConfig | None:
         return None
 
 
+_XLA = "xla"  # XLA's dot among the contenders (no GemmConfig.describe() reads so)
+
+
 def _time(configs, lhs, rhs, dimension_numbers, preferred_element_type, precision, rounds,
-          sets) -> dict[str, float]:
-    """Median seconds per product of each configuration, all timed in one harness run."""
+          sets) -> tuple[dict[str, float], float]:
+    """Median seconds per product of each configuration (by GemmConfig.describe()) and of XLA's
+    dot, all timed in one harness run."""
     from jax_tma import gemm  # noqa: PLC0415
 
     # Executed now even when called while a jit is being traced (JAX_TMA_AUTOTUNE=1).
@@ -251,8 +298,12 @@ def _time(configs, lhs, rhs, dimension_numbers, preferred_element_type, precisio
                 a, b, dimension_numbers, precision=precision,
                 preferred_element_type=preferred_element_type, config=cfg))
             for cfg in configs}
+        contenders[_XLA] = lambda a, b: jax.lax.dot_general(
+            a, b, dimension_numbers, precision=precision,
+            preferred_element_type=preferred_element_type)
         timings = _timing.compare(contenders, operand_sets, rounds=rounds, iterations=2)
-    return {name: t.median_s for name, t in timings.items()}
+    seconds = {name: t.median_s for name, t in timings.items()}
+    return seconds, seconds.pop(_XLA)
 
 
 def tune_missing(lhs, rhs, dimension_numbers, plan: GemmPlan, out_dtype, precision,

@@ -62,6 +62,7 @@ from jax_tma.gemm_config import (  # noqa: F401 - re-exported: the gemm module's
     estimate_seconds,
     kernel_output_dtypes,
     legal_configs,
+    ranked_configs,
     stream_k_shared_operand_bytes,
     tma_store_aligned,
     xla_reason,
@@ -302,11 +303,28 @@ def config_for(plan: GemmPlan, out_dtype, config: GemmConfig | None, *, in_dtype
     return config
 
 
+def ranked_for(plan: GemmPlan, out_dtype) -> list[GemmConfig]:
+    """Every configuration the heuristic scores for the product, best first on this device
+    (gemm_config.ranked_configs; its first is config_for's choice without a cache entry)."""
+    return ranked_configs(plan.m, plan.n, plan.k, _num_sms(), jnp.dtype(out_dtype),
+                          batch=plan.batch, out_strides=out_strides(plan),
+                          misaligned_rows=plan.misaligned_rows,
+                          dram_bytes_per_s=_dram_bytes_per_s(), l2_bytes=_l2_bytes())
+
+
 def why_xla(route: KernelRoute, cfg: GemmConfig, lhs_aval, rhs_aval, out_dtype) -> str | None:
     """Why XLA's dot is faster than the kernel (configuration `cfg`, reached by `route`) on this
-    product, or None: gemm_config.xla_reason on the plan's sizes, the copies the route makes
-    (transposes, pads of rows that are not 16-byte multiples) and the kernel's estimate."""
+    product, or None. Measured where jax_tma.autotune timed both on this device (the cache's
+    verdict, either way); otherwise gemm_config.xla_reason on the plan's sizes, the copies the
+    route makes (transposes, pads of rows that are not 16-byte multiples) and the kernel's
+    estimate."""
     plan = route.plan
+    measured = autotuning.measured_against_xla(plan, lhs_aval.dtype, out_dtype)
+    if measured is not None:
+        kernel_s, xla_s = measured
+        return (f"jax_tma.autotune measured XLA's dot at {xla_s * 1e6:.1f} us against "
+                f"{kernel_s * 1e6:.1f} us for the kernel's best configuration"
+                if xla_s < kernel_s else None)
     copies, elements = route.operand_copies(lhs_aval.shape, rhs_aval.shape)
     bandwidth = _dram_bytes_per_s()
     kernel_s = estimate_seconds(cfg, plan.m, plan.n, plan.k, _num_sms(),
@@ -727,8 +745,8 @@ def dot_general(lhs: Any, rhs: Any, dimension_numbers, precision=None,
         if route is not None:
             config_for(route.plan, out_dtype, config)
     elif autotuning.enabled():
-        choice = kernel_choice(lhs, rhs, dims, out_dtype, canonical)
-        route = None if choice is None else choice[0]
+        # Products the rule leaves to XLA are tuned too: the measurement decides for them.
+        route = kernel_route(lhs, rhs, dims, out_dtype, canonical)
         if route is not None and _ext.kernel_status().available:
             autotuning.tune_missing(lhs, rhs, dims, route.plan, out_dtype, precision,
                                    preferred_element_type)

@@ -483,20 +483,32 @@ def default_config(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
     if isinstance(l2_bytes, bool) or not isinstance(l2_bytes, int) or l2_bytes <= 0:
         raise ValueError(f"l2_bytes must be a positive int (the device's L2 cache in bytes), "
                          f"got {l2_bytes!r}")
+    ranked = ranked_configs(m, n, k, num_sms, out_dtype, batch, out_strides, misaligned_rows,
+                            dram_bytes_per_s, l2_bytes)
+    return ranked[0] if ranked else None
+
+
+def ranked_configs(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
+                   out_dtype=jnp.bfloat16, batch: int = 1,
+                   out_strides: tuple[int, ...] | None = None,
+                   misaligned_rows: str = "",
+                   dram_bytes_per_s: float = DEFAULT_DRAM_BYTES_PER_S,
+                   l2_bytes: int = DEFAULT_L2_BYTES) -> list[GemmConfig]:
+    """Every configuration of ``scored_configs``, best first as default_config ranks them
+    (its arguments, unchecked): by ``estimate_seconds``, then the deeper pipeline, the cluster
+    of 2 (where it multicasts), no split and no stream-K."""
     out_bytes = jnp.dtype(out_dtype).itemsize
-    best, best_key = None, None
-    for cfg in scored_configs(m, n, k, out_dtype, out_strides, batch=batch):
-        multicast = cfg.multicasts(m)
-        key = (
+
+    def key(cfg: GemmConfig):
+        return (
             round(estimate_seconds(cfg, m, n, k, num_sms, out_bytes, batch,
                                    misaligned_rows, dram_bytes_per_s, l2_bytes), 9),
             -cfg.stages,
-            -int(multicast),
+            -int(cfg.multicasts(m)),
             cfg.split_k,
             int(cfg.stream_k),
         )
-        if best_key is None or key < best_key:
-            best, best_key = cfg, key
-    return best
+
+    return sorted(scored_configs(m, n, k, out_dtype, out_strides, batch=batch), key=key)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from unittest import mock
 import multiprocessing
 import os
 import pathlib
@@ -136,19 +137,24 @@ def test_autotune_needs_the_kernels(monkeypatch):
         jax_tma.autotune(spec((2, 256, 256)), spec((256, 256)))
 
 
+class FakeDevice(list):
+    """The candidate lists timed so far; `xla_s`: the time the stand-in gives XLA's dot."""
+    xla_s = 5e-3
+
+
 @pytest.fixture
 def fake_device(monkeypatch):
-    """Kernels 'available' and a timer that makes 128 x 128, 4 stages, split 2 the fastest;
-    returns the list of timed candidate lists."""
+    """Kernels 'available' and a timer that makes 128 x 128, 6 stages, split 2 the fastest
+    configuration (1 ms; the others 2 ms and up) and gives XLA's dot FakeDevice.xla_s."""
     status = _ext.kernel_status()
     monkeypatch.setattr(_ext, "kernel_status",
                         lambda: dataclasses.replace(status, available=True, reason=None))
-    timed = []
+    timed = FakeDevice()
 
     def fake_time(configs, *args):
         timed.append(list(configs))
-        return {c.describe(): 1e-3 if (c.tile, c.split_k) == ((128, 128, 6, 1), 2) else
-                2e-3 + 1e-6 * i for i, c in enumerate(configs)}
+        return ({c.describe(): 1e-3 if (c.tile, c.split_k) == ((128, 128, 6, 1), 2) else
+                 2e-3 + 1e-6 * i for i, c in enumerate(configs)}, timed.xla_s)
 
     monkeypatch.setattr(autotuning, "_time", fake_time)
     return timed
@@ -167,6 +173,64 @@ def test_autotune_stores_the_winner_and_reuses_it(fake_device, cache_file):
     assert len(fake_device) == 2
     entry = json.loads(cache_file.read_text())["entries"][result.key]
     assert entry["seconds"][result.best.describe()] == 1e-3
+    assert entry["xla_seconds"] == 5e-3 and not result.xla_faster
+
+
+def _choice(m, n, k):
+    return gemm.kernel_choice(spec((m, k)), spec((k, n)), MATMUL, BF16)
+
+
+def test_xla_measured_faster_takes_the_product(fake_device, monkeypatch):
+    monkeypatch.delenv("JAX_TMA_KERNEL_ALWAYS", raising=False)
+    assert _choice(512, 1024, 4096) is not None  # the rule keeps the kernel
+    fake_device.xla_s = 0.5e-3
+    result = jax_tma.autotune(spec((512, 4096)), spec((4096, 1024)))
+    assert result.xla_faster and result.xla_seconds == 0.5e-3
+    assert _choice(512, 1024, 4096) is None  # measured: XLA's dot
+    route = gemm.kernel_route(spec((512, 4096)), spec((4096, 1024)), MATMUL, BF16)
+    why = gemm.why_xla(route, result.best, spec((512, 4096)), spec((4096, 1024)), BF16)
+    assert "measured XLA's dot at 500.0 us against 1000.0 us" in why
+    # JAX_TMA_KERNEL_ALWAYS=1 and an explicit config keep the kernel; the tuned tile is used.
+    monkeypatch.setenv("JAX_TMA_KERNEL_ALWAYS", "1")
+    assert _choice(512, 1024, 4096)[1] == result.best
+    monkeypatch.delenv("JAX_TMA_KERNEL_ALWAYS")
+    cfg = gemm.default_config(512, 1024, 4096)
+    assert gemm.kernel_choice(spec((512, 4096)), spec((4096, 1024)), MATMUL, BF16,
+                              config=cfg)[1] == cfg
+
+
+def test_kernel_measured_faster_overrides_the_rule(fake_device, monkeypatch):
+    monkeypatch.delenv("JAX_TMA_KERNEL_ALWAYS", raising=False)
+    assert _choice(4096, 4096, 32) is None  # the rule: K shorter than one K block
+    result = jax_tma.autotune(spec((4096, 32)), spec((32, 4096)))
+    assert not result.xla_faster
+    assert _choice(4096, 4096, 32)[1] == result.best
+
+
+def test_entries_without_xla_time_leave_the_rule(fake_device, cache_file, monkeypatch):
+    monkeypatch.delenv("JAX_TMA_KERNEL_ALWAYS", raising=False)
+    result = jax_tma.autotune(spec((4096, 32)), spec((32, 4096)))
+    data = json.loads(cache_file.read_text())
+    del data["entries"][result.key]["xla_seconds"]  # an entry of an earlier release
+    cache_file.write_text(json.dumps(data))
+    plan = _plan(4096, 4096, 32)
+    assert autotuning.lookup(plan, BF16, BF16) == result.best
+    assert autotuning.measured_against_xla(plan, BF16, BF16) is None
+    assert _choice(4096, 4096, 32) is None  # the rule again
+    again = jax_tma.autotune(spec((4096, 32)), spec((32, 4096)))
+    assert again.xla_seconds is None and not again.xla_faster
+
+
+def test_max_candidates_times_the_cost_models_first(fake_device):
+    result = jax_tma.autotune(spec((3000, 2048)), spec((2048, 5000)), max_candidates=3)
+    plan = _plan(3000, 5000, 2048)
+    assert fake_device[0] == gemm.ranked_for(plan, BF16)[:3]
+    assert fake_device[0][0] == gemm.config_for(plan, BF16, None, use_cache=False)
+    assert result.best in fake_device[0] and len(result.seconds) == 3
+    for bad in (0, -1, 2.0, True, "3"):
+        with pytest.raises(ValueError, match="max_candidates must be a positive int"):
+            jax_tma.autotune(spec((3000, 2048)), spec((2048, 5000)), max_candidates=bad,
+                             force=True)
 
 
 def test_env_tunes_at_trace_time(fake_device, monkeypatch):
@@ -179,6 +243,12 @@ def test_env_tunes_at_trace_time(fake_device, monkeypatch):
     monkeypatch.setenv("JAX_TMA_AUTOTUNE", "0")
     jax.jit(jax_tma.matmul).trace(spec((384, 4096)), spec((4096, 640)))
     assert len(fake_device) == 1
+    # A product the rule leaves to XLA is tuned as well: the measurement decides.
+    monkeypatch.setenv("JAX_TMA_AUTOTUNE", "1")
+    jax.jit(jax_tma.matmul).trace(spec((2048, 32)), spec((32, 2048)))
+    assert len(fake_device) == 2
+    kernel_s, xla_s = autotuning.measured_against_xla(_plan(2048, 2048, 32), BF16, BF16)
+    assert kernel_s < xla_s == 5e-3
 
 
 @needs_extension
@@ -197,9 +267,13 @@ def test_autotune_on_the_device(rng):
     m, n, k = 1000, 1536, 2048
     result = jax_tma.autotune(spec((m, k)), spec((k, n)), rounds=1, sets=1)
     assert result.best.describe() in result.seconds and len(result.seconds) > 5
-    assert all(0 < s < 1 for s in result.seconds.values())
+    assert all(0 < s < 1 for s in result.seconds.values()) and 0 < result.xla_seconds < 1
     assert result.seconds[result.best.describe()] == min(result.seconds.values())
     assert autotuning.lookup(_plan(m, n, k), BF16, BF16) == result.best
+    kernel_s, xla_s = autotuning.measured_against_xla(_plan(m, n, k), BF16, BF16)
+    assert (kernel_s, xla_s) == (result.seconds[result.best.describe()], result.xla_seconds)
+    with mock.patch.dict(os.environ, {"JAX_TMA_KERNEL_ALWAYS": "0"}):
+        assert (_choice(m, n, k) is None) == result.xla_faster
     a = rng.standard_normal((m, k)).astype(BF16)
     b = rng.standard_normal((k, n)).astype(BF16)
     out = jax.jit(jax_tma.matmul)(a, b)

@@ -307,6 +307,41 @@ def test_bench_gemm_jax_tma_path(monkeypatch):
     assert bench.jax_tma_path(jnp.matmul, avals((7, 72), (72, 129))) == "xla"
 
 
+def test_bench_gemm_autotune_dry_run(tmp_path):
+    """--autotune: the report's name, its note and JSON; without the kernels nothing is tuned
+    (each product says why) and the run goes on."""
+    cache = tmp_path / "cache.json"
+    result = _run("bench_gemm.py", "--random", "3", "--seed", "3", "--autotune",
+                  "--autotune-max", "2", "--autotune-cache", str(cache), "--out",
+                  str(tmp_path / "out"), "--part", "1/1")
+    assert result.returncode == 0, result.stderr
+    report = _written(tmp_path / "out", "bench_gemm_random_autotuned_part1of1")
+    assert report["autotune"]["max_candidates"] == 2
+    assert report["autotune"]["tuning_seconds"] >= 0
+    untuned = [r for r in report["rows"] if r["contender"] == "jax_tma_untuned"]
+    assert len(untuned) == 3 and all(r["seconds"] > 0 and r["path"] for r in untuned)
+    assert report["autotune"]["untuned_summary"]["shapes"] == 3
+    assert "jax_tma_untuned (the same run, what jax_tma runs without the cache)" in result.stdout
+    assert "the 2 configurations the cost model ranks first and XLA's dot" in report["about"]
+    assert f"autotuning into {cache}" in result.stderr
+    if "not tuned: jax_tma.autotune: the kernels cannot run here" not in result.stderr:
+        assert cache.exists()  # a GPU machine: tuned
+    bench = _bench_module("bench_gemm")
+    assert bench._stem(bench._parse(["--random", "3", "--autotune"])) == (
+        "bench_gemm_random_autotuned")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--autotune-max", "3"], "apply to --autotune"),
+    (["--autotune-cache", "x.json"], "apply to --autotune"),
+    (["--autotune", "--autotune-max", "0"], "--autotune-max takes a positive int"),
+])
+def test_bench_gemm_rejects_bad_autotune_flags(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        _bench_module("bench_gemm")._parse(["--dry-run", *args])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
 def test_bench_gemm_row_from_json():
     bench = _bench_module("bench_gemm")
     row = bench.Row((2, 3, 4), "jax_tma", 1e-3, 1e-5, path="block_m=64")
