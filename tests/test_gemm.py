@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import jax_tma
-from jax_tma import _ext, _testing, gemm, gemm_plan
+from jax_tma import _ext, _testing, gemm, gemm_config, gemm_plan
 from conftest import cuda_hlo, f64_matmul, needs_extension, random_array, rel_error
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -207,6 +207,20 @@ def test_default_config_is_legal(m, n, k):
     for out_dtype in (BF16, np.float32):
         cfg = gemm.default_config(m, n, k, out_dtype=out_dtype)
         gemm.check_config(cfg, m, n, k, out_dtype)
+
+
+@pytest.mark.parametrize("m,n,k", HEURISTIC_SHAPES)
+def test_ranked_configs_start_with_the_default(m, n, k):
+    """ranked_configs (what autotune(max_candidates=N) times) orders every scored configuration
+    by the cost model, default_config's choice first."""
+    for out_dtype in (BF16, np.float32):
+        ranked = gemm.ranked_configs(m, n, k, out_dtype=out_dtype)
+        assert ranked[0] == gemm.default_config(m, n, k, out_dtype=out_dtype)
+        assert sorted(map(str, ranked)) == sorted(
+            map(str, gemm_config.scored_configs(m, n, k, out_dtype)))
+        estimates = [gemm.estimate_seconds(c, m, n, k, out_bytes=np.dtype(out_dtype).itemsize)
+                     for c in ranked]
+        assert all(round(a, 9) <= round(b, 9) for a, b in zip(estimates, estimates[1:]))
 
 
 def test_default_config_heuristic():
