@@ -35,7 +35,7 @@ from jax_tma import _timing, gemm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_gemm import (  # noqa: E402
-    banner, environment, harness_arguments, pyplot, save_figure, write_report)
+    banner, environment, harness_arguments, parse_shapes, pyplot, save_figure, write_report)
 
 SHAPES = [(6144, 3072, 24576), (1536, 1536, 1536), (2048, 13824, 5120), (12288, 12288, 4096),
           (1000, 1000, 1000), (777, 1234, 3000), (4096, 24576, 3072), (16, 8192, 8192, 128),
@@ -145,12 +145,7 @@ def main(argv=None) -> int:
     harness_arguments(p)
     args = p.parse_args(argv)
     if args.shapes:
-        try:
-            shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
-        except ValueError:
-            p.error(f"--shapes takes M,N,K or B,M,N,K of ints, got {args.shapes}")
-        if any(len(s) not in (3, 4) or min(s) < 1 for s in shapes):
-            p.error(f"--shapes takes M,N,K or B,M,N,K of positive ints, got {args.shapes}")
+        shapes = parse_shapes(p, args.shapes)
     else:
         shapes = DRY_RUN if args.dry_run else SHAPES
     if args.dry_run:

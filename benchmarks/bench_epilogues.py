@@ -37,7 +37,7 @@ from jax_tma import _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_gemm import (  # noqa: E402
-    banner, environment, harness_arguments, pyplot, save_figure, write_report)
+    banner, environment, harness_arguments, parse_shapes, pyplot, save_figure, write_report)
 
 SHAPES = [(16384, 14336, 4096), (8192, 4096, 4096), (4096, 11008, 4096), (8192, 28672, 8192),
           (16, 14336, 4096), (64, 14336, 4096)]
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         shapes, args.rounds, args.iterations = DRY_RUN, 1, 1
     elif args.shapes:
-        shapes = [tuple(map(int, s.split(","))) for s in args.shapes]
+        shapes = parse_shapes(p, args.shapes, ("M,N,K",))
     else:
         shapes = SHAPES[1:3] if args.quick else SHAPES
     env = environment(args.commit)

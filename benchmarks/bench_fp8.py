@@ -39,7 +39,7 @@ from jax_tma import _timing, fp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_gemm import (  # noqa: E402
-    banner, environment, harness_arguments, pyplot, save_figure, write_report)
+    banner, environment, harness_arguments, parse_shapes, pyplot, save_figure, write_report)
 
 SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 14336, 4096), (4096, 7168, 16384),
           (4096, 24576, 1536), (64, 28672, 4096), (128, 7168, 16384)]
@@ -244,12 +244,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         shapes, args.rounds, args.iterations = DRY_RUN, 1, 1
     elif args.shapes:
-        try:
-            shapes = [tuple(int(v) for v in s.split(",")) for s in args.shapes]
-        except ValueError:
-            shapes = []
-        if not shapes or any(len(s) != 3 or min(s) < 1 for s in shapes):
-            p.error("--shapes takes M,N,K triples of positive integers")
+        shapes = parse_shapes(p, args.shapes, ("M,N,K",))
     else:
         shapes = SHAPES[:2] if args.quick else SHAPES
     env = environment(args.commit)

@@ -334,14 +334,7 @@ def _parse(argv=None) -> argparse.Namespace:
         p.error(f"--autotune-max takes a positive int, got {args.autotune_max}")
     args.labels, args.rejected, args.part_note = {}, 0, ""
     if args.shapes:
-        try:
-            args.shape_list = [tuple(int(x) for x in s.split(",")) for s in args.shapes]
-        except ValueError:
-            args.shape_list = []
-        if not args.shape_list or any(len(s) not in (3, 4) or min(s) < 1
-                                      for s in args.shape_list):
-            p.error("--shapes takes M,N,K triples or B,M,N,K quadruples of positive ints, "
-                    f"got {args.shapes}")
+        args.shape_list = parse_shapes(p, args.shapes)
     elif args.suite == "llm":
         if args.dry_run:  # each family's first projection, shrunk
             firsts: dict[str, tuple] = {}
@@ -379,6 +372,21 @@ def _parse(argv=None) -> argparse.Namespace:
     if args.dry_run:
         args.rounds, args.iterations = 1, 1
     return args
+
+
+def parse_shapes(p: argparse.ArgumentParser, values: list[str], names: tuple[str, ...] = (
+        "M,N,K", "B,M,N,K")) -> list[tuple[int, ...]]:
+    """The --shapes `values` of a benchmark ("1024,1024,64") as tuples of positive ints, each
+    with as many sizes as one of the forms `names`; anything else is a usage error (`p.error`,
+    exit 2) naming the forms and what was given."""
+    try:
+        shapes = [tuple(int(x) for x in s.split(",")) for s in values]
+    except ValueError:
+        shapes = []
+    lengths = {name.count(",") + 1 for name in names}
+    if not shapes or any(len(s) not in lengths or min(s) < 1 for s in shapes):
+        p.error(f"--shapes takes {' or '.join(names)} of positive ints, got {' '.join(values)}")
+    return shapes
 
 
 def part_bounds(total: int, index: int, count: int) -> tuple[int, int]:

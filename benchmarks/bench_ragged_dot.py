@@ -37,7 +37,7 @@ from jax_tma import _ext, _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_gemm import (  # noqa: E402
-    banner, environment, harness_arguments, pyplot, save_figure, write_report)
+    banner, environment, harness_arguments, parse_shapes, pyplot, save_figure, write_report)
 
 SUITE = [  # (M, K, N, G, sizes, form)
     (16384, 4096, 14336, 8, "uniform", "rows"),
@@ -279,7 +279,9 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--sweep", action="store_true",
                    help="time every compiled configuration of jax_tma instead of the contenders")
     harness_arguments(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.shape_list = parse_shapes(p, args.shapes, ("M,K,N,G",)) if args.shapes else []
+    return args
 
 
 def main(argv=None) -> int:
@@ -288,7 +290,7 @@ def main(argv=None) -> int:
     if args.dry_run:
         cases, args.rounds, args.iterations = DRY_RUN, 1, 1
     elif args.shapes:
-        cases = [(*map(int, s.split(",")), args.sizes, args.form) for s in args.shapes]
+        cases = [(*shape, args.sizes, args.form) for shape in args.shape_list]
     else:
         cases = SUITE[:2] if args.quick else SUITE
         if args.quick:

@@ -146,7 +146,36 @@ def test_bench_gemm_read_once_is_listed_apart(tmp_path):
 @pytest.mark.parametrize("shapes", [["4,4"], ["1,2,3,4,5"], ["0,8,8"], ["a,b,c"]])
 def test_bench_gemm_rejects_bad_shapes(shapes):
     result = _run("bench_gemm.py", "--shapes", *shapes)
-    assert result.returncode == 2 and "M,N,K triples or B,M,N,K" in result.stderr
+    assert result.returncode == 2 and "M,N,K or B,M,N,K of positive ints" in result.stderr
+
+
+@pytest.mark.parametrize("script,forms,good,bad", [
+    ("bench_gemm", "M,N,K or B,M,N,K", ["8,16,32", "2,8,16,32"], ["8,16"]),
+    ("bench_autotune", "M,N,K or B,M,N,K", ["8,16,32", "2,8,16,32"], ["2,8,16,32,1"]),
+    ("bench_epilogues", "M,N,K", ["8,16,32"], ["2,8,16,32"]),
+    ("bench_fp8", "M,N,K", ["8,16,32"], ["8,16,-32"]),
+    ("bench_ragged_dot", "M,K,N,G", ["64,32,16,4"], ["64,32,16"]),
+])
+def test_benchmarks_share_one_shapes_parser(script, forms, good, bad, capsys):
+    """Every benchmark's --shapes goes through bench_gemm.parse_shapes: positive ints in one of
+    the script's forms, else a usage error that names them."""
+    import argparse
+
+    bench = _bench_module("bench_gemm")
+    parser = argparse.ArgumentParser(prog=script)
+    names = tuple(forms.split(" or "))
+    assert bench.parse_shapes(parser, good, names) == [
+        tuple(int(x) for x in s.split(",")) for s in good]
+    for values in (bad, ["x,y,z"], [f"{good[0]},"]):
+        with pytest.raises(SystemExit) as exit_:
+            bench.parse_shapes(parser, values, names)
+        assert exit_.value.code == 2
+        assert f"--shapes takes {forms} of positive ints, got {' '.join(values)}" in (
+            capsys.readouterr().err)
+    source = (REPO / "benchmarks" / f"{script}.py").read_text()
+    assert "parse_shapes(p, " in source
+    if script != "bench_gemm":  # the helper's home
+        assert "s.split(\",\")" not in source
 
 
 def _bench_module(name: str):
@@ -616,4 +645,4 @@ def test_bench_fp8_dry_run(tmp_path):
 
 def test_bench_fp8_rejects_bad_shapes():
     result = _script("bench_fp8.py", "--shapes", "4,4")
-    assert result.returncode == 2 and "M,N,K triples" in result.stderr
+    assert result.returncode == 2 and "--shapes takes M,N,K of positive ints" in result.stderr
