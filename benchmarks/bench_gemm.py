@@ -458,43 +458,47 @@ def jax_tma_path(product, operands) -> str:
     decides as the lowering does. It is pure Python: without the kernel (a dry
     run on a CPU) this is the path a Hopper GPU would take (an H100, as gemm assumes without
     one); the lowering itself then runs XLA's dot."""
+    return _paths(_lowering_choices(product, operands))
+
+
+def _primitive_products(product, operands) -> list[tuple]:
+    """(lhs aval, rhs aval, params) of every jax_tma primitive that `product(*operands)` binds,
+    traced on abstract operands."""
     jaxpr = jax.make_jaxpr(product)(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands))
-    paths = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is not gemm.dot_general_p:
-            continue
-        (lhs, rhs), params = (v.aval for v in eqn.invars), eqn.params
-        choice = gemm.kernel_choice(lhs, rhs, params["dimension_numbers"], params["out_dtype"],
-                                    params["precision"], params["config"])
-        paths.append("xla" if choice is None else
-                     choice[1].describe() + (" + transpose" if choice[0].copies else ""))
-    return "; ".join(paths) or "xla"
+    return [(*(v.aval for v in eqn.invars), eqn.params) for eqn in jaxpr.eqns
+            if eqn.primitive is gemm.dot_general_p]
+
+
+def _lowering_choices(product, operands) -> list:
+    """gemm.kernel_choice, as the lowering makes it, for each of those products."""
+    return [gemm.kernel_choice(lhs, rhs, params["dimension_numbers"], params["out_dtype"],
+                               params["precision"], params["config"])
+            for lhs, rhs, params in _primitive_products(product, operands)]
+
+
+def _paths(choices: list) -> str:
+    """jax_tma_path's description of these kernel choices."""
+    return "; ".join("xla" if choice is None else
+                     choice[1].describe() + (" + transpose" if choice[0].copies else "")
+                     for choice in choices) or "xla"
 
 
 def untuned_product(ours, xla, forced, operands):
-    """What the jax_tma contender `ours` runs without the autotuning cache, as a product that
-    keeps doing so once the cache has an entry: `xla` where the lowering leaves the product to
-    XLA's dot, else `forced` with the configuration the heuristic picks. Called before tuning."""
-    jaxpr = jax.make_jaxpr(ours)(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands))
-    eqns = [e for e in jaxpr.eqns if e.primitive is gemm.dot_general_p]
-    if not eqns:
-        return xla
-    (lhs, rhs), params = (v.aval for v in eqns[0].invars), eqns[0].params
-    choice = gemm.kernel_choice(lhs, rhs, params["dimension_numbers"], params["out_dtype"],
-                                params["precision"], params["config"])
-    return xla if choice is None else forced(choice[1])
+    """(product, path): what the jax_tma contender `ours` runs without the autotuning cache, as
+    a product that keeps doing so once the cache has an entry (`xla` where the lowering leaves
+    the product to XLA's dot, else `forced` with the configuration the heuristic picks), and
+    its jax_tma_path. Called before tuning."""
+    choices = _lowering_choices(ours, operands)
+    chosen = choices[0] if choices else None
+    return (xla if chosen is None else forced(chosen[1])), _paths(choices)
 
 
 def tune(product, operands, max_candidates: int | None = None) -> str:
     """Autotunes every jax_tma product of `product(*operands)` (found as jax_tma_path finds
     them) into the current cache; returns what happened, for the log: the winners, or why
     nothing was tuned (the kernels cannot run here, or a product the kernel does not compute)."""
-    jaxpr = jax.make_jaxpr(product)(*(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in operands))
     done = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is not gemm.dot_general_p:
-            continue
-        (lhs, rhs), params = (v.aval for v in eqn.invars), eqn.params
+    for lhs, rhs, params in _primitive_products(product, operands):
         try:
             result = jax_tma.autotune(
                 jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
@@ -527,8 +531,7 @@ def bench_shape(shape, dtype, args, pallas) -> list[Row]:
     contenders = {"jax_tma": ours, "xla": xla}
     paths = {}
     if args.autotune:  # before anything is compiled, so that every lowering reads the cache
-        paths[UNTUNED] = jax_tma_path(ours, sets[0])
-        contenders[UNTUNED] = untuned_product(ours, xla, forced, sets[0])
+        contenders[UNTUNED], paths[UNTUNED] = untuned_product(ours, xla, forced, sets[0])
         start = time.perf_counter()
         tuned = tune(ours, sets[0], args.autotune_max)
         args.tuning_seconds += time.perf_counter() - start

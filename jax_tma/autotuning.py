@@ -169,9 +169,11 @@ def measured_against_xla(plan: GemmPlan, in_dtype, out_dtype) -> tuple[float, fl
     """(the cached configuration's seconds, XLA's dot's seconds) per product as autotune
     measured them, or None without a valid entry that timed both."""
     found = _valid_entry(plan, in_dtype, out_dtype)
-    if found is None:
-        return None
-    cfg, entry = found
+    return None if found is None else _entry_times(*found)
+
+
+def _entry_times(cfg: GemmConfig, entry: dict) -> tuple[float, float] | None:
+    """(`cfg`'s seconds, XLA's seconds) from a cache entry, or None where it lacks either."""
     kernel_s, xla_s = entry.get("seconds", {}).get(cfg.describe()), entry.get("xla_seconds")
     ok = all(isinstance(t, (int, float)) and 0 < t < float("inf") for t in (kernel_s, xla_s))
     return (float(kernel_s), float(xla_s)) if ok else None
@@ -253,10 +255,10 @@ def autotune(lhs: Any, rhs: Any, dimension_numbers=None, *, preferred_element_ty
                          f"with {dimension_numbers} (it runs on XLA)")
     plan = route.plan
     key = cache_key(plan, lhs.dtype, out.dtype)
-    cached = None if force else lookup(plan, lhs.dtype, out.dtype)
-    if cached is not None:
-        entry = entries()[key]
-        measured = measured_against_xla(plan, lhs.dtype, out.dtype)
+    found = None if force else _valid_entry(plan, lhs.dtype, out.dtype)
+    if found is not None:
+        cached, entry = found
+        measured = _entry_times(cached, entry)
         return TuneResult(key, cached, _config_or_none(entry.get("default")),
                           dict(entry.get("seconds", {})), measured and measured[1])
     configs = candidates(plan, out.dtype, max_candidates)

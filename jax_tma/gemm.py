@@ -295,17 +295,16 @@ def config_for(plan: GemmPlan, out_dtype, config: GemmConfig | None, *, in_dtype
         if tuned is not None:
             return tuned
     if config is None:
-        return default_config(plan.m, plan.n, plan.k, _num_sms(), out_dtype, batch=plan.batch,
-                              out_strides=out_strides(plan),
-                              misaligned_rows=plan.misaligned_rows,
-                              dram_bytes_per_s=_dram_bytes_per_s(), l2_bytes=_l2_bytes())
+        ranked = ranked_for(plan, out_dtype)
+        return ranked[0] if ranked else None
     check_config(config, plan.m, plan.n, plan.k, out_dtype, out_strides(plan), plan.batch)
     return config
 
 
 def ranked_for(plan: GemmPlan, out_dtype) -> list[GemmConfig]:
     """Every configuration the heuristic scores for the product, best first on this device
-    (gemm_config.ranked_configs; its first is config_for's choice without a cache entry)."""
+    (gemm_config.ranked_configs, whose first is default_config's choice: config_for's without a
+    cache entry)."""
     return ranked_configs(plan.m, plan.n, plan.k, _num_sms(), jnp.dtype(out_dtype),
                           batch=plan.batch, out_strides=out_strides(plan),
                           misaligned_rows=plan.misaligned_rows,
