@@ -15,6 +15,8 @@ decode rows M = 16, 64 against 14336x4096.
 
     python benchmarks/bench_epilogues.py             # the suite
     python benchmarks/bench_epilogues.py --quick     # two shapes
+    python benchmarks/bench_epilogues.py --sweep     # jax_tma on every compiled configuration,
+                                                     # beside XLA's forms and its dot
     python benchmarks/bench_epilogues.py --dry-run   # tiny shapes; runs without a GPU (CI)
 
 Before timing, jax_tma's result is compared with XLA's (relative error). Writes
@@ -60,7 +62,38 @@ class Row:
         return 2.0 * m * width * k / self.seconds / 1e12
 
 
-def _contenders(pattern):
+def _sweep_label(config) -> str:
+    return "jax_tma " + "x".join(map(str, config.tile))
+
+
+def _swept(pattern, shape=None) -> dict:
+    """jax_tma's fused op on every compiled configuration its pattern takes (forced through
+    config=), keyed by _sweep_label."""
+    del shape
+    found = {}
+    for cfg in jax_tma.DENSE_CONFIGS:
+        if pattern == "swiglu":  # block_n counts the gate's and the up's columns
+            found[_sweep_label(cfg)] = (
+                lambda x, w, b, r, w2, wc, cfg=cfg: jax_tma.gated_dense(x, w, w2, "silu",
+                                                                        config=cfg))
+        elif pattern == "gelu":
+            found[_sweep_label(cfg)] = (
+                lambda x, w, b, r, w2, wc, cfg=cfg: jax_tma.dense(x, w, b, "gelu", config=cfg))
+        else:
+            found[_sweep_label(cfg)] = (
+                lambda x, w, b, r, w2, wc, cfg=cfg: jax_tma.dense(x, w, b, residual=r,
+                                                                  config=cfg))
+    return found
+
+
+def _contenders(pattern, shape=None, sweep: bool = False):
+    found = _forms(pattern)
+    if sweep:
+        found.update(_swept(pattern, shape))
+    return found
+
+
+def _forms(pattern):
     dot = lambda a, b: a @ b  # noqa: E731 - XLA's plain bf16 product: the floor
     if pattern == "gelu":
         return {
@@ -107,13 +140,16 @@ def _operand_sets(shape, count, seed):
 
 def bench(pattern, shape, args) -> list[Row]:
     sets = _operand_sets(shape, args.sets, args.seed)
-    contenders = _contenders(pattern)
-    ours = np.asarray(jax.jit(contenders["jax_tma"])(*sets[0]), np.float32)
+    contenders = _contenders(pattern, shape, args.sweep)
     xla = np.asarray(jax.jit(contenders["xla"])(*sets[0]), np.float32)
-    err = float(np.linalg.norm(ours - xla) / max(np.linalg.norm(xla), 1e-30))
+    notes = {}
+    for name, fn in contenders.items():
+        if name.startswith("jax_tma"):  # the default and each swept configuration
+            ours = np.asarray(jax.jit(fn)(*sets[0]), np.float32)
+            err = float(np.linalg.norm(ours - xla) / max(np.linalg.norm(xla), 1e-30))
+            notes[name] = f"rel. difference from XLA {err:.1e}"
     timings = _timing.compare(contenders, sets, rounds=args.rounds, iterations=args.iterations)
-    rows = [Row(pattern, shape, name, t.median_s, t.spread_s,
-                f"rel. difference from XLA {err:.1e}" if name == "jax_tma" else "")
+    rows = [Row(pattern, shape, name, t.median_s, t.spread_s, notes.get(name, ""))
             for name, t in timings.items()]
     for r in rows:
         print(f"  {pattern:8s} {'x'.join(map(str, shape)):18s} {r.contender:10s} "
@@ -143,6 +179,16 @@ def _table(rows: list[Row], env: dict) -> str:
                      f"{' (concat)' if xla.contender == 'xla_concat' else ''} | "
                      f"{dot.seconds * 1e6:.1f} | {xla.seconds / ours.seconds:.3f} | "
                      f"{dot.seconds / ours.seconds:.3f} |")
+    swept = sorted({r.contender for r in rows if r.contender.startswith("jax_tma ")},
+                   key=lambda name: [-int(v) for v in name.split()[1].split("x")])
+    if swept:
+        lines += ["", "Every compiled configuration (`--sweep`), µs; the default's pick is the "
+                  "jax_tma column above:", "",
+                  "| pattern | M×N×K | " + " | ".join(swept) + " |",
+                  "|---|---|" + "---|" * len(swept)]
+        for (pattern, shape), found in groups.items():
+            lines.append(f"| {pattern} | {'×'.join(map(str, shape))} | " + " | ".join(
+                f"{found[c].seconds * 1e6:.1f}" if c in found else "—" for c in swept) + " |")
     return "\n".join(lines)
 
 
@@ -172,6 +218,8 @@ def main(argv=None) -> int:
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--shapes", nargs="*", metavar="M,N,K")
     p.add_argument("--patterns", nargs="*", choices=PATTERNS, default=list(PATTERNS))
+    p.add_argument("--sweep", action="store_true",
+                   help="also time jax_tma on every compiled configuration (config=)")
     harness_arguments(p)
     args = p.parse_args(argv)
     if args.dry_run:
@@ -191,7 +239,8 @@ def main(argv=None) -> int:
     if args.dry_run and args.out is None:
         return 0
     payload = {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]}
-    write_report(args.out, env, "bench_epilogues", payload, table,
+    write_report(args.out, env, "bench_epilogues" + ("_sweep" if args.sweep else ""), payload,
+                 table,
                  lambda path: _plot(rows, path, f"fused epilogues, {env['device']}"))
     return 0
 

@@ -38,6 +38,8 @@ using GatedGeluErf = Fusion<FusionKind::kGated, Activation::kGeluErf>;
   X(ARG, Tile128x256C2)                  \
   X(ARG, Tile128x256)                    \
   X(ARG, Tile128x128)                    \
+  X(ARG, Tile64x256C2)                   \
+  X(ARG, Tile64x256)                     \
   X(ARG, Tile64x128)
 #define JAX_TMA_SM90_DENSE_NARROW_TILES(X, ARG) \
   X(ARG, Tile128x128)                           \
