@@ -31,10 +31,12 @@ shows the path a Hopper GPU would take.
 
 --part I/N runs the I-th of N contiguous chunks of the shape list and writes its report under
 the suite's name with a _partIofN suffix, so that a long suite can run as N processes (on several
-GPUs at once, or one after another where a process has a time limit). --merge reads the N part
-reports (JSON), checks that they come from one suite (device, commit, dtype, layout, random
-draw, stem) and writes the suite's report from their rows in the order of the parts, with the
-summary over all of them; it runs nothing on a GPU.
+GPUs at once, or one after another where a process has a time limit); each report records which
+of the suite's shapes it holds. --merge reads part reports (JSON), checks that they come from one
+suite (device, commit, dtype, layout, random draw, stem) and together hold each of its shapes
+once (parts of different splits mix: 1/4 with 3/8, 4/8, 3/4 and 4/4), and writes the suite's
+report from their rows in the suite's order, with the summary over all of them; it runs
+nothing on a GPU.
 
 --autotune tunes each product before timing it (jax_tma.autotune: every legal configuration, or
 the --autotune-max the cost model ranks first, and XLA's dot), into --autotune-cache or a new
@@ -366,7 +368,7 @@ def _parse(argv=None) -> argparse.Namespace:
                     "parts")
         total = len(args.shape_list)
         start, stop = part_bounds(total, index, count)
-        args.part = (index, count)
+        args.part = (index, count, start, stop, total)
         args.part_note = f"Part {index} of {count}: shapes {start + 1} to {stop} of {total}."
         args.shape_list = part(args.shape_list, index, count)
     if args.dry_run:
@@ -819,7 +821,7 @@ def _stem(args) -> str:
                                       (args.layout, args.layout != "NN"),
                                       (args.dtype, args.dtype != "bf16")) if on]
     if args.part:
-        suffixes.append("part{}of{}".format(*args.part))
+        suffixes.append("part{}of{}".format(*args.part[:2]))
     if args.autotune:
         suffixes.insert(len(suffixes) - bool(args.part), "autotuned")
     return "_".join(["bench_gemm", *suffixes])
@@ -896,8 +898,24 @@ def _identity(payload: dict) -> dict:
     return {"device": env.get("device"), "commit": env.get("commit"),
             "dtype": payload.get("dtype"), "layout": payload.get("layout"),
             "suite": payload.get("suite"), "dry run": payload.get("dry_run"),
-            "random shapes": payload.get("random"), "stem": _whole(payload["stem"]),
-            "number of parts": payload["part"].get("count")}
+            "random shapes": payload.get("random"), "stem": _whole(payload["stem"])}
+
+
+def _part_ranges(parts: list) -> list[tuple[int, int]]:
+    """[start, stop) of the suite's shapes that each --part report of `parts` ((path, payload)
+    pairs) holds: recorded in the report, or (reports written before the bounds were) computed
+    from its I/N and the suite's length another report records. ValueError where the reports
+    give the suite different lengths."""
+    totals = {payload["part"]["total"] for _, payload in parts if "total" in payload["part"]}
+    if len(totals) > 1:
+        raise ValueError("the parts differ in the suite's number of shapes: " + ", ".join(
+            f"{path} {payload['part'].get('total')!r}" for path, payload in parts))
+    if not totals:
+        return []
+    (total,) = totals
+    return [(payload["part"]["start"], payload["part"]["stop"]) if "start" in payload["part"]
+            else part_bounds(total, payload["part"]["index"], payload["part"]["count"])
+            for _, payload in parts]
 
 
 def merge(paths: list[pathlib.Path]) -> tuple[dict, list[Row], str]:
@@ -923,11 +941,27 @@ def merge(paths: list[pathlib.Path]) -> tuple[dict, list[Row], str]:
         if any(identity[key] != value for _, identity in identities):
             raise ValueError(f"the parts differ in {key}: " + ", ".join(
                 f"{path} {identity[key]!r}" for path, identity in identities))
-    parts.sort(key=lambda part: part[1]["part"]["index"])
-    indices = [payload["part"]["index"] for _, payload in parts]
-    count = parts[0][1]["part"]["count"]
-    if indices != list(range(1, count + 1)):
-        raise ValueError(f"a suite of {count} parts takes each once, got parts {indices}")
+    counts = {payload["part"]["count"] for _, payload in parts}
+    ranges = _part_ranges(parts)
+    if ranges:  # parts of any I/N splits, in the suite's order; together each shape once
+        order = sorted(range(len(parts)), key=lambda i: ranges[i])
+        parts, ranges = [parts[i] for i in order], [ranges[i] for i in order]
+        total = max(payload["part"].get("total", 0) for _, payload in parts)
+        covered = [start for start, _ in ranges] + [total]
+        if covered[0] != 0 or any(stop != after for (_, stop), after
+                                  in zip(ranges, covered[1:])):
+            raise ValueError(
+                "the parts must hold each of the suite's {} shapes once, got shapes {}".format(
+                    total, ", ".join(f"{start + 1} to {stop}" for start, stop in ranges)))
+    if len(counts) == 1 and not ranges:
+        (count,) = counts
+        parts.sort(key=lambda part: part[1]["part"]["index"])
+        indices = [payload["part"]["index"] for _, payload in parts]
+        if indices != list(range(1, count + 1)):
+            raise ValueError(f"a suite of {count} parts takes each once, got parts {indices}")
+    elif not ranges:
+        raise ValueError("parts of different I/N splits need reports that record their shapes "
+                         "(written by this version of bench_gemm)")
     first = parts[0][1]
     rows = [Row.from_json(r) for _, payload in parts for r in payload["rows"]]
     merged = {key: value for key, value in first.items() if key != "part"}
@@ -992,7 +1026,7 @@ def main(argv=None) -> int:
     if args.random is not None:
         payload["random"] = {"count": args.random, "seed": args.seed, "rejected": args.rejected}
     if args.part:
-        payload["part"] = dict(zip(("index", "count"), args.part))
+        payload["part"] = dict(zip(("index", "count", "start", "stop", "total"), args.part))
     if args.autotune:
         payload["autotune"] = {"max_candidates": args.autotune_max,
                                "tuning_seconds": round(args.tuning_seconds, 1),

@@ -54,8 +54,7 @@ ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 2, "gelu_erf": 3, "si
 GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "gelu_erf")
 # (block_m, block_n, stages, cluster_m) of JAX_TMA_SM90_DENSE_TILES; the forward gelu with erf
 # is compiled on JAX_TMA_SM90_DENSE_NARROW_TILES only (csrc/kernels/sm90_dense.h).
-_DENSE_TILES = ((128, 256, 3, 2), (128, 256, 3, 1), (128, 128, 6, 1), (64, 256, 4, 2),
-                (64, 256, 4, 1), (64, 128, 8, 1))
+_DENSE_TILES = ((128, 256, 3, 2), (128, 256, 3, 1), (128, 128, 6, 1), (64, 128, 8, 1))
 _NARROW_TILES = ((128, 128, 6, 1), (64, 128, 8, 1))
 DENSE_CONFIGS: tuple[GemmConfig, ...] = tuple(GemmConfig(*t) for t in _DENSE_TILES)
 _STRIDE = 8  # k and n multiples of 8: 16-byte rows

@@ -406,9 +406,11 @@ def test_bench_gemm_rejects_bad_parts(part, message, capsys):
 
 @pytest.fixture(scope="module")
 def random_runs(tmp_path_factory) -> pathlib.Path:
-    """A --random 5 dry run, whole (reports under whole/) and as two parts (under parts/)."""
+    """A --random 5 dry run, whole (reports under whole/), as two parts (under parts/), and
+    the last two of four parts (under quarters/)."""
     root = tmp_path_factory.mktemp("random_runs")
-    for out, extra in (("whole", []), ("parts", ["--part", "1/2"]), ("parts", ["--part", "2/2"])):
+    for out, extra in (("whole", []), ("parts", ["--part", "1/2"]), ("parts", ["--part", "2/2"]),
+                       ("quarters", ["--part", "3/4"]), ("quarters", ["--part", "4/4"])):
         result = _run("bench_gemm.py", "--random", "5", "--seed", "3", "--out", str(root / out),
                       *extra)
         assert result.returncode == 0, result.stderr
@@ -423,7 +425,9 @@ def _part_files(random_runs: pathlib.Path) -> list[pathlib.Path]:
 def test_bench_gemm_merge_parts(random_runs, tmp_path):
     files = _part_files(random_runs)
     parts = [_written(random_runs / "parts", f"bench_gemm_random_part{i}of2") for i in (1, 2)]
-    assert [p["part"] for p in parts] == [{"index": 1, "count": 2}, {"index": 2, "count": 2}]
+    assert [p["part"] for p in parts] == [
+        {"index": 1, "count": 2, "start": 0, "stop": 2, "total": 5},
+        {"index": 2, "count": 2, "start": 2, "stop": 5, "total": 5}]
     result = _script("bench_gemm.py", "--merge", *map(str, files[::-1]), "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr
     merged = _written(tmp_path, "bench_gemm_random")
@@ -456,12 +460,48 @@ def test_bench_gemm_merge_rejects_parts_of_other_runs(random_runs, tmp_path, wha
         _bench_module("bench_gemm").merge([first, tmp_path / second.name])
 
 
+def _quarter_files(random_runs: pathlib.Path) -> list[pathlib.Path]:
+    (device_dir,) = (random_runs / "quarters").iterdir()
+    return [device_dir / f"bench_gemm_random_part{i}of4.json" for i in (3, 4)]
+
+
+def _without_bounds(path: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+    """`path`'s report as bench_gemm wrote it before parts recorded their shapes' bounds."""
+    payload = json.loads(path.read_text())
+    payload["part"] = {key: payload["part"][key] for key in ("index", "count")}
+    written = tmp_path / path.name
+    written.write_text(json.dumps(payload))
+    return written
+
+
+def test_bench_gemm_merge_parts_of_different_splits(random_runs, tmp_path):
+    # Part 1 of 2 holds shapes 1-2, parts 3 and 4 of 4 shapes 3 and 4-5: the whole suite.
+    first, _ = _part_files(random_runs)
+    whole = _written(random_runs / "whole", "bench_gemm_random")
+    for head in (first, _without_bounds(first, tmp_path)):  # an older report: bounds computed
+        files = [*_quarter_files(random_runs)[::-1], head]
+        merged, rows, _ = _bench_module("bench_gemm").merge(files)
+        assert [(list(r["shape"]), r["contender"]) for r in merged["rows"]] == [
+            (r["shape"], r["contender"]) for r in whole["rows"]]
+        assert merged["summary"]["shapes"] == 5 and merged["stem"] == "bench_gemm_random"
+
+
 def test_bench_gemm_merge_errors(random_runs, tmp_path):
     bench = _bench_module("bench_gemm")
     first, second = _part_files(random_runs)
-    for files in ([first], [first, first, second]):
-        with pytest.raises(ValueError, match=r"a suite of 2 parts takes each once, got parts"):
+    third, fourth = _quarter_files(random_runs)
+    for files, got in (([first], "1 to 2"), ([first, first, second], "1 to 2, 1 to 2, 3 to 5"),
+                       ([first, fourth], "1 to 2, 4 to 5"), ([second, third], "3 to 3, 3 to 5")):
+        with pytest.raises(ValueError, match="the parts must hold each of the suite's 5 shapes "
+                                             f"once, got shapes {got}$"):
             bench.merge(files)
+    old_first, old_second = (_without_bounds(path, tmp_path) for path in (first, second))
+    with pytest.raises(ValueError, match=r"a suite of 2 parts takes each once, got parts \[1\]"):
+        bench.merge([old_first])
+    (tmp_path / "quarter").mkdir()
+    with pytest.raises(ValueError, match="parts of different I/N splits need reports that record"):
+        bench.merge([old_first, _without_bounds(third, tmp_path / "quarter")])
+    assert bench.merge([old_second, old_first])[0]["summary"]["shapes"] == 5
     (whole,) = (random_runs / "whole").glob("*/bench_gemm_random.json")
     with pytest.raises(ValueError, match="no report of a bench_gemm --part run"):
         bench.merge([first, whole])

@@ -32,14 +32,15 @@ using GatedGeluTanh = Fusion<FusionKind::kGated, Activation::kGeluTanh>;
 using GatedGeluErf = Fusion<FusionKind::kGated, Activation::kGeluErf>;
 
 // Tiles compiled with fused epilogues; jax_tma/epilogues.py mirrors the lists (_DENSE_TILES).
+// 64 x 256 ping-pong tiles, which hide one consumer's epilogue under the other's mainloop, ran
+// every fused pattern 8-30 % slower than 128 x 256 on the large products (bench_epilogues.py
+// --sweep, H100, docs/ragged-and-epilogues.md): they are not compiled here.
 // NOTE: the forward gelu with erf spills on 128 x 256 tiles (erff's registers on top of 128
 // accumulators): it is compiled on the narrower tiles only.
 #define JAX_TMA_SM90_DENSE_TILES(X, ARG) \
   X(ARG, Tile128x256C2)                  \
   X(ARG, Tile128x256)                    \
   X(ARG, Tile128x128)                    \
-  X(ARG, Tile64x256C2)                   \
-  X(ARG, Tile64x256)                     \
   X(ARG, Tile64x128)
 #define JAX_TMA_SM90_DENSE_NARROW_TILES(X, ARG) \
   X(ARG, Tile128x128)                           \
