@@ -304,14 +304,19 @@ def _parse(argv=None) -> argparse.Namespace:
                         "gets a _partIofN suffix")
     p.add_argument("--merge", nargs="+", type=pathlib.Path, metavar="FILE.json",
                    help="write the report of a whole suite from the JSON reports of its --part "
-                        "runs (no GPU work); takes only --out besides")
+                        "runs (no GPU work); takes only --out and --partial besides")
+    p.add_argument("--partial", action="store_true",
+                   help="with --merge: parts may be missing; the report (stem _partial) says "
+                        "which shapes it holds")
     args = p.parse_args(argv)
+    if args.partial and not args.merge:
+        p.error("--partial goes with --merge")
     if args.merge:
         defaults = vars(p.parse_args([]))
         others = [f"--{name.replace('_', '-')}" for name, value in vars(args).items()
-                  if name not in ("merge", "out") and value != defaults[name]]
+                  if name not in ("merge", "out", "partial") and value != defaults[name]]
         if others:
-            p.error(f"--merge takes only --out besides, got {' '.join(others)}")
+            p.error(f"--merge takes only --out and --partial besides, got {' '.join(others)}")
         return args
     try:
         args.split_list = tuple(int(x) for x in args.splits.split(","))
@@ -918,14 +923,16 @@ def _part_ranges(parts: list) -> list[tuple[int, int]]:
             for _, payload in parts]
 
 
-def merge(paths: list[pathlib.Path]) -> tuple[dict, list[Row], str]:
+def merge(paths: list[pathlib.Path], partial: bool = False) -> tuple[dict, list[Row], str]:
     """The report (JSON payload, rows, Markdown table) of a whole suite from the JSON reports
     of its --part runs at `paths`, given in any order: their rows in the order of the parts and
     the summary over all of them, under the suite's stem.
 
     ValueError where a file is no report of a --part run, where the reports differ in what
     identifies the suite (_identity; named), or where a part is missing or given twice: the
-    merged report stands for the whole suite, run by one commit on one device."""
+    merged report stands for the whole suite, run by one commit on one device. With `partial`,
+    parts may be missing (not overlap): the report says which shapes it holds, its summary is
+    over those, and its stem ends in _partial."""
     parts = []
     for path in paths:
         try:
@@ -948,8 +955,10 @@ def merge(paths: list[pathlib.Path]) -> tuple[dict, list[Row], str]:
         parts, ranges = [parts[i] for i in order], [ranges[i] for i in order]
         total = max(payload["part"].get("total", 0) for _, payload in parts)
         covered = [start for start, _ in ranges] + [total]
-        if covered[0] != 0 or any(stop != after for (_, stop), after
-                                  in zip(ranges, covered[1:])):
+        gaps = covered[0] != 0 or any(stop != after for (_, stop), after
+                                      in zip(ranges, covered[1:]))
+        overlaps = any(stop > after for (_, stop), after in zip(ranges, covered[1:]))
+        if overlaps or (gaps and not partial):
             raise ValueError(
                 "the parts must hold each of the suite's {} shapes once, got shapes {}".format(
                     total, ", ".join(f"{start + 1} to {stop}" for start, stop in ranges)))
@@ -962,25 +971,46 @@ def merge(paths: list[pathlib.Path]) -> tuple[dict, list[Row], str]:
     elif not ranges:
         raise ValueError("parts of different I/N splits need reports that record their shapes "
                          "(written by this version of bench_gemm)")
+    if partial and not ranges:
+        raise ValueError("a partial merge needs reports that record their shapes (written by "
+                         "this version of bench_gemm)")
     first = parts[0][1]
     rows = [Row.from_json(r) for _, payload in parts for r in payload["rows"]]
     merged = {key: value for key, value in first.items() if key != "part"}
     merged.update(stem=_whole(first["stem"]), summary=ratio_summary(rows),
                   rows=[_json_row(r) for r in rows], merged_from=[str(p) for p, _ in parts])
+    about = first.get("about", "")
+    if partial:
+        held = ", ".join(f"{start + 1} to {stop}" for start, stop in _joined(ranges))
+        merged["stem"] += "_partial"
+        merged["shapes_held"] = {"total": total, "ranges": [list(r) for r in _joined(ranges)]}
+        about = " ".join(filter(None, [about, f"Partial: shapes {held} of {total} (the others "
+                                              "were not run)."]))
+        merged["about"] = about
     if "autotune" in first:
         merged["autotune"] = dict(first["autotune"], tuning_seconds=sum(
             payload.get("autotune", {}).get("tuning_seconds", 0.0) for _, payload in parts),
             untuned_summary=ratio_summary(rows, UNTUNED))
-    table = _table(rows, first["environment"], _what(first["dtype"], first["layout"]),
-                   first.get("about", ""))
+    table = _table(rows, first["environment"], _what(first["dtype"], first["layout"]), about)
     return merged, rows, table
+
+
+def _joined(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, non-overlapping [start, stop) ranges with the adjacent ones joined."""
+    joined: list[tuple[int, int]] = []
+    for start, stop in ranges:
+        if joined and joined[-1][1] == start:
+            joined[-1] = (joined[-1][0], stop)
+        else:
+            joined.append((start, stop))
+    return joined
 
 
 def main(argv=None) -> int:
     args = _parse(argv)
     if args.merge:
         try:
-            payload, rows, table = merge(args.merge)
+            payload, rows, table = merge(args.merge, args.partial)
         except ValueError as e:
             sys.exit(f"bench_gemm --merge: {e}")
         print(table)

@@ -486,6 +486,29 @@ def test_bench_gemm_merge_parts_of_different_splits(random_runs, tmp_path):
         assert merged["summary"]["shapes"] == 5 and merged["stem"] == "bench_gemm_random"
 
 
+def test_bench_gemm_merge_partial(random_runs, tmp_path):
+    # Shapes 1-2 and 4-5 of 5 (part 1 of 2, part 4 of 4): a partial report says so.
+    first, _ = _part_files(random_runs)
+    _, fourth = _quarter_files(random_runs)
+    result = _script("bench_gemm.py", "--merge", str(fourth), str(first), "--partial", "--out",
+                     str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    merged = _written(tmp_path, "bench_gemm_random_partial")
+    whole = _written(random_runs / "whole", "bench_gemm_random")
+    shapes = list(dict.fromkeys(tuple(r["shape"]) for r in whole["rows"]))
+    held = [shapes[i] for i in (0, 1, 3, 4)]
+    assert list(dict.fromkeys(tuple(r["shape"]) for r in merged["rows"])) == held
+    assert merged["shapes_held"] == {"total": 5, "ranges": [[0, 2], [3, 5]]}
+    assert merged["summary"]["shapes"] == 4
+    assert "Partial: shapes 1 to 2, 4 to 5 of 5 (the others were not run)." in merged["about"]
+    assert "Partial: shapes 1 to 2, 4 to 5 of 5" in result.stdout
+    assert not list(tmp_path.glob("*/bench_gemm_random.json"))  # not written as the whole suite
+    second = _part_files(random_runs)[1]
+    with pytest.raises(ValueError, match="hold each of the suite's 5 shapes once, got shapes "
+                                         "1 to 2, 3 to 5, 4 to 5$"):
+        _bench_module("bench_gemm").merge([first, second, fourth], partial=True)  # overlap
+
+
 def test_bench_gemm_merge_errors(random_runs, tmp_path):
     bench = _bench_module("bench_gemm")
     first, second = _part_files(random_runs)
@@ -519,7 +542,11 @@ def test_bench_gemm_merge_takes_no_run_flags(capsys):
     with pytest.raises(SystemExit) as exit_:
         _bench_module("bench_gemm")._parse(["--merge", "a.json", "--dry-run", "--random", "3"])
     assert exit_.value.code == 2
-    assert "--merge takes only --out besides, got --random --dry-run" in capsys.readouterr().err
+    assert ("--merge takes only --out and --partial besides, got --random --dry-run"
+            in capsys.readouterr().err)
+    with pytest.raises(SystemExit):
+        _bench_module("bench_gemm")._parse(["--partial", "--random", "3"])
+    assert "--partial goes with --merge" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args,message", [

@@ -33,8 +33,8 @@ using GatedGeluErf = Fusion<FusionKind::kGated, Activation::kGeluErf>;
 
 // Tiles compiled with fused epilogues; jax_tma/epilogues.py mirrors the lists (_DENSE_TILES).
 // 64 x 256 ping-pong tiles, which hide one consumer's epilogue under the other's mainloop, ran
-// every fused pattern 8-30 % slower than 128 x 256 on the large products (bench_epilogues.py
-// --sweep, H100, docs/ragged-and-epilogues.md): they are not compiled here.
+// every fused pattern 13-17 % slower than 128 x 256 on the large products (23-38 % in cluster
+// pairs; bench_epilogues.py --sweep, H100, docs/ragged-and-epilogues.md): not compiled here.
 // NOTE: the forward gelu with erf spills on 128 x 256 tiles (erff's registers on top of 128
 // accumulators): it is compiled on the narrower tiles only.
 #define JAX_TMA_SM90_DENSE_TILES(X, ARG) \
