@@ -695,6 +695,43 @@ def test_profile_gemm_writes_the_calls_table(tmp_path, monkeypatch):
     assert [k["call"] for k in report["kernels"]] == ["64×64×64 jax_tma", "64×64×64 XLA"]
 
 
+@pytest.mark.parametrize("sweep", [False, True])
+def test_bench_epilogues_dry_run(tmp_path, sweep):
+    result = _run("bench_epilogues.py", "--out", str(tmp_path), "--commit", "0123abc",
+                  *(["--sweep"] if sweep else []))
+    assert result.returncode == 0, result.stderr
+    report = _written(tmp_path, "bench_epilogues" + ("_sweep" if sweep else ""))
+    assert report["environment"]["commit"] == "0123abc"
+    names = {(r["pattern"], r["contender"]) for r in report["rows"]}
+    for pattern in ("gelu", "residual", "swiglu"):
+        assert {(pattern, "jax_tma"), (pattern, "xla"), (pattern, "xla_dot")} <= names
+    assert ("swiglu", "xla_concat") in names
+    swept = {name for _, name in names if name.startswith("jax_tma ")}
+    import jax_tma
+    expected = {"jax_tma " + "x".join(map(str, c.tile)) for c in jax_tma.DENSE_CONFIGS}
+    assert swept == (expected if sweep else set())
+    assert all(r["seconds"] > 0 for r in report["rows"])
+    assert ("Every compiled configuration" in result.stdout) == sweep
+    for r in report["rows"]:  # each jax_tma form checked against XLA's before timing
+        if r["contender"].startswith("jax_tma"):
+            assert r["note"].startswith("rel. difference from XLA "), r
+
+
+@pytest.mark.parametrize("sweep", [False, True])
+def test_bench_ragged_dot_dry_run(tmp_path, sweep):
+    result = _run("bench_ragged_dot.py", "--out", str(tmp_path), *(["--sweep"] if sweep else []))
+    assert result.returncode == 0, result.stderr
+    report = _written(tmp_path, "bench_ragged_dot" + ("_sweep" if sweep else ""))
+    names = {r["contender"] for r in report["rows"]}
+    if sweep:
+        import jax_tma
+        assert names == {"jax_tma"} | {"jax_tma " + "x".join(map(str, c.tile))
+                                       for c in jax_tma.RAGGED_CONFIGS}
+    else:
+        assert {"jax_tma", "xla", "dense"} <= names
+    assert all(r["seconds"] > 0 for r in report["rows"] if r["seconds"] is not None)
+
+
 def test_bench_fp8_dry_run(tmp_path):
     result = _run("bench_fp8.py", "--out", str(tmp_path), "--commit", "0123abc")
     assert result.returncode == 0, result.stderr
