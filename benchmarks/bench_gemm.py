@@ -906,33 +906,35 @@ def _identity(payload: dict) -> dict:
             "random shapes": payload.get("random"), "stem": _whole(payload["stem"])}
 
 
-def _part_ranges(parts: list) -> list[tuple[int, int]]:
-    """[start, stop) of the suite's shapes that each --part report of `parts` ((path, payload)
-    pairs) holds: recorded in the report, or (reports written before the bounds were) computed
-    from its I/N and the suite's length another report records. ValueError where the reports
-    give the suite different lengths."""
+def _part_ranges(parts: list) -> tuple[int | None, list[tuple[int, int]]]:
+    """The suite's number of shapes and [start, stop) of the shapes that each --part report of
+    `parts` ((path, payload) pairs) holds: recorded in the report, or (reports written before
+    the bounds were) computed from its I/N and the suite's length another report records;
+    (None, []) where no report records it. ValueError where the reports give the suite different
+    lengths."""
     totals = {payload["part"]["total"] for _, payload in parts if "total" in payload["part"]}
     if len(totals) > 1:
         raise ValueError("the parts differ in the suite's number of shapes: " + ", ".join(
             f"{path} {payload['part'].get('total')!r}" for path, payload in parts))
     if not totals:
-        return []
+        return None, []
     (total,) = totals
-    return [(payload["part"]["start"], payload["part"]["stop"]) if "start" in payload["part"]
-            else part_bounds(total, payload["part"]["index"], payload["part"]["count"])
-            for _, payload in parts]
+    return total, [(payload["part"]["start"], payload["part"]["stop"])
+                   if "start" in payload["part"]
+                   else part_bounds(total, payload["part"]["index"], payload["part"]["count"])
+                   for _, payload in parts]
 
 
 def merge(paths: list[pathlib.Path], partial: bool = False) -> tuple[dict, list[Row], str]:
     """The report (JSON payload, rows, Markdown table) of a whole suite from the JSON reports
-    of its --part runs at `paths`, given in any order: their rows in the order of the parts and
-    the summary over all of them, under the suite's stem.
+    of its --part runs at `paths`, given in any order and of any I/N splits: their rows in the
+    suite's order and the summary over all of them, under the suite's stem.
 
     ValueError where a file is no report of a --part run, where the reports differ in what
-    identifies the suite (_identity; named), or where a part is missing or given twice: the
+    identifies the suite (_identity; named), or where a shape is missing or held twice: the
     merged report stands for the whole suite, run by one commit on one device. With `partial`,
-    parts may be missing (not overlap): the report says which shapes it holds, its summary is
-    over those, and its stem ends in _partial."""
+    shapes may be missing (not held twice): the report says which it holds, its summary is over
+    those, and its stem ends in _partial."""
     parts = []
     for path in paths:
         try:
@@ -948,45 +950,39 @@ def merge(paths: list[pathlib.Path], partial: bool = False) -> tuple[dict, list[
         if any(identity[key] != value for _, identity in identities):
             raise ValueError(f"the parts differ in {key}: " + ", ".join(
                 f"{path} {identity[key]!r}" for path, identity in identities))
-    counts = {payload["part"]["count"] for _, payload in parts}
-    ranges = _part_ranges(parts)
-    if ranges:  # parts of any I/N splits, in the suite's order; together each shape once
-        order = sorted(range(len(parts)), key=lambda i: ranges[i])
-        parts, ranges = [parts[i] for i in order], [ranges[i] for i in order]
-        total = max(payload["part"].get("total", 0) for _, payload in parts)
-        covered = [start for start, _ in ranges] + [total]
-        gaps = covered[0] != 0 or any(stop != after for (_, stop), after
-                                      in zip(ranges, covered[1:]))
-        overlaps = any(stop > after for (_, stop), after in zip(ranges, covered[1:]))
-        if overlaps or (gaps and not partial):
-            raise ValueError(
-                "the parts must hold each of the suite's {} shapes once, got shapes {}".format(
-                    total, ", ".join(f"{start + 1} to {stop}" for start, stop in ranges)))
-    if len(counts) == 1 and not ranges:
+    total, ranges = _part_ranges(parts)
+    if total is None:  # reports written before parts recorded their shapes: one I/N split
+        counts = {payload["part"]["count"] for _, payload in parts}
+        if partial or len(counts) > 1:
+            raise ValueError("a partial merge, or parts of different I/N splits, need reports "
+                             "that record their shapes (written by this version of bench_gemm)")
         (count,) = counts
         parts.sort(key=lambda part: part[1]["part"]["index"])
         indices = [payload["part"]["index"] for _, payload in parts]
         if indices != list(range(1, count + 1)):
             raise ValueError(f"a suite of {count} parts takes each once, got parts {indices}")
-    elif not ranges:
-        raise ValueError("parts of different I/N splits need reports that record their shapes "
-                         "(written by this version of bench_gemm)")
-    if partial and not ranges:
-        raise ValueError("a partial merge needs reports that record their shapes (written by "
-                         "this version of bench_gemm)")
+    else:
+        order = sorted(range(len(parts)), key=lambda i: ranges[i])
+        parts, ranges = [parts[i] for i in order], [ranges[i] for i in order]
+        after = [start for start, _ in ranges[1:]] + [total]  # where each range should stop
+        twice = any(stop > end for (_, stop), end in zip(ranges, after))
+        missing = ranges[0][0] > 0 or any(stop < end for (_, stop), end in zip(ranges, after))
+        if twice or (missing and not partial):
+            raise ValueError(
+                "the parts must hold each of the suite's {} shapes once, got shapes {}".format(
+                    total, ", ".join(f"{start + 1} to {stop}" for start, stop in ranges)))
     first = parts[0][1]
     rows = [Row.from_json(r) for _, payload in parts for r in payload["rows"]]
     merged = {key: value for key, value in first.items() if key != "part"}
     merged.update(stem=_whole(first["stem"]), summary=ratio_summary(rows),
-                  rows=[_json_row(r) for r in rows], merged_from=[str(p) for p, _ in parts])
+                  rows=[_json_row(r) for r in rows], merged_from=[p.name for p, _ in parts])
     about = first.get("about", "")
     if partial:
-        held = ", ".join(f"{start + 1} to {stop}" for start, stop in _joined(ranges))
+        held = _joined(ranges)
         merged["stem"] += "_partial"
-        merged["shapes_held"] = {"total": total, "ranges": [list(r) for r in _joined(ranges)]}
-        about = " ".join(filter(None, [about, f"Partial: shapes {held} of {total} (the others "
-                                              "were not run)."]))
-        merged["about"] = about
+        merged["shapes_held"] = {"total": total, "ranges": [list(r) for r in held]}
+        about = merged["about"] = " ".join(filter(None, [about, "Partial: shapes {} of {} (the "
+            "others were not run).".format(", ".join(f"{a + 1} to {b}" for a, b in held), total)]))
     if "autotune" in first:
         merged["autotune"] = dict(first["autotune"], tuning_seconds=sum(
             payload.get("autotune", {}).get("tuning_seconds", 0.0) for _, payload in parts),

@@ -439,6 +439,7 @@ def test_bench_gemm_merge_parts(random_runs, tmp_path):
     for key in ("dtype", "layout", "suite", "dry_run", "random", "stem", "about"):
         assert merged[key] == whole[key], key
     assert "part" not in merged and merged["summary"]["shapes"] == 5
+    assert merged["merged_from"] == [f.name for f in files]  # file names, in the suite's order
     _check_summary(merged, result.stdout)  # over the rows of both parts
     assert "5 random shapes, seed 3 (dry run" in result.stdout and "Part " not in result.stdout
     assert "| jax_tma path |" in result.stdout
@@ -522,9 +523,11 @@ def test_bench_gemm_merge_errors(random_runs, tmp_path):
     with pytest.raises(ValueError, match=r"a suite of 2 parts takes each once, got parts \[1\]"):
         bench.merge([old_first])
     (tmp_path / "quarter").mkdir()
-    with pytest.raises(ValueError, match="parts of different I/N splits need reports that record"):
+    with pytest.raises(ValueError, match="or parts of different I/N splits, need reports that "):
         bench.merge([old_first, _without_bounds(third, tmp_path / "quarter")])
     assert bench.merge([old_second, old_first])[0]["summary"]["shapes"] == 5
+    with pytest.raises(ValueError, match="a partial merge, or parts of different I/N splits"):
+        bench.merge([old_first], partial=True)
     (whole,) = (random_runs / "whole").glob("*/bench_gemm_random.json")
     with pytest.raises(ValueError, match="no report of a bench_gemm --part run"):
         bench.merge([first, whole])
