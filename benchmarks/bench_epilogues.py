@@ -66,30 +66,26 @@ def _sweep_label(config) -> str:
     return "jax_tma " + "x".join(map(str, config.tile))
 
 
-def _swept(pattern, shape=None) -> dict:
-    """jax_tma's fused op on every compiled configuration its pattern takes (forced through
-    config=), keyed by _sweep_label."""
-    del shape
-    found = {}
-    for cfg in jax_tma.DENSE_CONFIGS:
-        if pattern == "swiglu":  # block_n counts the gate's and the up's columns
-            found[_sweep_label(cfg)] = (
-                lambda x, w, b, r, w2, wc, cfg=cfg: jax_tma.gated_dense(x, w, w2, "silu",
-                                                                        config=cfg))
-        elif pattern == "gelu":
-            found[_sweep_label(cfg)] = (
-                lambda x, w, b, r, w2, wc, cfg=cfg: jax_tma.dense(x, w, b, "gelu", config=cfg))
-        else:
-            found[_sweep_label(cfg)] = (
-                lambda x, w, b, r, w2, wc, cfg=cfg: jax_tma.dense(x, w, b, residual=r,
-                                                                  config=cfg))
-    return found
+def fused(pattern, config=None):
+    """jax_tma's fused op for `pattern` on `config` (None: the default's pick); for swiglu the
+    config's block_n counts the gate's and the up's columns."""
+    if pattern == "gelu":
+        return lambda x, w, b, r, w2, wc: jax_tma.dense(x, w, b, "gelu", config=config)
+    if pattern == "residual":
+        return lambda x, w, b, r, w2, wc: jax_tma.dense(x, w, b, residual=r, config=config)
+    return lambda x, w, b, r, w2, wc: jax_tma.gated_dense(x, w, w2, "silu", config=config)
 
 
-def _contenders(pattern, shape=None, sweep: bool = False):
+def _swept(pattern) -> dict:
+    """jax_tma's fused op on every compiled configuration (forced through config=), keyed by
+    _sweep_label."""
+    return {_sweep_label(cfg): fused(pattern, cfg) for cfg in jax_tma.DENSE_CONFIGS}
+
+
+def _contenders(pattern, sweep: bool = False):
     found = _forms(pattern)
     if sweep:
-        found.update(_swept(pattern, shape))
+        found.update(_swept(pattern))
     return found
 
 
@@ -97,26 +93,23 @@ def _forms(pattern):
     dot = lambda a, b: a @ b  # noqa: E731 - XLA's plain bf16 product: the floor
     if pattern == "gelu":
         return {
-            "jax_tma": lambda x, w, b, r, w2, wc: jax_tma.dense(x, w, b, "gelu"),
+            "jax_tma": fused("gelu"),
             "xla": lambda x, w, b, r, w2, wc: jax.nn.gelu(x @ w + b),
             "xla_dot": lambda x, w, b, r, w2, wc: dot(x, w),
         }
     if pattern == "residual":
         return {
-            "jax_tma": lambda x, w, b, r, w2, wc: jax_tma.dense(x, w, b, residual=r),
+            "jax_tma": fused("residual"),
             "xla": lambda x, w, b, r, w2, wc: x @ w + b + r,
             "xla_dot": lambda x, w, b, r, w2, wc: dot(x, w),
         }
-    n = None
-
     def concat_form(x, w, b, r, w2, wc):
         gu = x @ wc
         half = gu.shape[-1] // 2
         return jax.nn.silu(gu[..., :half]) * gu[..., half:]
 
-    del n
     return {
-        "jax_tma": lambda x, w, b, r, w2, wc: jax_tma.gated_dense(x, w, w2, "silu"),
+        "jax_tma": fused("swiglu"),
         "xla": lambda x, w, b, r, w2, wc: jax.nn.silu(x @ w) * (x @ w2),
         "xla_concat": concat_form,
         "xla_dot": lambda x, w, b, r, w2, wc: dot(x, wc),
@@ -140,7 +133,7 @@ def _operand_sets(shape, count, seed):
 
 def bench(pattern, shape, args) -> list[Row]:
     sets = _operand_sets(shape, args.sets, args.seed)
-    contenders = _contenders(pattern, shape, args.sweep)
+    contenders = _contenders(pattern, args.sweep)
     xla = np.asarray(jax.jit(contenders["xla"])(*sets[0]), np.float32)
     notes = {}
     for name, fn in contenders.items():

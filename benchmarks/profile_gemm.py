@@ -2,9 +2,13 @@
 each launches (grid, cluster, registers, shared memory), its duration under the profiler, the
 bytes its TMA loads bring into the SMs, the L2 read requests and sectors behind them, and the
 tensor pipes' activity. The README's explanations of the shapes where XLA is faster cite it.
+--pattern profiles a fused epilogue of bench_epilogues.py instead (jax_tma.dense /
+gated_dense against XLA's unfused forms and its dot alone): where the tensor pipes idle while
+the epilogue runs.
 
     python benchmarks/profile_gemm.py --shapes 1000,1000,1000 1024,1024,1024
     python benchmarks/profile_gemm.py --shapes 1000,1000,1000 --config 64,128,8,1
+    python benchmarks/profile_gemm.py --shapes 16384,14336,4096 --pattern gelu
     python benchmarks/profile_gemm.py --summarize raw.csv   # a saved raw page, base units
 
 The script runs itself under ncu with the clocks left alone (--clock-control none) and no cache
@@ -52,6 +56,12 @@ COLUMNS = (
 )
 METRICS = tuple(metric for _, metric, _ in COLUMNS)
 _OUR_KERNEL = re.compile(r"sm90_gemm_kernel<.*?TileConfig<(\d+), (\d+), (\d+), (\d+)")
+# A fused epilogue's Fusion<kind, activation> (csrc/epilogue/fusion.h), the enums demangled as
+# casts ("(jax_tma::FusionKind)1") or bare.
+_FUSION = re.compile(r"Fusion<(?:\([\w:]+\))?(\d+), (?:\([\w:]+\))?(\d+)>")
+_FUSION_KINDS = {1: "bias+", 2: "grad ", 3: "gated ", 4: "scaled"}
+_ACTIVATIONS = {0: "", 1: "relu", 2: "gelu", 3: "gelu_erf", 4: "silu"}
+PATTERNS = ("matmul", "gelu", "residual", "swiglu")  # matmul, or bench_epilogues' patterns
 _MARK = "profile_gemm: "  # prefix of the child's lines naming what it profiles, in order
 # A tiny kernel of the package's test targets, profiled before each call: the kernels between
 # two of these belong to one call, however many that call launched (split-K, XLA fusions).
@@ -62,10 +72,15 @@ def kernel_label(name: str) -> str:
     """A short name: jax_tma's kernel by its tile ("jax_tma 64x128 s8 c2"), others as ncu
     names them."""
     match = _OUR_KERNEL.search(name)
-    if match:
-        bm, bn, stages, cluster = match.groups()
-        return f"jax_tma {bm}x{bn} s{stages} c{cluster}"
-    return name
+    if not match:
+        return name
+    bm, bn, stages, cluster = match.groups()
+    label = f"jax_tma {bm}x{bn} s{stages} c{cluster}"
+    fused = _FUSION.search(name)
+    if fused and int(fused.group(1)) in _FUSION_KINDS:
+        kind, act = map(int, fused.groups())
+        label += " " + (_FUSION_KINDS[kind] + _ACTIVATIONS.get(act, str(act))).strip()
+    return label
 
 
 def summarize(raw_csv: str) -> list[dict]:
@@ -124,6 +139,10 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--config", metavar="BM,BN,STAGES,CLUSTER",
                    help="profile jax_tma with this GemmConfig (and not XLA) instead of the "
                         "heuristic's pick and XLA's dot")
+    p.add_argument("--pattern", choices=PATTERNS, default="matmul",
+                   help="the product, or a fused epilogue of bench_epilogues.py (gelu: "
+                        "gelu(x @ w + b), residual: x @ w + b + r, swiglu: silu(x @ wg) * "
+                        "(x @ wu)) against XLA's unfused forms and its dot")
     p.add_argument("--out", type=pathlib.Path, default=None,
                    help="results directory (default benchmarks/results; files go to "
                         "<out>/<device>/)")
@@ -172,44 +191,71 @@ def _bench_gemm():
     return bench_gemm
 
 
+def _bench_epilogues():
+    """bench_epilogues, beside this script: the fused patterns' operands and contenders."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import bench_epilogues
+    return bench_epilogues
+
+
 def _forced_config(args):
-    """The GemmConfig that --config names, or None; ValueError where it is not compiled."""
+    """The GemmConfig that --config names, or None; ValueError where it is not compiled (for
+    --pattern: not compiled with the fused epilogues)."""
     if not args.config_tuple:
         return None
     import jax_tma
     bm, bn, stages, cluster = args.config_tuple
-    return jax_tma.GemmConfig(block_m=bm, block_n=bn, stages=stages, cluster_m=cluster)
+    config = jax_tma.GemmConfig(block_m=bm, block_n=bn, stages=stages, cluster_m=cluster)
+    if args.pattern != "matmul":
+        from jax_tma import epilogues
+        kind = epilogues.GATED if args.pattern == "swiglu" else epilogues.FORWARD
+        activation = {"gelu": "gelu", "swiglu": "silu"}.get(args.pattern)
+        config = epilogues._check_config(config, kind, activation)
+    return config
+
+
+def _work(args, shape, config) -> list:
+    """(label, jitted call, operand sets) of every contender profiled on `shape`."""
+    import jax
+    import jax.numpy as jnp
+
+    import jax_tma
+    label = "×".join(map(str, shape))
+    if args.pattern == "matmul":
+        ops = _bench_gemm()._operand_sets(shape, jnp.bfloat16, jax.random.PRNGKey(sum(shape)))
+        if config is not None:
+            return [(f"{label} jax_tma {args.config}",
+                     jax.jit(lambda a, b, c=config: jax_tma.matmul(a, b, config=c)), ops)]
+        return [(f"{label} jax_tma", jax.jit(jax_tma.matmul), ops),
+                (f"{label} XLA", jax.jit(jnp.matmul), ops)]
+    bench = _bench_epilogues()
+    ops = bench._operand_sets(shape, 2, sum(shape))
+    label += f" {args.pattern}"
+    if config is not None:
+        return [(f"{label} jax_tma {args.config}", jax.jit(bench.fused(args.pattern, config)),
+                 ops)]
+    return [(f"{label} {name}", jax.jit(fn), ops)
+            for name, fn in bench._contenders(args.pattern).items()]
 
 
 def child(args) -> int:
     """Runs under ncu: warms every contender up, then profiles one call of each."""
     import jax
-    import jax.numpy as jnp
 
-    import jax_tma
     from jax_tma import _testing
 
     config = _forced_config(args)
-    work = []
-    for shape in args.shape_list:
-        ops = _bench_gemm()._operand_sets(shape, jnp.bfloat16, jax.random.PRNGKey(sum(shape)))
-        label = "×".join(map(str, shape))
-        if config is not None:
-            work.append((f"{label} jax_tma {args.config}",
-                         jax.jit(lambda a, b, c=config: jax_tma.matmul(a, b, config=c)), ops))
-        else:
-            work.append((f"{label} jax_tma", jax.jit(jax_tma.matmul), ops))
-            work.append((f"{label} XLA", jax.jit(jnp.matmul), ops))
+    work = [entry for shape in args.shape_list for entry in _work(args, shape, config)]
     separator = jax.jit(lambda: _testing.named_barrier_ping_pong(1))
     jax.block_until_ready(separator())
     for _, fn, ops in work:
-        for a, b in ops + ops:
-            fn(a, b)
+        for operands in ops + ops:
+            fn(*operands)
         jax.block_until_ready(fn(*ops[0]))
     cudart = _cudart()
     for label, fn, ops in work:
-        for a, b in ops[1:]:  # the profiled call's operands are the least recently used
-            fn(a, b)
+        for operands in ops[1:]:  # the profiled call's operands are the least recently used
+            fn(*operands)
         jax.block_until_ready(fn(*ops[1]))
         cudart.cudaProfilerStart()
         jax.block_until_ready(separator())
@@ -242,7 +288,10 @@ def main(argv=None) -> int:
     bench_gemm = _bench_gemm()
     env = bench_gemm.environment(args.commit)
     out = bench_gemm.results_dir(args.out, env)
-    stem = "profile_gemm" + (f"_{args.config.replace(',', '-')}" if args.config else "")
+    parts = [args.pattern] if args.pattern != "matmul" else []
+    if args.config:
+        parts.append(args.config.replace(",", "-"))
+    stem = "_".join(["profile_gemm", *parts])
     report = out / stem
     # ncu's kernel replays save and restore device memory: with jax's preallocated pool, each
     # replay would copy most of the GPU's memory.
@@ -251,7 +300,8 @@ def main(argv=None) -> int:
            "--profile-from-start", "off", "--metrics", ",".join(METRICS),
            "--export", str(report), "--force-overwrite",
            sys.executable, str(pathlib.Path(__file__).resolve()), "--child",
-           "--shapes", *args.shapes] + (["--config", args.config] if args.config else [])
+           "--shapes", *args.shapes, "--pattern", args.pattern] + (
+               ["--config", args.config] if args.config else [])
     run = subprocess.run(cmd, capture_output=True, text=True, env=child_env)
     labels = [line[len(_MARK):] for line in run.stdout.splitlines() if line.startswith(_MARK)]
     if run.returncode != 0:
@@ -269,7 +319,9 @@ def main(argv=None) -> int:
     rows = by_call(kernels, labels)
     caption = (f"{env['device']}, driver {env['driver']}, CUDA {env.get('cuda_runtime')}, "
                f"jax {env['jax']}, {env['date']}, commit {env['commit']}; bf16 in and out; "
-               "Nsight Compute, clocks and caches left alone")
+               + ("" if args.pattern == "matmul" else f"pattern {args.pattern} "
+                  "(bench_epilogues.py); ")
+               + "Nsight Compute, clocks and caches left alone")
     text = table(rows, caption)
     print(text)
     bench_gemm.write_report(args.out, env, stem,

@@ -481,10 +481,11 @@ def test_bench_gemm_merge_parts_of_different_splits(random_runs, tmp_path):
     whole = _written(random_runs / "whole", "bench_gemm_random")
     for head in (first, _without_bounds(first, tmp_path)):  # an older report: bounds computed
         files = [*_quarter_files(random_runs)[::-1], head]
-        merged, rows, _ = _bench_module("bench_gemm").merge(files)
+        merged, _, table = _bench_module("bench_gemm").merge(files)
         assert [(list(r["shape"]), r["contender"]) for r in merged["rows"]] == [
             (r["shape"], r["contender"]) for r in whole["rows"]]
         assert merged["summary"]["shapes"] == 5 and merged["stem"] == "bench_gemm_random"
+        assert "over 5 shapes" in table
 
 
 def test_bench_gemm_merge_partial(random_runs, tmp_path):
@@ -632,6 +633,41 @@ def test_profile_gemm_summarize(tmp_path):
     assert rows[2].startswith("| call 2 | nvjet_sm90_tst_128x72_64x8_4x2_h_bz_NNT | 8.448 |")
 
 
+def test_profile_gemm_labels_fused_kernels():
+    label = _profile_gemm_module().kernel_label
+    name = ("void jax_tma::sm90_gemm::sm90_gemm_kernel<__nv_bfloat16, __nv_bfloat16, "
+            "jax_tma::sm90_gemm::TileConfig<128, 256, 3, 2, (jax_tma::sm90_gemm::EpilogueKind)0, "
+            "4, 2>, jax_tma::sm90_gemm::OperandLayout<0, 1>, jax_tma::DenseGemm, "
+            "jax_tma::Fusion<(jax_tma::FusionKind){}, (jax_tma::Activation){}>>(CUtensorMap_st)")
+    assert label(name.format(1, 2)) == "jax_tma 128x256 s3 c2 bias+gelu"
+    assert label(name.format(3, 4)) == "jax_tma 128x256 s3 c2 gated silu"
+    assert label(name.format(2, 1)) == "jax_tma 128x256 s3 c2 grad relu"
+    assert label(name.format(1, 0)) == "jax_tma 128x256 s3 c2 bias+"
+    assert label(_OUR_NAME) == "jax_tma 64x128 s8 c2"  # no fusion
+
+
+@pytest.mark.parametrize("pattern,names", [
+    ("gelu", ["jax_tma", "xla", "xla_dot"]),
+    ("residual", ["jax_tma", "xla", "xla_dot"]),
+    ("swiglu", ["jax_tma", "xla", "xla_concat", "xla_dot"]),
+])
+def test_profile_gemm_fused_patterns_profile_bench_epilogues_contenders(pattern, names):
+    import jax
+    module = _profile_gemm_module()
+    args = module._parse(["--shapes", "64,128,64", "--pattern", pattern])
+    work = module._work(args, (64, 128, 64), module._forced_config(args))
+    assert [label for label, _, _ in work] == [f"64×128×64 {pattern} {n}" for n in names]
+    (_, ours, ops), (_, xla, _) = work[:2]
+    assert len(ops) == 2 and len(ops[0]) == 6  # bench_epilogues' operand sets
+    np.testing.assert_allclose(np.asarray(ours(*ops[0]), np.float32),
+                               np.asarray(xla(*ops[0]), np.float32), rtol=5e-2, atol=5e-2)
+    forced = module._parse(["--shapes", "64,128,64", "--pattern", pattern,
+                            "--config", "128,128,6,1"])
+    ((label, fn, _),) = module._work(forced, (64, 128, 64), module._forced_config(forced))
+    assert label == f"64×128×64 {pattern} jax_tma 128,128,6,1"
+    assert jax.block_until_ready(fn(*ops[0])).shape == (64, 128)
+
+
 def test_profile_gemm_labels_calls_and_rejects_other_pages():
     module = _profile_gemm_module()
     kernels = module.summarize(_raw_page([(_OUR_NAME, "10", "0"), (_SEPARATOR_NAME, "1", "0"),
@@ -650,6 +686,13 @@ def test_profile_gemm_rejects_an_uncompiled_config_before_profiling(monkeypatch)
         module.main(["--config", "64,100,8,1"])
 
 
+def test_profile_gemm_rejects_a_config_the_fused_epilogues_lack(monkeypatch):
+    module = _profile_gemm_module()
+    monkeypatch.setattr(module, "_ncu", lambda: pytest.fail("ncu started"))
+    with pytest.raises(SystemExit, match="is not compiled for the"):
+        module.main(["--pattern", "gelu", "--config", "64,256,4,1"])  # a GEMM tile only
+
+
 def test_profile_gemm_without_ncu(monkeypatch):
     module = _profile_gemm_module()
     monkeypatch.setattr(module.shutil, "which", lambda name: None)
@@ -661,6 +704,7 @@ def test_profile_gemm_without_ncu(monkeypatch):
 @pytest.mark.parametrize("args,message", [
     (["--shapes", "4,4"], "M,N,K triples"),
     (["--config", "64,128"], "BM,BN,STAGES,CLUSTER"),
+    (["--pattern", "relu"], "invalid choice: 'relu'"),
 ])
 def test_profile_gemm_rejects_bad_arguments(args, message):
     result = _script("profile_gemm.py", *args)
@@ -696,6 +740,13 @@ def test_profile_gemm_writes_the_calls_table(tmp_path, monkeypatch):
     report = json.loads((device_dir / "profile_gemm.json").read_text())
     assert report["environment"]["commit"] == "0123abc"
     assert [k["call"] for k in report["kernels"]] == ["64×64×64 jax_tma", "64×64×64 XLA"]
+    assert commands[0][commands[0].index("--pattern") + 1] == "matmul"
+    commands.clear()
+    assert module.main(["--shapes", "64,64,64", "--pattern", "swiglu", "--out", str(tmp_path),
+                        "--commit", "0123abc"]) == 0
+    assert commands[0][commands[0].index("--pattern") + 1] == "swiglu"
+    fused = (device_dir / "profile_gemm_swiglu.md").read_text()
+    assert "pattern swiglu (bench_epilogues.py)" in fused.splitlines()[0]
 
 
 @pytest.mark.parametrize("sweep", [False, True])
