@@ -542,6 +542,36 @@ def test_bench_gemm_merge_errors(random_runs, tmp_path):
     assert not list(tmp_path.glob("*/bench_gemm_random.*"))  # nothing written
 
 
+def test_bench_parts_runs_parts_into_one_archive_and_one_cache(tmp_path):
+    """scripts/bench_parts.sh: parts 1-2 of 2 of a dry run, their reports packed in one
+    archive, every part tuning into the one cache file it names (BENCH_PARTS_CACHE)."""
+    import tarfile
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    wrapper = bin_dir / "python3"  # the script runs python3: this interpreter, as _script runs it
+    wrapper.write_text(f"#!/bin/sh\nexec {sys.executable} {'-S' if sys.flags.no_site else ''} "
+                       '"$@"\n')
+    wrapper.chmod(0o755)
+    cache = tmp_path / "cache.json"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "OUT": str(tmp_path / "out"),
+           "BENCH_PARTS_CACHE": str(cache)}
+    result = subprocess.run(
+        ["bash", str(REPO / "scripts" / "bench_parts.sh"), "2", "1", "2", "300", "--random", "3",
+         "--seed", "3", "--dry-run", "--autotune"],
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"tuning into {cache}" in result.stdout
+    assert "part 1/2 rc=0" in result.stdout and "part 2/2 rc=0" in result.stdout
+    for i in (1, 2):
+        assert f"autotuning into {cache}" in (tmp_path / "out" / f"part{i}.log").read_text()
+    with tarfile.open(tmp_path / "out" / "reports.tgz") as archive:
+        names = {pathlib.PurePath(n).name for n in archive.getnames()}
+    assert {f"bench_gemm_random_autotuned_part{i}of2.json" for i in (1, 2)} <= names
+    assert not (tmp_path / "out" / "reports").exists()
+
+
 def test_bench_gemm_merge_takes_no_run_flags(capsys):
     with pytest.raises(SystemExit) as exit_:
         _bench_module("bench_gemm")._parse(["--merge", "a.json", "--dry-run", "--random", "3"])
