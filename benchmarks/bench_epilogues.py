@@ -39,7 +39,8 @@ from jax_tma import _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_gemm import (  # noqa: E402
-    banner, environment, harness_arguments, parse_shapes, pyplot, save_figure, write_report)
+    banner, environment, harness_arguments, parse_shapes, pyplot, save_figure, sweep_label,
+    write_report)
 
 SHAPES = [(16384, 14336, 4096), (8192, 4096, 4096), (4096, 11008, 4096), (8192, 28672, 8192),
           (16, 14336, 4096), (64, 14336, 4096)]
@@ -62,10 +63,6 @@ class Row:
         return 2.0 * m * width * k / self.seconds / 1e12
 
 
-def _sweep_label(config) -> str:
-    return "jax_tma " + "x".join(map(str, config.tile))
-
-
 def fused(pattern, config=None):
     """jax_tma's fused op for `pattern` on `config` (None: the default's pick); for swiglu the
     config's block_n counts the gate's and the up's columns."""
@@ -78,8 +75,8 @@ def fused(pattern, config=None):
 
 def _swept(pattern) -> dict:
     """jax_tma's fused op on every compiled configuration (forced through config=), keyed by
-    _sweep_label."""
-    return {_sweep_label(cfg): fused(pattern, cfg) for cfg in jax_tma.DENSE_CONFIGS}
+    sweep_label."""
+    return {sweep_label(cfg): fused(pattern, cfg) for cfg in jax_tma.DENSE_CONFIGS}
 
 
 def _contenders(pattern, sweep: bool = False):
@@ -172,8 +169,8 @@ def _table(rows: list[Row], env: dict) -> str:
                      f"{' (concat)' if xla.contender == 'xla_concat' else ''} | "
                      f"{dot.seconds * 1e6:.1f} | {xla.seconds / ours.seconds:.3f} | "
                      f"{dot.seconds / ours.seconds:.3f} |")
-    swept = sorted({r.contender for r in rows if r.contender.startswith("jax_tma ")},
-                   key=lambda name: [-int(v) for v in name.split()[1].split("x")])
+    timed = {r.contender for r in rows}
+    swept = [label for label in map(sweep_label, jax_tma.DENSE_CONFIGS) if label in timed]
     if swept:
         lines += ["", "Every compiled configuration (`--sweep`), µs; the default's pick is the "
                   "jax_tma column above:", "",

@@ -396,6 +396,12 @@ def parse_shapes(p: argparse.ArgumentParser, values: list[str], names: tuple[str
     return shapes
 
 
+def sweep_label(config) -> str:
+    """A forced configuration's contender name in the --sweep tables of bench_ragged_dot and
+    bench_epilogues: "jax_tma 128x256x3x2" (block_m, block_n, stages, cluster_m)."""
+    return "jax_tma " + "x".join(map(str, config.tile))
+
+
 def part_bounds(total: int, index: int, count: int) -> tuple[int, int]:
     """[start, stop) of the `index`-th (from 1) of `count` contiguous chunks of `total` items,
     whose lengths differ by at most one."""

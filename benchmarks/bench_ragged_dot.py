@@ -37,7 +37,8 @@ from jax_tma import _ext, _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_gemm import (  # noqa: E402
-    banner, environment, harness_arguments, parse_shapes, pyplot, save_figure, write_report)
+    banner, environment, harness_arguments, parse_shapes, pyplot, save_figure, sweep_label,
+    write_report)
 
 SUITE = [  # (M, K, N, G, sizes, form)
     (16384, 4096, 14336, 8, "uniform", "rows"),
@@ -131,7 +132,7 @@ def _contenders(case, sweep: bool = False):
             jax_tma.ragged_dot_general, ragged_dot_dimension_numbers=CONTRACTION_DIMS))
         found = {"jax_tma": op}
         for cfg in jax_tma.RAGGED_CONFIGS:
-            found["jax_tma " + "x".join(map(str, cfg.tile))] = functools.partial(op, config=cfg)
+            found[sweep_label(cfg)] = functools.partial(op, config=cfg)
         return found
     if form == "rows":
         found = {"jax_tma": jax_tma.ragged_dot, "xla": lax.ragged_dot}

@@ -200,17 +200,17 @@ def _bench_epilogues():
 
 def _forced_config(args):
     """The GemmConfig that --config names, or None; ValueError where it is not compiled (for
-    --pattern: not compiled with the fused epilogues)."""
+    --pattern: where the fused op refuses it, traced on tiny operands)."""
     if not args.config_tuple:
         return None
+    import jax
+
     import jax_tma
     bm, bn, stages, cluster = args.config_tuple
     config = jax_tma.GemmConfig(block_m=bm, block_n=bn, stages=stages, cluster_m=cluster)
     if args.pattern != "matmul":
-        from jax_tma import epilogues
-        kind = epilogues.GATED if args.pattern == "swiglu" else epilogues.FORWARD
-        activation = {"gelu": "gelu", "swiglu": "silu"}.get(args.pattern)
-        config = epilogues._check_config(config, kind, activation)
+        bench = _bench_epilogues()
+        jax.eval_shape(bench.fused(args.pattern, config), *bench._operand_sets((8, 8, 8), 1, 0)[0])
     return config
 
 
