@@ -22,9 +22,11 @@ __device__ __forceinline__ float activate(float z) {
   if constexpr (kAct == Activation::kRelu) {
     return fmaxf(z, 0.0f);
   } else if constexpr (kAct == Activation::kGeluTanh) {
-    // 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3)))
-    const float inner = 0.7978845608028654f * fmaf(0.044715f * z, z * z, z);
-    return 0.5f * z * (1.0f + ptx::tanh_approx(inner));
+    // 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))) = h + h tanh(z (c + c 0.044715 z^2)),
+    // h = z / 2: five FP32 operations beside the tanh.
+    const float h = 0.5f * z;
+    const float inner = z * fmaf(0.7978845608028654f * 0.044715f, z * z, 0.7978845608028654f);
+    return fmaf(h, ptx::tanh_approx(inner), h);
   } else if constexpr (kAct == Activation::kGeluErf) {
     return 0.5f * z * (1.0f + erff(z * 0.7071067811865476f));
   } else if constexpr (kAct == Activation::kSilu) {
