@@ -150,8 +150,18 @@ struct TmaStoreEpilogue {
       // One stmatrix.x4 per 16 x 16 block: matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
       // come from registers 8q + {0,1}, {2,3}, {4,5}, {6,7}; lane l addresses row l % 8 of
       // matrix l / 8. An aux operand comes back through ldmatrix in the same layout.
+      // The chunk's aux blocks are all read before the first is overwritten: the shared
+      // accesses are volatile, so each read after a store would wait for it, and the chunk's
+      // ldmatrix round trips would run one after another.
       const int matrix = lane / 8;
       const int row = 16 * warp + (matrix & 1) * 8 + (lane & 7);
+      ptx::Fragment4 aux[kChunkCols / 16] = {};
+      if constexpr (kAux) {
+#pragma unroll
+        for (int qq = 0; qq < kChunkCols / 16; ++qq) {
+          aux[qq] = ptx::ldmatrix_x4(base + swizzled(row, 2 * qq + (matrix >> 1)));
+        }
+      }
 #pragma unroll
       for (int qq = 0; qq < kChunkCols / 16; ++qq) {
         // Registers of the chunk's 8-column blocks 2qq and 2qq + 1 (4 per block); gated: of
@@ -159,8 +169,6 @@ struct TmaStoreEpilogue {
         constexpr int kFirst = F::kGated ? 64 * c : 4 * (chunk_col(c) / 8);
         const int r = kFirst + 8 * qq;
         const uint32_t addr = base + swizzled(row, 2 * qq + (matrix >> 1));
-        ptx::Fragment4 aux{};
-        if constexpr (kAux) aux = ptx::ldmatrix_x4(addr);
         uint32_t packed[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -169,7 +177,7 @@ struct TmaStoreEpilogue {
           const float2 x = make_float2(acc[r + 2 * i], acc[r + 2 * i + 1]);
           float2 up = x;
           if constexpr (F::kGated) up = make_float2(acc[r + 32 + 2 * i], acc[r + 32 + 2 * i + 1]);
-          const float2 a = kAux ? unpack_pair<Out>(aux.r[i]) : make_float2(0.0f, 0.0f);
+          const float2 a = kAux ? unpack_pair<Out>(aux[qq].r[i]) : make_float2(0.0f, 0.0f);
           const float2 v = fuse<kPass, kAux>(x, up, a, col, to, args);
           packed[i] = pack_pair<Out>(v.x, v.y);
         }
@@ -177,20 +185,28 @@ struct TmaStoreEpilogue {
       }
     } else {
       // fp32: each thread owns two adjacent columns of rows r and r + 8 per 8-column block.
+      // (The chunk's aux values read first, as above.)
       const int row = 16 * warp + lane / 4;
       const int pair = lane % 4;
+      const auto address = [&](int jj, int h) {
+        return base + swizzled(row + 8 * h, 2 * jj + pair / 2) + (pair & 1) * 8;
+      };
+      float2 aux[kChunkCols / 8][2] = {};
+      if constexpr (kAux) {
+#pragma unroll
+        for (int jj = 0; jj < kChunkCols / 8; ++jj) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) aux[jj][h] = ptx::ld_shared_v2_f32(address(jj, h));
+        }
+      }
 #pragma unroll
       for (int jj = 0; jj < kChunkCols / 8; ++jj) {
         const int j = chunk_col(c) / 8 + jj;
-        const int unit = 2 * jj + pair / 2;
-        const uint32_t inner = (pair & 1) * 8;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const uint32_t addr = base + swizzled(row + 8 * h, unit) + inner;
           const float2 x = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
-          const float2 a = kAux ? ptx::ld_shared_v2_f32(addr) : make_float2(0.0f, 0.0f);
-          const float2 v = fuse<kPass, kAux>(x, x, a, 8 * j + 2 * pair, to, args);
-          ptx::st_shared_v2_f32(addr, v.x, v.y);
+          const float2 v = fuse<kPass, kAux>(x, x, aux[jj][h], 8 * j + 2 * pair, to, args);
+          ptx::st_shared_v2_f32(address(jj, h), v.x, v.y);
         }
       }
     }
