@@ -202,16 +202,28 @@ def _impl(*args, **params):
     return _jitted_bind(**params)(*args)
 
 
+# Bias types the epilogue reads as they are (widened to fp32 there); others are converted to fp32
+# first.
+_BIAS_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _bias_operand(bias):
+    """A bias as the kernel reads it: fp32, bf16 and fp16 as they are, other types in fp32."""
+    bias = jnp.asarray(bias)
+    return bias if bias.dtype in _BIAS_DTYPES else bias.astype(jnp.float32)
+
+
 def kernel_applies(a, b, rest, *, kind, activation, has_bias, has_aux, b_k_major,
                    out_dtype) -> bool:
     """Whether the fused kernel computes this call: operands of one 16-bit type (the output
-    too), fp32 bias, k and n multiples of 8, sizes in the kernel's range, a compiled fusion."""
+    too), a bias of fp32, bf16 or fp16, k and n multiples of 8, sizes in the kernel's range, a
+    compiled fusion."""
     b2, bias, aux = _split_rest(rest, kind, has_bias, has_aux)
     dtype = jnp.dtype(a.dtype)
     same = [x for x in (b, b2, aux) if x is not None]
     if (dtype not in KERNEL_INPUT_DTYPES or jnp.dtype(out_dtype) != dtype
             or any(jnp.dtype(x.dtype) != dtype for x in same)
-            or (bias is not None and jnp.dtype(bias.dtype) != jnp.float32)):
+            or (bias is not None and jnp.dtype(bias.dtype) not in _BIAS_DTYPES)):
         return False
     m, k = a.shape
     n = b.shape[0] if b_k_major else b.shape[1]
@@ -417,7 +429,8 @@ def dense(x: Any, w: Any, bias: Any = None, activation: str | None = None,
     """``act(x @ w + bias) + residual`` with the bias, activation and residual in the epilogue.
 
     Args:
-      x: [..., K]. w: [K, N]. bias: [N] (any float type; added in fp32) or None.
+      x: [..., K]. w: [K, N]. bias: [N] (any float type; added in fp32: fp32, bf16 and fp16 are
+        read by the epilogue as they are, other types converted first) or None.
       activation: None, "relu", "gelu" (tanh approximation), "gelu_tanh", "gelu_erf", "silu".
       residual: [..., N] like the result, or None.
       config: a ``GemmConfig`` among ``DENSE_CONFIGS`` for the forward product.
@@ -434,7 +447,7 @@ def dense(x: Any, w: Any, bias: Any = None, activation: str | None = None,
         bias = jnp.asarray(bias)
         if bias.shape != (n,):
             raise ValueError(f"jax_tma.dense: bias must be [N] = [{n}], got {bias.shape}")
-        bias = bias.astype(jnp.float32)
+        bias = _bias_operand(bias)
     x2, lead = _as_2d(x)
     if residual is not None:
         residual = jnp.asarray(residual, dtype)
@@ -561,8 +574,8 @@ def _mlp_bwd(activation, config, saved, dy):
     dw2 = _dot_general(h, dy, tn)
     dx = _dot_general(dz, w1, (((1,), (1,)), ((), ())))
     dw1 = _dot_general(x, dz, tn)
-    db1 = jnp.sum(dz, axis=0, dtype=jnp.float32) if has_b1 else None
-    db2 = jnp.sum(dy, axis=0, dtype=jnp.float32) if has_b2 else None
+    db1 = jnp.sum(dz, axis=0, dtype=jnp.float32).astype(b1.dtype) if has_b1 else None
+    db2 = jnp.sum(dy, axis=0, dtype=jnp.float32).astype(b2.dtype) if has_b2 else None
     cts = (dx, dw1, db1, dw2, db2, dy if has_residual else None)
     return tuple(None if c is None else _aval.sum_to_varying(c, p)
                  for c, p in zip(cts, (x, w1, b1, w2, b2, residual)))
@@ -590,8 +603,8 @@ def mlp(x: Any, w1: Any, b1: Any, w2: Any, b2: Any, activation: str | None = "ge
     if jnp.ndim(w2) != 2 or w2.shape[0] != w1.shape[1]:
         raise ValueError(f"jax_tma.mlp: w2 must be [F, D'] with F = w1.shape[1] = {w1.shape[1]}, "
                          f"got shape {w2.shape}")
-    b1 = None if b1 is None else jnp.asarray(b1).astype(jnp.float32)
-    b2 = None if b2 is None else jnp.asarray(b2).astype(jnp.float32)
+    b1 = None if b1 is None else _bias_operand(b1)
+    b2 = None if b2 is None else _bias_operand(b2)
     x2, lead = _as_2d(x)
     if residual is not None:
         residual = jnp.asarray(residual, dtype).reshape(-1, w2.shape[1])

@@ -227,6 +227,18 @@ def test_cuda_lowering_is_one_fused_kernel():
 
 
 @needs_extension
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_cuda_lowering_reads_a_16bit_bias_as_it_is(dtype):
+    # The epilogue widens a bf16/fp16 bias itself: no conversion pass before the kernel.
+    x, w, b = _spec((4096, 1024), dtype), _spec((1024, 2048), dtype), _spec((2048,), dtype)
+    hlo = cuda_hlo(lambda x, w, b: jax_tma.dense(x, w, b, "gelu"), x, w, b)
+    assert _calls(hlo) == {ep.KERNEL_TARGET: 1}
+    assert "stablehlo.convert" not in hlo
+    hlo = cuda_hlo(lambda x, w, b: jax_tma.mlp(x, w, b, w.T, b[:1024], "gelu"), x, w, b)
+    assert "stablehlo.convert" not in hlo
+
+
+@needs_extension
 def test_cuda_lowering_of_the_gradients():
     x, w1, w2 = _spec((4096, 1024)), _spec((1024, 2048)), _spec((2048, 1024))
     hlo = cuda_hlo(jax.grad(lambda x, w: jnp.sum(jax_tma.dense(x, w, activation="gelu")), (0, 1)),
@@ -286,6 +298,28 @@ def test_kernel_forward_matches_float64(rng, dtype, activation, config):
     plain, = _poisoned(jnp.asarray(x), jnp.asarray(w), kind=ep.FORWARD, activation=act,
                        out_dtype=dtype, config=config)
     assert rel_error(plain, f64_dense(x, w, activation=act)) <= TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bias_dtype", [BF16, F16, F32])
+def test_kernel_reads_each_bias_type(rng, bias_dtype):
+    # fp32, bf16 and fp16 biases are read as they are and widened in the epilogue; the tile's
+    # last columns past N (776 = 3 x 256 + 8) get none.
+    m, k, n = 520, 256, 776
+    dtype = F16 if bias_dtype == F16 else BF16
+    x, w = _operands(rng, m, k, n, dtype)
+    bias = (4 * rng.standard_normal(n)).astype(bias_dtype)
+    out, = _poisoned(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), kind=ep.FORWARD,
+                     activation="gelu_tanh", has_bias=True, out_dtype=dtype)
+    assert rel_error(out, f64_dense(x, w, bias, "gelu_tanh")) <= TOL[dtype]
+    # The public op with the bias in the operands' type, and its gradients.
+    got = jax_tma.dense(jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias.astype(dtype)), "gelu")
+    assert rel_error(got, f64_dense(x, w, bias.astype(dtype), "gelu")) <= TOL[dtype]
+    db = jax.grad(lambda b: jnp.sum(jax_tma.dense(jnp.asarray(x), jnp.asarray(w), b, "relu")
+                                    .astype(F32)))(jnp.asarray(bias.astype(dtype)))
+    z = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + bias.astype(dtype).astype(np.float64)
+    assert db.dtype == dtype
+    assert rel_error(db, (z > 0).sum(0)) <= 2 * TOL[dtype]
 
 
 @pytest.mark.gpu

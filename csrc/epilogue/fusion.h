@@ -32,9 +32,14 @@ enum class FusionKind : int {
   kScaled = 4
 };
 
+// The element type of a bias vector: fp32, or a 16-bit type widened to fp32 as it is read
+// (so that a bf16 or fp16 bias needs no conversion kernel before the product).
+enum class VectorType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
 // What a fused epilogue reads at run time (kernel parameter).
 struct FusionArgs {
-  const float* bias;            // BiasActivation, Scaled: [N] fp32, or null
+  const void* bias;             // BiasActivation, Scaled: [N] of bias_type, or null
+  VectorType bias_type;         // (Scaled: fp32)
   bool aux;                     // BiasActivation: add the residual; ActivationGrad: always
   bool store_pre;               // BiasActivation: also store z; gated: the gate's and the up's
   const float* row_scale;       // Scaled: [M] fp32 (or one, row_scale_scalar), or null

@@ -23,6 +23,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "epilogue/fusion.cuh"
@@ -312,21 +313,40 @@ struct TmaStoreEpilogue {
     }
   }
 
-  // BiasActivation: acc += bias[col] once, before the passes that read z. Columns past D's
-  // get none (N % 8 == 0, so a pair is wholly in or out).
-  __device__ static void add_bias(float (&acc)[kBlockN / 2], const StorePlan& to,
-                                  const float* bias) {
+  // BiasActivation, Scaled: acc += bias[col] once, before the passes that read z. Columns past
+  // D's get none (N % 8 == 0, so a pair is wholly in or out). `T`: the bias's element type.
+  template <class T>
+  __device__ static void add_bias(float (&acc)[kBlockN / 2], const StorePlan& to, const T* bias) {
     const int pair_col = to.col + 2 * (threadIdx.x % 4);
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j) {
       const int col = pair_col + 8 * j;
-      const float2 b = col < to.cols ? __ldg(reinterpret_cast<const float2*>(bias + col))
-                                     : make_float2(0.0f, 0.0f);
+      float2 b = make_float2(0.0f, 0.0f);
+      if (col < to.cols) {
+        if constexpr (std::is_same_v<T, float>) {
+          b = __ldg(reinterpret_cast<const float2*>(bias + col));
+        } else {
+          b = unpack_pair<T>(__ldg(reinterpret_cast<const unsigned int*>(bias + col)));
+        }
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         acc[4 * j + 2 * h] += b.x;
         acc[4 * j + 2 * h + 1] += b.y;
       }
+    }
+  }
+  __device__ static void add_bias(float (&acc)[kBlockN / 2], const StorePlan& to,
+                                  const FusionArgs& args) {
+    switch (args.bias_type) {
+      case VectorType::kBF16:
+        add_bias(acc, to, static_cast<const __nv_bfloat16*>(args.bias));
+        break;
+      case VectorType::kF16:
+        add_bias(acc, to, static_cast<const __half*>(args.bias));
+        break;
+      default:
+        add_bias(acc, to, static_cast<const float*>(args.bias));
     }
   }
 
@@ -382,7 +402,7 @@ struct TmaStoreEpilogue {
       scale(acc, to, fused.args);
     }
     if constexpr (F::kKind == FusionKind::kBiasActivation || F::kKind == FusionKind::kScaled) {
-      if (fused.args.bias != nullptr) add_bias(acc, to, fused.args.bias);
+      if (fused.args.bias != nullptr) add_bias(acc, to, fused.args);
     }
     if constexpr (F::kMayReadAux) {
       if (fused.args.aux) {

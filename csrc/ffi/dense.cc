@@ -6,7 +6,7 @@
 //   a     [m, k]                       x (forward, gated) or dy (gradient)
 //   b     [k, n] (b_k_major=0)         w; gradient: [n, k] (b_k_major=1), w read transposed
 //   b2    [k, n]                       gated: the up weights
-//   bias  [n] fp32                     has_bias
+//   bias  [n] fp32, bf16 or fp16       has_bias
 //   aux   [m, n]                       has_aux: the residual (forward) or the saved
 //                                      pre-activation (gradient)
 // -> out [m, n], pre (store_pre; else [1]): [m, n] the pre-activation z, gated [2, m, n] the gate's
@@ -133,7 +133,10 @@ ffi::Error run(const DenseAttrs& p, DType in, const Buffers& buf, LaunchArgs arg
   FusedLaunch fused{Fusion::kGated ? &map_b2 : nullptr, p.has_aux ? &map_aux : nullptr,
                     p.store_pre ? &map_pre : nullptr,
                     p.store_pre && Fusion::kGated ? &map_pre2 : nullptr, {}};
-  fused.args.bias = p.has_bias ? static_cast<const float*>(buf.bias->untyped_data()) : nullptr;
+  fused.args.bias = p.has_bias ? buf.bias->untyped_data() : nullptr;
+  fused.args.bias_type = buf.bias->element_type() == ffi::DataType::BF16  ? VectorType::kBF16
+                         : buf.bias->element_type() == ffi::DataType::F16 ? VectorType::kF16
+                                                                          : VectorType::kF32;
   fused.args.aux = p.has_aux != 0;
   fused.args.store_pre = p.store_pre != 0;
   const cudaError_t launched =
@@ -178,8 +181,9 @@ ffi::Error dense(cudaStream_t stream, int32_t device, const Buffers& buf, const 
     return ffi::Error::InvalidArgument(
         "jax_tma dense: a, b, b2, aux, out and pre must share one type, bf16 or fp16");
   }
-  if (buf.bias->element_type() != ffi::DataType::F32) {
-    return ffi::Error::InvalidArgument("jax_tma dense: bias must be fp32");
+  if (const ffi::DataType t = buf.bias->element_type();
+      t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16) {
+    return ffi::Error::InvalidArgument("jax_tma dense: bias must be fp32, bf16 or fp16");
   }
   const bool gated = p.kind == 3;
   struct Need {
@@ -283,7 +287,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DenseSm90, dense_sm90,
                                   .Arg<ffi::AnyBuffer>()      // a
                                   .Arg<ffi::AnyBuffer>()      // b
                                   .Arg<ffi::AnyBuffer>()      // b2 (gated up weights)
-                                  .Arg<ffi::AnyBuffer>()      // bias, fp32
+                                  .Arg<ffi::AnyBuffer>()      // bias, fp32/bf16/fp16
                                   .Arg<ffi::AnyBuffer>()      // aux
                                   .Ret<ffi::AnyBuffer>()      // out
                                   .Ret<ffi::AnyBuffer>()      // pre
@@ -298,7 +302,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DenseSm90Into, dense_sm90_into,
                                   .Arg<ffi::AnyBuffer>()      // a
                                   .Arg<ffi::AnyBuffer>()      // b
                                   .Arg<ffi::AnyBuffer>()      // b2 (gated up weights)
-                                  .Arg<ffi::AnyBuffer>()      // bias, fp32
+                                  .Arg<ffi::AnyBuffer>()      // bias, fp32/bf16/fp16
                                   .Arg<ffi::AnyBuffer>()      // aux
                                   .Arg<ffi::AnyBuffer>()      // out_in
                                   .Ret<ffi::AnyBuffer>()      // out, aliases out_in

@@ -14,6 +14,7 @@ cudaError_t launch_fp8(const LaunchArgs& args, const Fp8Launch& fp8) {
   using K = Kernel<T, Out, Tile, LayoutNT, DenseGemm, FuseScaled, Mainloop>;
   FusedParams fused{};
   fused.args.bias = fp8.bias;
+  fused.args.bias_type = VectorType::kF32;
   fused.args.row_scale = fp8.row_scale;
   fused.args.col_scale = fp8.col_scale;
   fused.args.row_scale_scalar = fp8.row_scale_scalar;
