@@ -330,7 +330,7 @@ def why_xla(route: KernelRoute, cfg: GemmConfig, lhs_aval, rhs_aval, out_dtype) 
                                 jnp.dtype(out_dtype).itemsize, plan.batch, plan.misaligned_rows,
                                 bandwidth, _l2_bytes())
     copy_s = copy_seconds(copies, elements * jnp.dtype(lhs_aval.dtype).itemsize, bandwidth)
-    return xla_reason(plan.m, plan.n, plan.k, kernel_s, copy_s)
+    return xla_reason(plan.m, plan.n, plan.k, kernel_s, copy_s, plan.batch)
 
 
 def kernel_choice(lhs_aval, rhs_aval, dimension_numbers: DimensionNumbers, out_dtype,

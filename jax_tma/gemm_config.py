@@ -396,6 +396,14 @@ MIN_KERNEL_K = BLOCK_K
 # - outputs narrower than 16 columns (a matrix-vector product, to XLA): the narrowest tile is 64
 #   columns; 11 of the 12 with K >= 64 ran at 0.25-0.90x, one at 1.04x.
 MIN_KERNEL_N = 16
+# - short K over many outputs: with K <= SHORT_K a tile's time is the fill of its one or two K
+#   blocks and its epilogue, which cuBLAS does faster. In the committed runs (H100/H200: random,
+#   batched and main suites, untuned), of the 15 such products with 2^24 or more outputs (batch
+#   x M x N) 14 ran at 0.83-1.00x (9 below 0.95: 16 x 8192 x 8192 x 128 0.83, 29312 x 6912 x
+#   128 0.89, 17728 x 24000 x 64 0.90), one at 1.02x; below 2^24 outputs they range 0.33-1.38x
+#   with no size that separates them, and stay on the kernel.
+SHORT_K = 128
+SHORT_K_OUTPUTS = 1 << 24
 # - copies that cost more than the product: each operand the lowering pads (rows not 16-byte
 #   multiples) or transposes is read and written once more, by one more kernel (about 1 us
 #   each on small products, measured: padded products took 1-1.2 us longer per pad).
@@ -409,14 +417,19 @@ def copy_seconds(copies: int, copied_bytes: int,
     return copies * _COPY_FIXED_S + 2 * copied_bytes / streaming
 
 
-def xla_reason(m: int, n: int, k: int, kernel_s: float, copy_s: float = 0.0) -> str | None:
-    """Why XLA's dot beats the kernel on an M x N x K product, or None where the kernel runs:
-    K shorter than one K block, N narrower than MIN_KERNEL_N, or operand copies (`copy_s`,
-    copy_seconds) slower than the kernel's estimate (`kernel_s`, estimate_seconds)."""
+def xla_reason(m: int, n: int, k: int, kernel_s: float, copy_s: float = 0.0,
+               batch: int = 1) -> str | None:
+    """Why XLA's dot beats the kernel on `batch` M x N x K products, or None where the kernel
+    runs: K shorter than one K block, N narrower than MIN_KERNEL_N, K <= SHORT_K over
+    SHORT_K_OUTPUTS or more outputs, or operand copies (`copy_s`, copy_seconds) slower than the
+    kernel's estimate (`kernel_s`, estimate_seconds)."""
     if k < MIN_KERNEL_K:
         return f"K={k} is shorter than one {MIN_KERNEL_K}-deep K block"
     if n < MIN_KERNEL_N:
         return f"N={n} is narrower than {MIN_KERNEL_N} columns (a matrix-vector product)"
+    if k <= SHORT_K and batch * m * n >= SHORT_K_OUTPUTS:
+        return (f"K={k} is at most {SHORT_K} over {batch * m * n} outputs: the tiles' fill and "
+                "epilogue, where cuBLAS is faster")
     if copy_s > kernel_s:
         return (f"copying operands into the kernel's layout ({copy_s * 1e6:.1f} us) costs more "
                 f"than the product ({kernel_s * 1e6:.1f} us)")

@@ -600,6 +600,8 @@ def test_stream_k_pays_for_shared_operands_beyond_l2():
     (498, 1, 4941, "narrower than 16 columns"),  # 0.41x
     (1, 18597, 3402, "copying operands"),  # B's rows padded: a second pass over 127 MB; 0.40x
     (7, 129, 72, "copying operands"),
+    (29312, 6912, 128, "at most 128 over"),  # 0.89x
+    (17728, 24000, 64, "at most 128 over"),  # 0.90x
 ])
 def test_products_xla_computes_faster_run_there(m, n, k, why):
     """The lowering leaves XLA's dot the products it measured faster there (gemm_config.
@@ -614,8 +616,17 @@ def test_products_xla_computes_faster_run_there(m, n, k, why):
     assert gemm.kernel_choice(a, b, gemm.MATMUL_DIMS, BF16, xla_when_faster=False) is not None
 
 
+def test_short_k_counts_every_batch_member():
+    # 16 x 8192 x 8192 x 128 (attention scores) ran at 0.83x; one 2048 x 4096 x 128 product
+    # stays on the kernel.
+    assert "at most 128" in gemm_config.xla_reason(8192, 8192, 128, 1e-3, batch=16)
+    assert gemm_config.xla_reason(2048, 4096, 128, 1e-3) is None
+    assert gemm_config.xla_reason(2048, 4096, 128, 1e-3, batch=2) is not None
+    assert gemm_config.xla_reason(8192, 8192, 129, 1e-3, batch=16) is None
+
+
 @pytest.mark.parametrize("m,n,k", [
-    (8192, 8192, 8192), (64, 64, 64), (1, 4096, 4096), (16, 4096, 64),
+    (8192, 8192, 8192), (64, 64, 64), (1, 4096, 4096), (16, 4096, 64), (2048, 4096, 128),
     (3277, 702, 8677),  # A's rows padded (K = 8677), but the product hides the copy: 2.4x XLA
     (74, 1040, 9883),  # A padded: 1.6x
 ])
