@@ -1,8 +1,9 @@
 """jax_tma.dense / gated_dense / mlp: fused epilogues against float64 references, their
 gradients, vmap, sharding, the CUDA lowering, and the fused kernels on a Hopper GPU.
 
-The fused kernel applies the epilogue in fp32 and rounds once; the references are float64 of
-the same math. Bounds (Frobenius-norm relative error): bf16 output 1e-2, fp16 2e-3; gradients
+The fused kernel applies the epilogue in fp32; with a 16-bit output an activation reads the
+pre-activation rounded to that type (as the unfused expression stores it), and the result is
+rounded once more. The references are float64 of the same math, unrounded. Bounds (Frobenius-norm relative error): bf16 output 1e-2, fp16 2e-3; gradients
 twice that (two roundings: the saved pre-activation and the cotangent).
 """
 
@@ -351,6 +352,37 @@ def test_kernel_gated_matches_float64(rng, activation, config):
     x64 = np.asarray(x, np.float64)
     assert rel_error(pre[0], x64 @ np.asarray(wg, np.float64)) <= TOL[BF16]
     assert rel_error(pre[1], x64 @ np.asarray(wu, np.float64)) <= TOL[BF16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [64, 1024])
+@pytest.mark.parametrize("kind", ["forward", "gated"])
+def test_kernel_deferred_epilogue_across_tiles(rng, kind, k):
+    """Cooperative tiles store a block of activations while the next tile's mainloop runs
+    (kernels/sm90_gemm.cuh): products of two or more tiles per CTA, with the pre-activations
+    saved, on every tile; K = 64 leaves the parts to run after the next mainloop's one slice."""
+    m, n = 4096, 2304 if kind == "forward" else 1152
+    x, w = _operands(rng, m, k, n, BF16)
+    x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    if kind == "forward":
+        bias = rng.standard_normal(n).astype(F32)
+        z = x64 @ w64 + bias
+        operands, params = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias)), dict(
+            kind=ep.FORWARD, activation="gelu_tanh", has_bias=True)
+        want, want_pre = f64_act("gelu", z), [z]
+    else:
+        wu = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(BF16)
+        up = x64 @ np.asarray(wu, np.float64)
+        operands, params = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(wu)), dict(
+            kind=ep.GATED, activation="silu")
+        want, want_pre = f64_act("silu", x64 @ w64) * up, [x64 @ w64, up]
+    for config in ep.DENSE_CONFIGS:
+        out, pre = _poisoned(*operands, save_pre=True, out_dtype=BF16, config=config, **params)
+        assert rel_error(out, want) <= TOL[BF16], config
+        for got, ref in zip([pre] if kind == "forward" else list(pre), want_pre, strict=True):
+            assert rel_error(got, ref) <= TOL[BF16], config
+        again, _ = _poisoned(*operands, save_pre=True, out_dtype=BF16, config=config, **params)
+        np.testing.assert_array_equal(out, again)
 
 
 @pytest.mark.gpu

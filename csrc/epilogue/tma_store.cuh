@@ -59,6 +59,36 @@ __device__ __forceinline__ float2 unpack_pair<__half>(uint32_t v) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }
 
+// Where an epilogue reads a warpgroup's block (the accumulators' register layout, ptx/wgmma.cuh):
+// pair(k) is the values of registers k and k + 1 (k even). AccValues: the fp32 accumulators.
+// PackedValues: the same rounded to a 16-bit output type, two to a register: half the
+// registers, so a block can wait in them while the next tile's wgmma write the accumulators
+// (the deferred epilogue of kernels/sm90_gemm.cuh).
+template <int kRegs>
+struct AccValues {
+  const float (&acc)[kRegs];
+  __device__ __forceinline__ float2 pair(int k) const { return make_float2(acc[k], acc[k + 1]); }
+};
+template <class Out, int kRegs>
+struct PackedValues {
+  uint32_t v[kRegs / 2];
+  __device__ __forceinline__ float2 pair(int k) const { return unpack_pair<Out>(v[k / 2]); }
+  __device__ __forceinline__ void pack(const float (&acc)[kRegs]) {
+#pragma unroll
+    for (int i = 0; i < kRegs / 2; ++i) v[i] = pack_pair<Out>(acc[2 * i], acc[2 * i + 1]);
+  }
+};
+// Registers kFirst .. kFirst + 8 kFrags - 1 of a block, rounded to Out, read back from the
+// staging area with ldmatrix (the deferred epilogue's parts): fragment q holds registers
+// kFirst + 8q .. + 7, a pair in each of its four.
+template <class Out, int kFirst, int kFrags>
+struct ChunkValues {
+  ptx::Fragment4 f[kFrags];
+  __device__ __forceinline__ float2 pair(int k) const {
+    return unpack_pair<Out>(f[(k - kFirst) / 8].r[(k % 8) / 2]);
+  }
+};
+
 // Where one consumer warpgroup's block goes: D's map (a kernel parameter, or a map in global
 // memory) and the coordinates of the block's first element; `rows` and `cols` are D's extent
 // in the map's coordinates: a block that starts past `rows`, or a chunk past `cols`, is not
@@ -104,8 +134,19 @@ struct TmaStoreEpilogue {
   // One store group per batch, and the next batch rewrites the whole staging area.
   using StorePipeline = PipelineTmaStore<1>;
 
+  // Deferred (kernels/sm90_gemm.cuh): a block of 16-bit z (bias added, no activation yet) is
+  // staged whole, one buffer per 64 accumulator columns, right after its mainloop, and turned
+  // into the output in place by parts that run while the next tile's mainloop does (no aux
+  // operand: it would need the same buffers). The stored block must be one batch.
+  static constexpr int kStagedChunks = kBlockN / 64;
+  static constexpr bool kDeferrable =
+      sizeof(Out) == 2 && kBlockN % 64 == 0 && kChunks == kBuffers &&
+      (F::kKind == FusionKind::kBiasActivation || F::kGated);
+  static constexpr int kStorageBuffers =
+      kDeferrable && kStagedChunks > kBuffers ? kStagedChunks : kBuffers;
+
   struct SharedStorage {
-    alignas(1024) uint8_t buffer[kBuffers][kChunkBytes];
+    alignas(1024) uint8_t buffer[kStorageBuffers][kChunkBytes];
   };
 
   // What a pass over the staging area writes: the output, or a pre-activation (BiasActivation:
@@ -141,10 +182,11 @@ struct TmaStoreEpilogue {
     }
   }
 
-  // Chunk `c` of the accumulators (layout: ptx/wgmma.cuh) into the staging buffer at `base`.
-  template <int c, Pass kPass, bool kAux>
-  __device__ static void write_chunk(const float (&acc)[kBlockN / 2], uint32_t base,
-                                     const StorePlan& to, const FusionArgs& args) {
+  // Chunk `c` of the block (`vals`: AccValues or PackedValues) into the staging buffer at
+  // `base`.
+  template <int c, Pass kPass, bool kAux, class Values>
+  __device__ static void write_chunk(const Values& vals, uint32_t base, const StorePlan& to,
+                                     const FusionArgs& args) {
     const int lane = threadIdx.x % 32;
     const int warp = (threadIdx.x / 32) % 4;
     if constexpr (sizeof(Out) == 2) {
@@ -175,9 +217,9 @@ struct TmaStoreEpilogue {
         for (int i = 0; i < 4; ++i) {
           // Register pair i: rows + 8 (i & 1), columns 8 (i >> 1) + 2 (lane % 4) of the block.
           const int col = chunk_col(c) + 16 * qq + 8 * (i >> 1) + 2 * (lane % 4);
-          const float2 x = make_float2(acc[r + 2 * i], acc[r + 2 * i + 1]);
+          const float2 x = vals.pair(r + 2 * i);
           float2 up = x;
-          if constexpr (F::kGated) up = make_float2(acc[r + 32 + 2 * i], acc[r + 32 + 2 * i + 1]);
+          if constexpr (F::kGated) up = vals.pair(r + 32 + 2 * i);
           const float2 a = kAux ? unpack_pair<Out>(aux[qq].r[i]) : make_float2(0.0f, 0.0f);
           const float2 v = fuse<kPass, kAux>(x, up, a, col, to, args);
           packed[i] = pack_pair<Out>(v.x, v.y);
@@ -205,7 +247,7 @@ struct TmaStoreEpilogue {
         const int j = chunk_col(c) / 8 + jj;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const float2 x = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+          const float2 x = vals.pair(4 * j + 2 * h);
           const float2 v = fuse<kPass, kAux>(x, x, aux[jj][h], 8 * j + 2 * pair, to, args);
           ptx::st_shared_v2_f32(address(jj, h), v.x, v.y);
         }
@@ -214,11 +256,10 @@ struct TmaStoreEpilogue {
   }
 
   // Chunks batch0 .. batch0 + kBuffers - 1 into the staging area, chunk batch0 + i in buffer i.
-  template <int batch0, Pass kPass, bool kAux, int... i>
-  __device__ static void write_batch(const float (&acc)[kBlockN / 2], SharedStorage& smem,
-                                     const StorePlan& to, const FusionArgs& args,
-                                     std::integer_sequence<int, i...>) {
-    (write_chunk<batch0 + i, kPass, kAux>(acc, ptx::smem_u32(smem.buffer[i]), to, args), ...);
+  template <int batch0, Pass kPass, bool kAux, class Values, int... i>
+  __device__ static void write_batch(const Values& vals, SharedStorage& smem, const StorePlan& to,
+                                     const FusionArgs& args, std::integer_sequence<int, i...>) {
+    (write_chunk<batch0 + i, kPass, kAux>(vals, ptx::smem_u32(smem.buffer[i]), to, args), ...);
   }
 
   // Issuer: the batch's chunks from the staging area to `map` (chunks past D's columns are
@@ -239,11 +280,11 @@ struct TmaStoreEpilogue {
 
   // A pass that stores a pre-activation through `map` and waits until the stores have read the
   // staging area (the next pass rewrites it).
-  template <int batch0, Pass kPass>
-  __device__ static void store_pass(const float (&acc)[kBlockN / 2], SharedStorage& smem,
-                                    const StorePlan& to, const NamedBarrier& barrier,
-                                    const FusionArgs& args, const CUtensorMap* map) {
-    write_batch<batch0, kPass, false>(acc, smem, to, args,
+  template <int batch0, Pass kPass, class Values>
+  __device__ static void store_pass(const Values& vals, SharedStorage& smem, const StorePlan& to,
+                                    const NamedBarrier& barrier, const FusionArgs& args,
+                                    const CUtensorMap* map) {
+    write_batch<batch0, kPass, false>(vals, smem, to, args,
                                       std::make_integer_sequence<int, kBuffers>{});
     ptx::fence_proxy_async_shared();
     barrier.sync();
@@ -282,35 +323,76 @@ struct TmaStoreEpilogue {
     load_aux<0>(smem, to, fused);
   }
 
-  // One batch: (fused, asked for) the pre-activation through fused.pre, then (fused, asked for)
-  // the aux operand into the staging area, then the output.
-  template <int batch0, bool kAux>
-  __device__ static void store_batch(const float (&acc)[kBlockN / 2], SharedStorage& smem,
-                                     const StorePlan& to, const NamedBarrier& barrier,
-                                     const FusedStore& fused, bool prefetched) {
+  // The block is stored in kParts parts, one chunk each, in order; a batch's first part first
+  // waits until the previous batch's stores have read the staging area and (fused, asked for)
+  // stores the batch's pre-activations through fused.pre and loads the batch's aux chunks, and
+  // its last part hands the batch to TMA. The parts may run apart, between other work of the
+  // warpgroup (the deferred epilogue of kernels/sm90_gemm.cuh runs them between the next
+  // tile's K slices), but not interleaved with another block's.
+  static constexpr int kParts = kChunks;
+
+  template <int kPart, bool kAux, class Values>
+  __device__ static void store_part(const Values& vals, SharedStorage& smem, const StorePlan& to,
+                                    const NamedBarrier& barrier, const FusedStore& fused,
+                                    bool prefetched) {
+    constexpr int i = kPart % kBuffers;  // the chunk's buffer
+    constexpr int batch0 = kPart - i;
     const bool issuer = threadIdx.x % 128 == 0;
-    constexpr auto kBuffersSeq = std::make_integer_sequence<int, kBuffers>{};
-    if (issuer) StorePipeline::producer_acquire();
-    barrier.sync();  // the previous batch's stores have read the staging area
-    if constexpr (F::kKind == FusionKind::kBiasActivation || F::kGated) {
-      if (fused.args.store_pre) {
-        store_pass<batch0, Pass::kPre>(acc, smem, to, barrier, fused.args, fused.pre);
-        if constexpr (F::kGated) {
-          store_pass<batch0, Pass::kPreUp>(acc, smem, to, barrier, fused.args, fused.pre2);
+    if constexpr (i == 0) {
+      if (issuer) StorePipeline::producer_acquire();
+      barrier.sync();  // the previous batch's stores have read the staging area
+      if constexpr (F::kKind == FusionKind::kBiasActivation || F::kGated) {
+        if (fused.args.store_pre) {
+          store_pass<batch0, Pass::kPre>(vals, smem, to, barrier, fused.args, fused.pre);
+          if constexpr (F::kGated) {
+            store_pass<batch0, Pass::kPreUp>(vals, smem, to, barrier, fused.args, fused.pre2);
+          }
         }
       }
+      if constexpr (kAux) {
+        if (issuer && !(batch0 == 0 && prefetched)) load_aux<batch0>(smem, to, fused);
+        fused.load->wait();
+      }
     }
-    if constexpr (kAux) {
-      if (issuer && !(batch0 == 0 && prefetched)) load_aux<batch0>(smem, to, fused);
-      fused.load->wait();
+    write_chunk<kPart, Pass::kOut, kAux>(vals, ptx::smem_u32(smem.buffer[i]), to, fused.args);
+    if constexpr (i == kBuffers - 1) {
+      ptx::fence_proxy_async_shared();
+      barrier.sync();  // the whole batch is visible to the TMA unit
+      if (issuer) issue_stores<batch0>(to.d, smem, to);
     }
-    write_batch<batch0, Pass::kOut, kAux>(acc, smem, to, fused.args, kBuffersSeq);
-    ptx::fence_proxy_async_shared();
-    barrier.sync();  // the whole batch is visible to the TMA unit
-    if (issuer) issue_stores<batch0>(to.d, smem, to);
-    if constexpr (batch0 + kBuffers < kChunks) {
-      store_batch<batch0 + kBuffers, kAux>(acc, smem, to, barrier, fused, false);
+  }
+  template <int kPart, class Values>
+  __device__ static void store_part(const Values& vals, SharedStorage& smem, const StorePlan& to,
+                                    const NamedBarrier& barrier, const FusedStore& fused,
+                                    bool prefetched) {
+    if constexpr (F::kMayReadAux) {
+      if (fused.args.aux) {
+        store_part<kPart, true>(vals, smem, to, barrier, fused, prefetched);
+        return;
+      }
     }
+    store_part<kPart, false>(vals, smem, to, barrier, fused, prefetched);
+  }
+  template <class Values, int... p>
+  __device__ static void store_part(int part, const Values& vals, SharedStorage& smem,
+                                    const StorePlan& to, const NamedBarrier& barrier,
+                                    const FusedStore& fused, bool prefetched,
+                                    std::integer_sequence<int, p...>) {
+    ((part == p ? store_part<p>(vals, smem, to, barrier, fused, prefetched) : void()), ...);
+  }
+  // Part `part` (run-time, < kParts) of the block in `vals`.
+  template <class Values>
+  __device__ static void store_part(int part, const Values& vals, SharedStorage& smem,
+                                    const StorePlan& to, const NamedBarrier& barrier,
+                                    const FusedStore& fused, bool prefetched) {
+    store_part(part, vals, smem, to, barrier, fused, prefetched,
+               std::make_integer_sequence<int, kParts>{});
+  }
+  template <class Values, int... p>
+  __device__ static void store_parts(const Values& vals, SharedStorage& smem, const StorePlan& to,
+                                     const NamedBarrier& barrier, const FusedStore& fused,
+                                     bool prefetched, std::integer_sequence<int, p...>) {
+    (store_part<p>(vals, smem, to, barrier, fused, prefetched), ...);
   }
 
   // BiasActivation, Scaled: acc += bias[col] once, before the passes that read z. Columns past
@@ -391,26 +473,126 @@ struct TmaStoreEpilogue {
     }
   }
 
-  // Stores the warpgroup's block at `to` (the caller skips blocks past to.rows). `barrier`
-  // spans the warpgroup; thread 0 of the warpgroup issues (and owns) every store. A fused
-  // epilogue may change `acc` (the bias is added in place).
-  // `prefetched`: prefetch_aux has loaded the first batch's aux chunks.
-  __device__ static void store(float (&acc)[kBlockN / 2], SharedStorage& smem,
-                               const StorePlan& to, const NamedBarrier& barrier,
-                               const FusedStore& fused = {}, bool prefetched = false) {
+  // Activations of a 16-bit output read z rounded to Out (below), as the deferred parts do.
+  static constexpr bool kPacks =
+      sizeof(Out) == 2 && (F::kKind == FusionKind::kBiasActivation || F::kGated);
+
+  // The fp32 steps before the parts, in place: (Scaled) the row and column scales, then
+  // (BiasActivation, Scaled) the bias. An activation of a 16-bit output (kPacks) then reads
+  // z = acc + bias rounded to Out, as the unfused expression rounds its product, whether its
+  // epilogue runs at once or deferred; the pre-activation a gradient saves is that same z.
+  __device__ static void prepare(float (&acc)[kBlockN / 2], const StorePlan& to,
+                                 const FusedStore& fused) {
     if constexpr (F::kKind == FusionKind::kScaled) {
       scale(acc, to, fused.args);
     }
     if constexpr (F::kKind == FusionKind::kBiasActivation || F::kKind == FusionKind::kScaled) {
       if (fused.args.bias != nullptr) add_bias(acc, to, fused.args);
     }
-    if constexpr (F::kMayReadAux) {
-      if (fused.args.aux) {
-        store_batch<0, true>(acc, smem, to, barrier, fused, prefetched);
-        return;
+  }
+
+  // Stores the warpgroup's block at `to` (the caller skips blocks past to.rows). `barrier`
+  // spans the warpgroup; thread 0 of the warpgroup issues (and owns) every store. A fused
+  // epilogue may change `acc` (prepare).
+  // `prefetched`: prefetch_aux has loaded the first batch's aux chunks.
+  __device__ static void store(float (&acc)[kBlockN / 2], SharedStorage& smem,
+                               const StorePlan& to, const NamedBarrier& barrier,
+                               const FusedStore& fused = {}, bool prefetched = false) {
+    prepare(acc, to, fused);
+    constexpr auto kAll = std::make_integer_sequence<int, kParts>{};
+    if constexpr (kPacks) {
+      PackedValues<Out, kBlockN / 2> packed;
+      packed.pack(acc);
+      store_parts(packed, smem, to, barrier, fused, prefetched, kAll);
+    } else {
+      store_parts(AccValues<kBlockN / 2>{acc}, smem, to, barrier, fused, prefetched, kAll);
+    }
+  }
+
+  // Deferred, first step, right after the mainloop (acc prepared): the block rounded to Out
+  // into the staging area, 64 accumulator columns per buffer in the stored layout, and (asked
+  // for) the pre-activations stored from there (gated: even buffers the gate's, odd the up's).
+  __device__ static void stage(const float (&acc)[kBlockN / 2], SharedStorage& smem,
+                               const StorePlan& to, const NamedBarrier& barrier,
+                               const FusedStore& fused) {
+    static_assert(kDeferrable);
+    const bool issuer = threadIdx.x % 128 == 0;
+    if (issuer) StorePipeline::producer_acquire();
+    barrier.sync();  // the previous block's stores have read the staging area
+    const int lane = threadIdx.x % 32;
+    const int matrix = lane / 8;
+    const int row = 16 * ((threadIdx.x / 32) % 4) + (matrix & 1) * 8 + (lane & 7);
+#pragma unroll
+    for (int j = 0; j < kStagedChunks; ++j) {
+      const uint32_t base = ptx::smem_u32(smem.buffer[j]);
+#pragma unroll
+      for (int qq = 0; qq < 4; ++qq) {
+        const int r = 32 * j + 8 * qq;
+        ptx::stmatrix_x4(base + swizzled(row, 2 * qq + (matrix >> 1)),
+                         pack_pair<Out>(acc[r], acc[r + 1]), pack_pair<Out>(acc[r + 2], acc[r + 3]),
+                         pack_pair<Out>(acc[r + 4], acc[r + 5]),
+                         pack_pair<Out>(acc[r + 6], acc[r + 7]));
       }
     }
-    store_batch<0, false>(acc, smem, to, barrier, fused, false);
+    if (fused.args.store_pre) {
+      ptx::fence_proxy_async_shared();
+      barrier.sync();
+      if (issuer) {
+#pragma unroll
+        for (int j = 0; j < kStagedChunks; ++j) {
+          const int col = F::kGated ? 64 * (j / 2) : 64 * j;  // in the stored block
+          if (col >= to.cols - to.col) break;
+          ptx::tma_store(F::kGated && j % 2 ? fused.pre2 : fused.pre, smem.buffer[j],
+                         ptx::TmaCoord<4>{{to.col + col, to.row, to.batch, to.split}});
+        }
+        StorePipeline::producer_commit();
+      }
+    }
+  }
+
+  // Deferred, part `c` (compile-time) of kParts: output chunk c from its staged columns
+  // (gated: buffers 2c and 2c + 1, else buffer c), written over buffer c; each warp reads and
+  // writes its own 16 rows. The last part hands the block to TMA.
+  template <int c>
+  __device__ static void deferred_part(SharedStorage& smem, const StorePlan& to,
+                                       const NamedBarrier& barrier, const FusedStore& fused) {
+    const bool issuer = threadIdx.x % 128 == 0;
+    if constexpr (c == 0) {
+      if (fused.args.store_pre) {  // the pre-activations' stores have read the buffers
+        if (issuer) StorePipeline::producer_tail();
+        barrier.sync();
+      } else {
+        __syncwarp();  // this warp's stage() writes before its reads
+      }
+    }
+    const int lane = threadIdx.x % 32;
+    const int matrix = lane / 8;
+    const int row = 16 * ((threadIdx.x / 32) % 4) + (matrix & 1) * 8 + (lane & 7);
+    constexpr int kFrom = F::kGated ? 2 * c : c;  // first staged buffer read
+    constexpr int kFrags = 4 * F::kOutPerAcc;
+    ChunkValues<Out, 32 * kFrom, kFrags> vals;
+#pragma unroll
+    for (int q = 0; q < kFrags; ++q) {
+      vals.f[q] = ptx::ldmatrix_x4(ptx::smem_u32(smem.buffer[kFrom + q / 4]) +
+                                   swizzled(row, 2 * (q % 4) + (matrix >> 1)));
+    }
+    write_chunk<c, Pass::kOut, false>(vals, ptx::smem_u32(smem.buffer[c]), to, fused.args);
+    if constexpr (c == kParts - 1) {
+      ptx::fence_proxy_async_shared();
+      barrier.sync();  // the whole block is visible to the TMA unit
+      if (issuer) issue_stores<0>(to.d, smem, to);
+    }
+  }
+  template <int... c>
+  __device__ static void deferred_part(int part, SharedStorage& smem, const StorePlan& to,
+                                       const NamedBarrier& barrier, const FusedStore& fused,
+                                       std::integer_sequence<int, c...>) {
+    ((part == c ? deferred_part<c>(smem, to, barrier, fused) : void()), ...);
+  }
+  // Part `part` (run-time, < kParts).
+  __device__ static void deferred_part(int part, SharedStorage& smem, const StorePlan& to,
+                                       const NamedBarrier& barrier, const FusedStore& fused) {
+    deferred_part(part, smem, to, barrier, fused, std::make_integer_sequence<int, kParts>{});
   }
 
   // Stores a block of zeros at `to`, as store() does a block of accumulators.
