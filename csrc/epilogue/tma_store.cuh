@@ -15,7 +15,11 @@
 // it is overwritten), and the pre-activation stored as a second output first when asked for.
 // Gated: the accumulator's 64-column blocks alternate gate and up columns; the block stored is
 // half as wide. Scaled: the accumulators are multiplied by their row's and column's scales (and
-// the bias added) in place, before the passes.
+// the bias added) in place, before the passes. An activation of a 16-bit output reads z rounded
+// to the output type (prepare).
+// A block is stored in parts, one chunk each, that may run apart: at once (store), or deferred
+// (stage, then deferred_part), the parts running between the next tile's K slices
+// (kernels/sm90_gemm.cuh).
 #pragma once
 
 #include <cuda.h>
@@ -78,16 +82,40 @@ struct PackedValues {
     for (int i = 0; i < kRegs / 2; ++i) v[i] = pack_pair<Out>(acc[2 * i], acc[2 * i + 1]);
   }
 };
-// Registers kFirst .. kFirst + 8 kFrags - 1 of a block, rounded to Out, read back from the
-// staging area with ldmatrix (the deferred epilogue's parts): fragment q holds registers
-// kFirst + 8q .. + 7, a pair in each of its four.
-template <class Out, int kFirst, int kFrags>
+// The deferred epilogue's parts read their values back from the staging area
+// (TmaStoreEpilogue::deferred_part): registers kFirst .. kFirst + 32 kBuffers - 1 of a block,
+// rounded to Out, from kBuffers staged buffers (32 registers each, in the stored layout).
+// load(qq) brings in, with ldmatrix, the fragments of every buffer's 16-column block qq just
+// before write_chunk uses them, so a part holds 4 kBuffers registers of them at a time, not
+// 16 kBuffers (the next tile's accumulators are live meanwhile); a part writing over a
+// buffer it reads writes block qq only after reading it.
+template <class Out, int kFirst, int kBuffers>
 struct ChunkValues {
-  ptx::Fragment4 f[kFrags];
+  uint32_t base[kBuffers];  // shared addresses of the buffers, at this lane's row
+  uint32_t row;
+  uint32_t matrix;
+  ptx::Fragment4 f[4 * kBuffers];  // buffer b's block qq in f[4 b + qq]
+  __device__ __forceinline__ void load(int qq) {
+#pragma unroll
+    for (int b = 0; b < kBuffers; ++b) {
+      const uint32_t unit = 2 * qq + (matrix >> 1);
+      f[4 * b + qq] = ptx::ldmatrix_x4(base[b] + row * 128 + ((unit ^ (row & 7)) << 4));
+    }
+  }
   __device__ __forceinline__ float2 pair(int k) const {
-    return unpack_pair<Out>(f[(k - kFirst) / 8].r[(k % 8) / 2]);
+    const int q = (k - kFirst) / 8;  // 8 registers per 16-column block
+    return unpack_pair<Out>(f[q].r[(k % 8) / 2]);
   }
 };
+// The accumulators and their packed copy are all in registers: nothing to load.
+template <int kRegs>
+__device__ __forceinline__ void load_values(const AccValues<kRegs>&, int) {}
+template <class Out, int kRegs>
+__device__ __forceinline__ void load_values(const PackedValues<Out, kRegs>&, int) {}
+template <class Out, int kFirst, int kBuffers>
+__device__ __forceinline__ void load_values(ChunkValues<Out, kFirst, kBuffers>& v, int qq) {
+  v.load(qq);
+}
 
 // Where one consumer warpgroup's block goes: D's map (a kernel parameter, or a map in global
 // memory) and the coordinates of the block's first element; `rows` and `cols` are D's extent
@@ -185,7 +213,7 @@ struct TmaStoreEpilogue {
   // Chunk `c` of the block (`vals`: AccValues or PackedValues) into the staging buffer at
   // `base`.
   template <int c, Pass kPass, bool kAux, class Values>
-  __device__ static void write_chunk(const Values& vals, uint32_t base, const StorePlan& to,
+  __device__ static void write_chunk(Values& vals, uint32_t base, const StorePlan& to,
                                      const FusionArgs& args) {
     const int lane = threadIdx.x % 32;
     const int warp = (threadIdx.x / 32) % 4;
@@ -212,6 +240,7 @@ struct TmaStoreEpilogue {
         constexpr int kFirst = F::kGated ? 64 * c : 4 * (chunk_col(c) / 8);
         const int r = kFirst + 8 * qq;
         const uint32_t addr = base + swizzled(row, 2 * qq + (matrix >> 1));
+        load_values(vals, qq);
         uint32_t packed[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -257,7 +286,7 @@ struct TmaStoreEpilogue {
 
   // Chunks batch0 .. batch0 + kBuffers - 1 into the staging area, chunk batch0 + i in buffer i.
   template <int batch0, Pass kPass, bool kAux, class Values, int... i>
-  __device__ static void write_batch(const Values& vals, SharedStorage& smem, const StorePlan& to,
+  __device__ static void write_batch(Values& vals, SharedStorage& smem, const StorePlan& to,
                                      const FusionArgs& args, std::integer_sequence<int, i...>) {
     (write_chunk<batch0 + i, kPass, kAux>(vals, ptx::smem_u32(smem.buffer[i]), to, args), ...);
   }
@@ -281,7 +310,7 @@ struct TmaStoreEpilogue {
   // A pass that stores a pre-activation through `map` and waits until the stores have read the
   // staging area (the next pass rewrites it).
   template <int batch0, Pass kPass, class Values>
-  __device__ static void store_pass(const Values& vals, SharedStorage& smem, const StorePlan& to,
+  __device__ static void store_pass(Values& vals, SharedStorage& smem, const StorePlan& to,
                                     const NamedBarrier& barrier, const FusionArgs& args,
                                     const CUtensorMap* map) {
     write_batch<batch0, kPass, false>(vals, smem, to, args,
@@ -332,7 +361,7 @@ struct TmaStoreEpilogue {
   static constexpr int kParts = kChunks;
 
   template <int kPart, bool kAux, class Values>
-  __device__ static void store_part(const Values& vals, SharedStorage& smem, const StorePlan& to,
+  __device__ static void store_part(Values& vals, SharedStorage& smem, const StorePlan& to,
                                     const NamedBarrier& barrier, const FusedStore& fused,
                                     bool prefetched) {
     constexpr int i = kPart % kBuffers;  // the chunk's buffer
@@ -362,7 +391,7 @@ struct TmaStoreEpilogue {
     }
   }
   template <int kPart, class Values>
-  __device__ static void store_part(const Values& vals, SharedStorage& smem, const StorePlan& to,
+  __device__ static void store_part(Values& vals, SharedStorage& smem, const StorePlan& to,
                                     const NamedBarrier& barrier, const FusedStore& fused,
                                     bool prefetched) {
     if constexpr (F::kMayReadAux) {
@@ -374,7 +403,7 @@ struct TmaStoreEpilogue {
     store_part<kPart, false>(vals, smem, to, barrier, fused, prefetched);
   }
   template <class Values, int... p>
-  __device__ static void store_part(int part, const Values& vals, SharedStorage& smem,
+  __device__ static void store_part(int part, Values& vals, SharedStorage& smem,
                                     const StorePlan& to, const NamedBarrier& barrier,
                                     const FusedStore& fused, bool prefetched,
                                     std::integer_sequence<int, p...>) {
@@ -382,14 +411,14 @@ struct TmaStoreEpilogue {
   }
   // Part `part` (run-time, < kParts) of the block in `vals`.
   template <class Values>
-  __device__ static void store_part(int part, const Values& vals, SharedStorage& smem,
+  __device__ static void store_part(int part, Values& vals, SharedStorage& smem,
                                     const StorePlan& to, const NamedBarrier& barrier,
                                     const FusedStore& fused, bool prefetched) {
     store_part(part, vals, smem, to, barrier, fused, prefetched,
                std::make_integer_sequence<int, kParts>{});
   }
   template <class Values, int... p>
-  __device__ static void store_parts(const Values& vals, SharedStorage& smem, const StorePlan& to,
+  __device__ static void store_parts(Values& vals, SharedStorage& smem, const StorePlan& to,
                                      const NamedBarrier& barrier, const FusedStore& fused,
                                      bool prefetched, std::integer_sequence<int, p...>) {
     (store_part<p>(vals, smem, to, barrier, fused, prefetched), ...);
@@ -505,7 +534,8 @@ struct TmaStoreEpilogue {
       packed.pack(acc);
       store_parts(packed, smem, to, barrier, fused, prefetched, kAll);
     } else {
-      store_parts(AccValues<kBlockN / 2>{acc}, smem, to, barrier, fused, prefetched, kAll);
+      AccValues<kBlockN / 2> values{acc};
+      store_parts(values, smem, to, barrier, fused, prefetched, kAll);
     }
   }
 
@@ -569,13 +599,11 @@ struct TmaStoreEpilogue {
     const int matrix = lane / 8;
     const int row = 16 * ((threadIdx.x / 32) % 4) + (matrix & 1) * 8 + (lane & 7);
     constexpr int kFrom = F::kGated ? 2 * c : c;  // first staged buffer read
-    constexpr int kFrags = 4 * F::kOutPerAcc;
-    ChunkValues<Out, 32 * kFrom, kFrags> vals;
+    ChunkValues<Out, 32 * kFrom, F::kOutPerAcc> vals;
 #pragma unroll
-    for (int q = 0; q < kFrags; ++q) {
-      vals.f[q] = ptx::ldmatrix_x4(ptx::smem_u32(smem.buffer[kFrom + q / 4]) +
-                                   swizzled(row, 2 * (q % 4) + (matrix >> 1)));
-    }
+    for (int b = 0; b < F::kOutPerAcc; ++b) vals.base[b] = ptx::smem_u32(smem.buffer[kFrom + b]);
+    vals.row = static_cast<uint32_t>(row);
+    vals.matrix = static_cast<uint32_t>(matrix);
     write_chunk<c, Pass::kOut, false>(vals, ptx::smem_u32(smem.buffer[c]), to, fused.args);
     if constexpr (c == kParts - 1) {
       ptx::fence_proxy_async_shared();
