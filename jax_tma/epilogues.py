@@ -7,13 +7,11 @@
                                             act(x @ w1 + b1) @ w2 + b2 + residual
 
 On Hopper, bf16 or fp16 operands of one type run the sm90 GEMM kernel with the elementwise work
-in its epilogue (csrc/epilogue/fusion.h), in fp32 on the fp32 accumulators: the pre-activation
-``z = x @ w + b`` (gated: the gate's and the up's products) is rounded to the output type (the
-operands' type) before the activation reads it, as the unfused expression stores it and as the
-saved pre-activation holds it, and the result is rounded once more at the store. The unfused
-16-bit expression ``act(x @ w + b) + r`` rounds also after the product alone and after the
-activation; the XLA path of these functions (other dtypes, other devices) computes what the
-kernel computes.
+in its epilogue (csrc/epilogue/fusion.h): applied to the fp32 accumulators and rounded once, at
+the store, to the output type (the operands' type). That is where the results differ from the
+unfused 16-bit expression ``act(x @ w + b) + r``, which rounds after the product, after the bias,
+after the activation and after the sum; the XLA path of these functions (other dtypes, other
+devices) computes what the kernel computes, in fp32 with one rounding.
 
 Gradients (``jax.custom_vjp``): the forward pass also stores the pre-activation when
 differentiated (a second output of the same kernel); the backward pass multiplies by the
@@ -170,16 +168,9 @@ def _split_rest(rest, kind, has_bias, has_aux):
 
 def _reference(a, b, *rest, kind, activation, has_bias, has_aux, save_pre, b_k_major, out_dtype,
                config, local):
-    """What the kernel computes, in XLA: fp32 accumulation and epilogue; with a 16-bit output,
-    the activation reads z rounded to it (csrc/epilogue/tma_store.cuh, prepare)."""
+    """What the kernel computes, in XLA: fp32 accumulation and epilogue, one rounding."""
     del config, local
     b2, bias, aux = _split_rest(rest, kind, has_bias, has_aux)
-
-    def rounded(z):
-        if jnp.dtype(out_dtype).itemsize != 2:
-            return z
-        return z.astype(out_dtype).astype(jnp.float32)
-
     dims = (((1,), (1,)), ((), ())) if b_k_major else (((1,), (0,)), ((), ()))
     acc = lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
     pre = []
@@ -187,7 +178,7 @@ def _reference(a, b, *rest, kind, activation, has_bias, has_aux, save_pre, b_k_m
         if bias is not None:
             acc = acc + bias.astype(jnp.float32)
         pre = [acc]
-        out = activate(activation, rounded(acc))
+        out = activate(activation, acc)
         if aux is not None:
             out = out + aux.astype(jnp.float32)
     elif kind == GRADIENT:
@@ -195,7 +186,7 @@ def _reference(a, b, *rest, kind, activation, has_bias, has_aux, save_pre, b_k_m
     else:
         up = lax.dot_general(a, b2, dims, preferred_element_type=jnp.float32)
         pre = [jnp.stack([acc, up])]
-        out = activate(activation, rounded(acc)) * rounded(up)
+        out = activate(activation, acc) * up
     results = [out.astype(out_dtype)]
     if save_pre:
         results.append(pre[0].astype(out_dtype))
@@ -446,7 +437,7 @@ def dense(x: Any, w: Any, bias: Any = None, activation: str | None = None,
 
     Returns:
       [..., N] in the promoted type of x, w, bias and residual. bf16/fp16 run the fused kernel
-      (fp32 epilogue on z rounded to the output type); other types compute the same in XLA.
+      (fp32 epilogue, one rounding at the store); other types compute the same in XLA.
     """
     activation = _canonical(activation, ACTIVATIONS, "dense")
     dtype = _prepare("dense", x, {"w": w}, {"bias": bias, "residual": residual}, activation)
@@ -510,8 +501,7 @@ def gated_dense(x: Any, w_gate: Any, w_up: Any, activation: str = "silu", *,
       config: a ``GemmConfig`` among ``DENSE_CONFIGS`` (its block_n counts gate and up columns).
 
     Returns:
-      [..., N] in the promoted type; bf16/fp16 run the kernel (fp32 epilogue on the gate's and
-      up's products rounded to the output type).
+      [..., N] in the promoted type; bf16/fp16 run the kernel (fp32 epilogue, one rounding).
     """
     activation = _canonical(activation, GATED_ACTIVATIONS, "gated_dense")
     dtype = _prepare("gated_dense", x, {"w_gate": w_gate, "w_up": w_up}, {}, activation)

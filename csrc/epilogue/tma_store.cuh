@@ -15,11 +15,7 @@
 // it is overwritten), and the pre-activation stored as a second output first when asked for.
 // Gated: the accumulator's 64-column blocks alternate gate and up columns; the block stored is
 // half as wide. Scaled: the accumulators are multiplied by their row's and column's scales (and
-// the bias added) in place, before the passes. An activation of a 16-bit output reads z rounded
-// to the output type (prepare).
-// A block is stored in parts, one chunk each, that may run apart: at once (store), or deferred
-// (stage, then deferred_part), the parts running between the next tile's K slices
-// (kernels/sm90_gemm.cuh).
+// the bias added) in place, before the passes.
 #pragma once
 
 #include <cuda.h>
@@ -61,60 +57,6 @@ __device__ __forceinline__ float2 unpack_pair<__nv_bfloat16>(uint32_t v) {
 template <>
 __device__ __forceinline__ float2 unpack_pair<__half>(uint32_t v) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
-}
-
-// Where an epilogue reads a warpgroup's block (the accumulators' register layout, ptx/wgmma.cuh):
-// pair(k) is the values of registers k and k + 1 (k even). AccValues: the fp32 accumulators.
-// PackedValues: the same rounded to a 16-bit output type, two to a register: half the
-// registers, so a block can wait in them while the next tile's wgmma write the accumulators
-// (the deferred epilogue of kernels/sm90_gemm.cuh).
-template <int kRegs>
-struct AccValues {
-  const float (&acc)[kRegs];
-  __device__ __forceinline__ float2 pair(int k) const { return make_float2(acc[k], acc[k + 1]); }
-};
-template <class Out, int kRegs>
-struct PackedValues {
-  uint32_t v[kRegs / 2];
-  __device__ __forceinline__ float2 pair(int k) const { return unpack_pair<Out>(v[k / 2]); }
-  __device__ __forceinline__ void pack(const float (&acc)[kRegs]) {
-#pragma unroll
-    for (int i = 0; i < kRegs / 2; ++i) v[i] = pack_pair<Out>(acc[2 * i], acc[2 * i + 1]);
-  }
-};
-// The deferred epilogue's parts read their values back from the staging area
-// (TmaStoreEpilogue::deferred_part): registers kFirst .. kFirst + 32 kBuffers - 1 of a block,
-// rounded to Out, from kBuffers staged buffers (32 registers each, in the stored layout).
-// load(qq) brings in, with ldmatrix, the fragments of every buffer's 16-column block qq just
-// before write_chunk uses them, so a part holds 4 kBuffers registers of them at a time, not
-// 16 kBuffers (the next tile's accumulators are live meanwhile); a part writing over a
-// buffer it reads writes block qq only after reading it.
-template <class Out, int kFirst, int kBuffers>
-struct ChunkValues {
-  uint32_t base[kBuffers];  // shared addresses of the buffers, at this lane's row
-  uint32_t row;
-  uint32_t matrix;
-  ptx::Fragment4 f[4 * kBuffers];  // buffer b's block qq in f[4 b + qq]
-  __device__ __forceinline__ void load(int qq) {
-#pragma unroll
-    for (int b = 0; b < kBuffers; ++b) {
-      const uint32_t unit = 2 * qq + (matrix >> 1);
-      f[4 * b + qq] = ptx::ldmatrix_x4(base[b] + row * 128 + ((unit ^ (row & 7)) << 4));
-    }
-  }
-  __device__ __forceinline__ float2 pair(int k) const {
-    const int q = (k - kFirst) / 8;  // 8 registers per 16-column block
-    return unpack_pair<Out>(f[q].r[(k % 8) / 2]);
-  }
-};
-// The accumulators and their packed copy are all in registers: nothing to load.
-template <int kRegs>
-__device__ __forceinline__ void load_values(const AccValues<kRegs>&, int) {}
-template <class Out, int kRegs>
-__device__ __forceinline__ void load_values(const PackedValues<Out, kRegs>&, int) {}
-template <class Out, int kFirst, int kBuffers>
-__device__ __forceinline__ void load_values(ChunkValues<Out, kFirst, kBuffers>& v, int qq) {
-  v.load(qq);
 }
 
 // Where one consumer warpgroup's block goes: D's map (a kernel parameter, or a map in global
@@ -162,19 +104,8 @@ struct TmaStoreEpilogue {
   // One store group per batch, and the next batch rewrites the whole staging area.
   using StorePipeline = PipelineTmaStore<1>;
 
-  // Deferred (kernels/sm90_gemm.cuh): a block of 16-bit z (bias added, no activation yet) is
-  // staged whole, one buffer per 64 accumulator columns, right after its mainloop, and turned
-  // into the output in place by parts that run while the next tile's mainloop does (no aux
-  // operand: it would need the same buffers). The stored block must be one batch.
-  static constexpr int kStagedChunks = kBlockN / 64;
-  static constexpr bool kDeferrable =
-      sizeof(Out) == 2 && kBlockN % 64 == 0 && kChunks == kBuffers &&
-      (F::kKind == FusionKind::kBiasActivation || F::kGated);
-  static constexpr int kStorageBuffers =
-      kDeferrable && kStagedChunks > kBuffers ? kStagedChunks : kBuffers;
-
   struct SharedStorage {
-    alignas(1024) uint8_t buffer[kStorageBuffers][kChunkBytes];
+    alignas(1024) uint8_t buffer[kBuffers][kChunkBytes];
   };
 
   // What a pass over the staging area writes: the output, or a pre-activation (BiasActivation:
@@ -210,11 +141,10 @@ struct TmaStoreEpilogue {
     }
   }
 
-  // Chunk `c` of the block (`vals`: AccValues or PackedValues) into the staging buffer at
-  // `base`.
-  template <int c, Pass kPass, bool kAux, class Values>
-  __device__ static void write_chunk(Values& vals, uint32_t base, const StorePlan& to,
-                                     const FusionArgs& args) {
+  // Chunk `c` of the accumulators (layout: ptx/wgmma.cuh) into the staging buffer at `base`.
+  template <int c, Pass kPass, bool kAux>
+  __device__ static void write_chunk(const float (&acc)[kBlockN / 2], uint32_t base,
+                                     const StorePlan& to, const FusionArgs& args) {
     const int lane = threadIdx.x % 32;
     const int warp = (threadIdx.x / 32) % 4;
     if constexpr (sizeof(Out) == 2) {
@@ -240,15 +170,14 @@ struct TmaStoreEpilogue {
         constexpr int kFirst = F::kGated ? 64 * c : 4 * (chunk_col(c) / 8);
         const int r = kFirst + 8 * qq;
         const uint32_t addr = base + swizzled(row, 2 * qq + (matrix >> 1));
-        load_values(vals, qq);
         uint32_t packed[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           // Register pair i: rows + 8 (i & 1), columns 8 (i >> 1) + 2 (lane % 4) of the block.
           const int col = chunk_col(c) + 16 * qq + 8 * (i >> 1) + 2 * (lane % 4);
-          const float2 x = vals.pair(r + 2 * i);
+          const float2 x = make_float2(acc[r + 2 * i], acc[r + 2 * i + 1]);
           float2 up = x;
-          if constexpr (F::kGated) up = vals.pair(r + 32 + 2 * i);
+          if constexpr (F::kGated) up = make_float2(acc[r + 32 + 2 * i], acc[r + 32 + 2 * i + 1]);
           const float2 a = kAux ? unpack_pair<Out>(aux[qq].r[i]) : make_float2(0.0f, 0.0f);
           const float2 v = fuse<kPass, kAux>(x, up, a, col, to, args);
           packed[i] = pack_pair<Out>(v.x, v.y);
@@ -276,7 +205,7 @@ struct TmaStoreEpilogue {
         const int j = chunk_col(c) / 8 + jj;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const float2 x = vals.pair(4 * j + 2 * h);
+          const float2 x = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
           const float2 v = fuse<kPass, kAux>(x, x, aux[jj][h], 8 * j + 2 * pair, to, args);
           ptx::st_shared_v2_f32(address(jj, h), v.x, v.y);
         }
@@ -285,10 +214,11 @@ struct TmaStoreEpilogue {
   }
 
   // Chunks batch0 .. batch0 + kBuffers - 1 into the staging area, chunk batch0 + i in buffer i.
-  template <int batch0, Pass kPass, bool kAux, class Values, int... i>
-  __device__ static void write_batch(Values& vals, SharedStorage& smem, const StorePlan& to,
-                                     const FusionArgs& args, std::integer_sequence<int, i...>) {
-    (write_chunk<batch0 + i, kPass, kAux>(vals, ptx::smem_u32(smem.buffer[i]), to, args), ...);
+  template <int batch0, Pass kPass, bool kAux, int... i>
+  __device__ static void write_batch(const float (&acc)[kBlockN / 2], SharedStorage& smem,
+                                     const StorePlan& to, const FusionArgs& args,
+                                     std::integer_sequence<int, i...>) {
+    (write_chunk<batch0 + i, kPass, kAux>(acc, ptx::smem_u32(smem.buffer[i]), to, args), ...);
   }
 
   // Issuer: the batch's chunks from the staging area to `map` (chunks past D's columns are
@@ -309,11 +239,11 @@ struct TmaStoreEpilogue {
 
   // A pass that stores a pre-activation through `map` and waits until the stores have read the
   // staging area (the next pass rewrites it).
-  template <int batch0, Pass kPass, class Values>
-  __device__ static void store_pass(Values& vals, SharedStorage& smem, const StorePlan& to,
-                                    const NamedBarrier& barrier, const FusionArgs& args,
-                                    const CUtensorMap* map) {
-    write_batch<batch0, kPass, false>(vals, smem, to, args,
+  template <int batch0, Pass kPass>
+  __device__ static void store_pass(const float (&acc)[kBlockN / 2], SharedStorage& smem,
+                                    const StorePlan& to, const NamedBarrier& barrier,
+                                    const FusionArgs& args, const CUtensorMap* map) {
+    write_batch<batch0, kPass, false>(acc, smem, to, args,
                                       std::make_integer_sequence<int, kBuffers>{});
     ptx::fence_proxy_async_shared();
     barrier.sync();
@@ -352,76 +282,35 @@ struct TmaStoreEpilogue {
     load_aux<0>(smem, to, fused);
   }
 
-  // The block is stored in kParts parts, one chunk each, in order; a batch's first part first
-  // waits until the previous batch's stores have read the staging area and (fused, asked for)
-  // stores the batch's pre-activations through fused.pre and loads the batch's aux chunks, and
-  // its last part hands the batch to TMA. The parts may run apart, between other work of the
-  // warpgroup (the deferred epilogue of kernels/sm90_gemm.cuh runs them between the next
-  // tile's K slices), but not interleaved with another block's.
-  static constexpr int kParts = kChunks;
-
-  template <int kPart, bool kAux, class Values>
-  __device__ static void store_part(Values& vals, SharedStorage& smem, const StorePlan& to,
-                                    const NamedBarrier& barrier, const FusedStore& fused,
-                                    bool prefetched) {
-    constexpr int i = kPart % kBuffers;  // the chunk's buffer
-    constexpr int batch0 = kPart - i;
+  // One batch: (fused, asked for) the pre-activation through fused.pre, then (fused, asked for)
+  // the aux operand into the staging area, then the output.
+  template <int batch0, bool kAux>
+  __device__ static void store_batch(const float (&acc)[kBlockN / 2], SharedStorage& smem,
+                                     const StorePlan& to, const NamedBarrier& barrier,
+                                     const FusedStore& fused, bool prefetched) {
     const bool issuer = threadIdx.x % 128 == 0;
-    if constexpr (i == 0) {
-      if (issuer) StorePipeline::producer_acquire();
-      barrier.sync();  // the previous batch's stores have read the staging area
-      if constexpr (F::kKind == FusionKind::kBiasActivation || F::kGated) {
-        if (fused.args.store_pre) {
-          store_pass<batch0, Pass::kPre>(vals, smem, to, barrier, fused.args, fused.pre);
-          if constexpr (F::kGated) {
-            store_pass<batch0, Pass::kPreUp>(vals, smem, to, barrier, fused.args, fused.pre2);
-          }
+    constexpr auto kBuffersSeq = std::make_integer_sequence<int, kBuffers>{};
+    if (issuer) StorePipeline::producer_acquire();
+    barrier.sync();  // the previous batch's stores have read the staging area
+    if constexpr (F::kKind == FusionKind::kBiasActivation || F::kGated) {
+      if (fused.args.store_pre) {
+        store_pass<batch0, Pass::kPre>(acc, smem, to, barrier, fused.args, fused.pre);
+        if constexpr (F::kGated) {
+          store_pass<batch0, Pass::kPreUp>(acc, smem, to, barrier, fused.args, fused.pre2);
         }
       }
-      if constexpr (kAux) {
-        if (issuer && !(batch0 == 0 && prefetched)) load_aux<batch0>(smem, to, fused);
-        fused.load->wait();
-      }
     }
-    write_chunk<kPart, Pass::kOut, kAux>(vals, ptx::smem_u32(smem.buffer[i]), to, fused.args);
-    if constexpr (i == kBuffers - 1) {
-      ptx::fence_proxy_async_shared();
-      barrier.sync();  // the whole batch is visible to the TMA unit
-      if (issuer) issue_stores<batch0>(to.d, smem, to);
+    if constexpr (kAux) {
+      if (issuer && !(batch0 == 0 && prefetched)) load_aux<batch0>(smem, to, fused);
+      fused.load->wait();
     }
-  }
-  template <int kPart, class Values>
-  __device__ static void store_part(Values& vals, SharedStorage& smem, const StorePlan& to,
-                                    const NamedBarrier& barrier, const FusedStore& fused,
-                                    bool prefetched) {
-    if constexpr (F::kMayReadAux) {
-      if (fused.args.aux) {
-        store_part<kPart, true>(vals, smem, to, barrier, fused, prefetched);
-        return;
-      }
+    write_batch<batch0, Pass::kOut, kAux>(acc, smem, to, fused.args, kBuffersSeq);
+    ptx::fence_proxy_async_shared();
+    barrier.sync();  // the whole batch is visible to the TMA unit
+    if (issuer) issue_stores<batch0>(to.d, smem, to);
+    if constexpr (batch0 + kBuffers < kChunks) {
+      store_batch<batch0 + kBuffers, kAux>(acc, smem, to, barrier, fused, false);
     }
-    store_part<kPart, false>(vals, smem, to, barrier, fused, prefetched);
-  }
-  template <class Values, int... p>
-  __device__ static void store_part(int part, Values& vals, SharedStorage& smem,
-                                    const StorePlan& to, const NamedBarrier& barrier,
-                                    const FusedStore& fused, bool prefetched,
-                                    std::integer_sequence<int, p...>) {
-    ((part == p ? store_part<p>(vals, smem, to, barrier, fused, prefetched) : void()), ...);
-  }
-  // Part `part` (run-time, < kParts) of the block in `vals`.
-  template <class Values>
-  __device__ static void store_part(int part, Values& vals, SharedStorage& smem,
-                                    const StorePlan& to, const NamedBarrier& barrier,
-                                    const FusedStore& fused, bool prefetched) {
-    store_part(part, vals, smem, to, barrier, fused, prefetched,
-               std::make_integer_sequence<int, kParts>{});
-  }
-  template <class Values, int... p>
-  __device__ static void store_parts(Values& vals, SharedStorage& smem, const StorePlan& to,
-                                     const NamedBarrier& barrier, const FusedStore& fused,
-                                     bool prefetched, std::integer_sequence<int, p...>) {
-    (store_part<p>(vals, smem, to, barrier, fused, prefetched), ...);
   }
 
   // BiasActivation, Scaled: acc += bias[col] once, before the passes that read z. Columns past
@@ -502,125 +391,26 @@ struct TmaStoreEpilogue {
     }
   }
 
-  // Activations of a 16-bit output read z rounded to Out (below), as the deferred parts do.
-  static constexpr bool kPacks =
-      sizeof(Out) == 2 && (F::kKind == FusionKind::kBiasActivation || F::kGated);
-
-  // The fp32 steps before the parts, in place: (Scaled) the row and column scales, then
-  // (BiasActivation, Scaled) the bias. An activation of a 16-bit output (kPacks) then reads
-  // z = acc + bias rounded to Out, as the unfused expression rounds its product, whether its
-  // epilogue runs at once or deferred; the pre-activation a gradient saves is that same z.
-  __device__ static void prepare(float (&acc)[kBlockN / 2], const StorePlan& to,
-                                 const FusedStore& fused) {
+  // Stores the warpgroup's block at `to` (the caller skips blocks past to.rows). `barrier`
+  // spans the warpgroup; thread 0 of the warpgroup issues (and owns) every store. A fused
+  // epilogue may change `acc` (the bias is added in place).
+  // `prefetched`: prefetch_aux has loaded the first batch's aux chunks.
+  __device__ static void store(float (&acc)[kBlockN / 2], SharedStorage& smem,
+                               const StorePlan& to, const NamedBarrier& barrier,
+                               const FusedStore& fused = {}, bool prefetched = false) {
     if constexpr (F::kKind == FusionKind::kScaled) {
       scale(acc, to, fused.args);
     }
     if constexpr (F::kKind == FusionKind::kBiasActivation || F::kKind == FusionKind::kScaled) {
       if (fused.args.bias != nullptr) add_bias(acc, to, fused.args);
     }
-  }
-
-  // Stores the warpgroup's block at `to` (the caller skips blocks past to.rows). `barrier`
-  // spans the warpgroup; thread 0 of the warpgroup issues (and owns) every store. A fused
-  // epilogue may change `acc` (prepare).
-  // `prefetched`: prefetch_aux has loaded the first batch's aux chunks.
-  __device__ static void store(float (&acc)[kBlockN / 2], SharedStorage& smem,
-                               const StorePlan& to, const NamedBarrier& barrier,
-                               const FusedStore& fused = {}, bool prefetched = false) {
-    prepare(acc, to, fused);
-    constexpr auto kAll = std::make_integer_sequence<int, kParts>{};
-    if constexpr (kPacks) {
-      PackedValues<Out, kBlockN / 2> packed;
-      packed.pack(acc);
-      store_parts(packed, smem, to, barrier, fused, prefetched, kAll);
-    } else {
-      AccValues<kBlockN / 2> values{acc};
-      store_parts(values, smem, to, barrier, fused, prefetched, kAll);
-    }
-  }
-
-  // Deferred, first step, right after the mainloop (acc prepared): the block rounded to Out
-  // into the staging area, 64 accumulator columns per buffer in the stored layout, and (asked
-  // for) the pre-activations stored from there (gated: even buffers the gate's, odd the up's).
-  __device__ static void stage(const float (&acc)[kBlockN / 2], SharedStorage& smem,
-                               const StorePlan& to, const NamedBarrier& barrier,
-                               const FusedStore& fused) {
-    static_assert(kDeferrable);
-    const bool issuer = threadIdx.x % 128 == 0;
-    if (issuer) StorePipeline::producer_acquire();
-    barrier.sync();  // the previous block's stores have read the staging area
-    const int lane = threadIdx.x % 32;
-    const int matrix = lane / 8;
-    const int row = 16 * ((threadIdx.x / 32) % 4) + (matrix & 1) * 8 + (lane & 7);
-#pragma unroll
-    for (int j = 0; j < kStagedChunks; ++j) {
-      const uint32_t base = ptx::smem_u32(smem.buffer[j]);
-#pragma unroll
-      for (int qq = 0; qq < 4; ++qq) {
-        const int r = 32 * j + 8 * qq;
-        ptx::stmatrix_x4(base + swizzled(row, 2 * qq + (matrix >> 1)),
-                         pack_pair<Out>(acc[r], acc[r + 1]), pack_pair<Out>(acc[r + 2], acc[r + 3]),
-                         pack_pair<Out>(acc[r + 4], acc[r + 5]),
-                         pack_pair<Out>(acc[r + 6], acc[r + 7]));
+    if constexpr (F::kMayReadAux) {
+      if (fused.args.aux) {
+        store_batch<0, true>(acc, smem, to, barrier, fused, prefetched);
+        return;
       }
     }
-    if (fused.args.store_pre) {
-      ptx::fence_proxy_async_shared();
-      barrier.sync();
-      if (issuer) {
-#pragma unroll
-        for (int j = 0; j < kStagedChunks; ++j) {
-          const int col = F::kGated ? 64 * (j / 2) : 64 * j;  // in the stored block
-          if (col >= to.cols - to.col) break;
-          ptx::tma_store(F::kGated && j % 2 ? fused.pre2 : fused.pre, smem.buffer[j],
-                         ptx::TmaCoord<4>{{to.col + col, to.row, to.batch, to.split}});
-        }
-        StorePipeline::producer_commit();
-      }
-    }
-  }
-
-  // Deferred, part `c` (compile-time) of kParts: output chunk c from its staged columns
-  // (gated: buffers 2c and 2c + 1, else buffer c), written over buffer c; each warp reads and
-  // writes its own 16 rows. The last part hands the block to TMA.
-  template <int c>
-  __device__ static void deferred_part(SharedStorage& smem, const StorePlan& to,
-                                       const NamedBarrier& barrier, const FusedStore& fused) {
-    const bool issuer = threadIdx.x % 128 == 0;
-    if constexpr (c == 0) {
-      if (fused.args.store_pre) {  // the pre-activations' stores have read the buffers
-        if (issuer) StorePipeline::producer_tail();
-        barrier.sync();
-      } else {
-        __syncwarp();  // this warp's stage() writes before its reads
-      }
-    }
-    const int lane = threadIdx.x % 32;
-    const int matrix = lane / 8;
-    const int row = 16 * ((threadIdx.x / 32) % 4) + (matrix & 1) * 8 + (lane & 7);
-    constexpr int kFrom = F::kGated ? 2 * c : c;  // first staged buffer read
-    ChunkValues<Out, 32 * kFrom, F::kOutPerAcc> vals;
-#pragma unroll
-    for (int b = 0; b < F::kOutPerAcc; ++b) vals.base[b] = ptx::smem_u32(smem.buffer[kFrom + b]);
-    vals.row = static_cast<uint32_t>(row);
-    vals.matrix = static_cast<uint32_t>(matrix);
-    write_chunk<c, Pass::kOut, false>(vals, ptx::smem_u32(smem.buffer[c]), to, fused.args);
-    if constexpr (c == kParts - 1) {
-      ptx::fence_proxy_async_shared();
-      barrier.sync();  // the whole block is visible to the TMA unit
-      if (issuer) issue_stores<0>(to.d, smem, to);
-    }
-  }
-  template <int... c>
-  __device__ static void deferred_part(int part, SharedStorage& smem, const StorePlan& to,
-                                       const NamedBarrier& barrier, const FusedStore& fused,
-                                       std::integer_sequence<int, c...>) {
-    ((part == c ? deferred_part<c>(smem, to, barrier, fused) : void()), ...);
-  }
-  // Part `part` (run-time, < kParts).
-  __device__ static void deferred_part(int part, SharedStorage& smem, const StorePlan& to,
-                                       const NamedBarrier& barrier, const FusedStore& fused) {
-    deferred_part(part, smem, to, barrier, fused, std::make_integer_sequence<int, kParts>{});
+    store_batch<0, false>(acc, smem, to, barrier, fused, false);
   }
 
   // Stores a block of zeros at `to`, as store() does a block of accumulators.

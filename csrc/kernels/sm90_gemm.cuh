@@ -21,18 +21,6 @@
 // (epilogue/partial_tiles.cuh) instead of storing them, and the piece that starts it adds the
 // later CTAs' before its epilogue (scheduler/tile_scheduler.cuh).
 //
-// NOTE: on cooperative tiles both consumers run the epilogue while the tensor cores wait for
-// them; a fused activation's epilogue made that ~5 % of a large product (16384 x 14336 x 4096,
-// gelu with a bias: 2557 us against 2452 for the plain store on the same tile under Nsight
-// Compute, H100). So such a block is deferred (Kernel::kDefer, when the fusion reads no aux
-// operand): right after its mainloop the consumers add the bias and stage z, rounded to the
-// 16-bit output, in the staging buffers (and store the pre-activations from there when asked
-// for); the activation and the output's store then run in parts, one 64-column chunk per K
-// slice, from the next tile's mainloop hook (between(kb): after slice kb is issued, while the
-// tensor cores work on it). The accumulators stay the mainloop's: the parts keep only a
-// chunk's fragments in registers. Parts that a short K range leaves over run after that
-// mainloop, and the last block's after the loop.
-//
 // NOTE: a ping-pong consumer passes over the other's stages without waiting on them, so it
 // could meet a stage's full barrier one ring pass early, where the parity of the pass it wants
 // has completed already for the pass before. The consumers therefore take turns (an
@@ -97,15 +85,6 @@ struct Kernel {
   static_assert(Tile::kConsumerWarpgroups == kStreamKSlotsPerCta);
   static constexpr bool kTmaStore = Tile::kEpilogue == EpilogueKind::kTmaStore;
   static constexpr bool kStreamK = Tile::kStreamK && Problem::kStreamK;
-  // Cooperative tiles defer a fused block's activation and store into the next tile's
-  // mainloop (see the note at the top), where the epilogue can (Epilogue::kDeferrable) and
-  // the mainloop leaves the registers (Mainloop::kDefersEpilogue).
-  static constexpr bool kDefer =
-      kTmaStore && !Tile::kPingPong && Epilogue::kDeferrable && Mainloop::kDefersEpilogue;
-  // The K slice from which the mainloop's between() hook may start a fused epilogue's aux
-  // prefetch (after the deferred parts, which run first): late enough that the previous
-  // tile's stores have read the staging buffers, early enough to hide a TMA load.
-  static constexpr int kPrefetchSlice = 4;
   static_assert(kTmaStore || !Problem::kGlobalStoreMaps, "per-segment outputs store through TMA");
 
   // Ping-pong: the consumers' turns at waiting on the ring (see the note at the top).
@@ -245,23 +224,6 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     EpilogueLoad aux_load{&smem.aux_load[warpgroup]};
     const FusedStore fused_store{&fused.aux, &fused.pre, &fused.pre2, fused.args, &aux_load};
     float acc[K::Mainloop::kAccRegs];
-    // Deferred epilogue (K::kDefer, and no aux operand): the staged block's destination, and
-    // the next of its parts to run (kParts: none pending).
-    using Epi = typename K::Epilogue;
-    const bool defer = K::kDefer && !(F::kMayReadAux && fused.args.aux);
-    StorePlan pending_to{};
-    int pending_part = Epi::kParts;
-    const auto store_pending_part = [&] {
-      if constexpr (K::kDefer) {
-        Epi::deferred_part(pending_part++, smem.staging[warpgroup], pending_to, epilogue_barrier,
-                           fused_store);
-      }
-    };
-    const auto flush = [&] {
-      if constexpr (K::kDefer) {
-        while (pending_part < Epi::kParts) store_pending_part();
-      }
-    };
     for (auto w = scheduler.first(); scheduler.valid(w); w = scheduler.next(w), ++turn) {
       const int count = w.k_end - w.k_begin;
       if (Tile::kPingPong && turn % 2 != warpgroup) {
@@ -270,7 +232,6 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       }
       if constexpr (Tile::kPingPong) turns.wait();
       if (!w.self_valid) {
-        flush();
         K::Mainloop::skip(pipeline, read, count, hand_over);
         continue;
       }
@@ -280,7 +241,6 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         // Nothing to contract (an empty group): the block is zero. (Written apart from the
         // accumulators: wgmma's registers written on a divergent path serialise it.)
         if (count == 0) {
-          flush();
           hand_over();
           const StorePlan to = P::store_plan(params, w, shape, &tmap_d, row0, col0);
           if (to.row >= to.rows) continue;
@@ -295,9 +255,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       // (not after storing a pre-activation through the same buffers, and not for a stream-K
       // piece, which may leave its sums to another CTA).
       bool prefetched = false;
-      bool prefetch_done = false;
-      auto prefetch = [&] {
-        prefetch_done = true;
+      auto midway = [&] {
         if constexpr (K::kTmaStore && F::kMayReadAux && !K::kStreamK) {
           if (fused.args.aux && !fused.args.store_pre) {
             const StorePlan to = P::store_plan(params, w, shape, &tmap_d, row0, col0);
@@ -310,20 +268,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           }
         }
       };
-      // Between K slices: the deferred block's next part, else (once) the prefetch.
-      auto between = [&](int kb) {
-        if constexpr (K::kDefer) {
-          if (pending_part < Epi::kParts) {
-            store_pending_part();
-            return;
-          }
-        }
-        if (!prefetch_done && kb >= K::kPrefetchSlice) prefetch();
-      };
       K::Mainloop::mma(pipeline, read, smem.operands, a_block, w.n_block * Tile::kBlockN, count,
-                       acc, hand_over, between, mainloop);
-      flush();  // parts a short K range left
-      if (!prefetch_done) prefetch();
+                       acc, hand_over, midway, mainloop);
       if constexpr (K::kStreamK) {
         if (w.piece >= 0) {
           if (w.k_begin > 0) {  // not the tile's head: leave the partial sums for it
@@ -345,23 +291,14 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         if constexpr (P::kGlobalStoreMaps) {
           if (threadIdx.x % 128 == 0) acquire_d(to.d);
         }
-        if (defer) {
-          if constexpr (K::kDefer) {
-            Epi::prepare(acc, to, fused_store);
-            Epi::stage(acc, smem.staging[warpgroup], to, epilogue_barrier, fused_store);
-            pending_to = to;
-            pending_part = 0;
-          }
-        } else {
-          Epi::store(acc, smem.staging[warpgroup], to, epilogue_barrier, fused_store, prefetched);
-        }
+        K::Epilogue::store(acc, smem.staging[warpgroup], to, epilogue_barrier, fused_store,
+                           prefetched);
       } else {
         Out* d_matrix = d + w.split * shape.d_split_stride + w.batch * shape.d_batch_stride;
         DirectStoreEpilogue<Out, Tile::kBlockN>::store(acc, d_matrix, shape.m, shape.n,
                                                        shape.d_m_stride, row0, col0);
       }
     }
-    flush();
     if constexpr (K::kTmaStore) K::Epilogue::finish();
   }
 }

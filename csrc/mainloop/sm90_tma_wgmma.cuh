@@ -68,9 +68,6 @@ struct MainloopSm90TmaWgmma {
   static constexpr uint32_t kClusterMask = (1u << kClusterM) - 1;
   static constexpr int kWgmmaK = 16;
   static constexpr int kAccRegs = kBlockN / 2;
-  // The kernel may keep the previous tile's block in registers (half of kAccRegs, packed)
-  // while this mainloop runs, and store it from between() (kernels/sm90_gemm.cuh).
-  static constexpr bool kDefersEpilogue = true;
   static constexpr sm90_gemm::Major kMajorA = Layout::kA;
   static constexpr sm90_gemm::Major kMajorB = Layout::kB;
   using Boxes = sm90_gemm::OperandBoxes<Tile, Layout>;
@@ -215,22 +212,23 @@ struct MainloopSm90TmaWgmma {
     }
   }
 
+  // K slice after which mma() calls its `midway` hook: late enough that the epilogue's stores
+  // of the previous tile have read their staging buffers, early enough to hide a TMA load.
+  static constexpr int kMidwaySlice = 4;
+
   // Consumer warpgroup: accumulate A's row block `a_block` of one output tile over `k_blocks`
-  // (>= 1) slices (`n0`, the tile's first column, is for mainloops with column-block scales).
-  // Keeps one wgmma group in flight and releases each stage as soon as the group reading it has
-  // retired. `waited()` runs once the tile's last stage is known full; `between(kb)` after
-  // slice kb is issued, while it and the slice before it may still run on the tensor cores:
-  // the caller's work that overlaps the mainloop (the previous tile's deferred epilogue, the
-  // epilogue's prefetches). It must not touch `acc`.
-  template <class Waited, class Between>
+  // (>= 1) slices (`n0`, the tile's first column, is for mainloops with column-block scales). Keeps one wgmma group in flight and releases each stage as soon as the
+  // group reading it has retired. `waited()` runs once the tile's last stage is known full;
+  // `midway()` once, after slice kMidwaySlice is issued (at the end for shorter tiles), for the
+  // epilogue's prefetches.
+  template <class Waited, class Midway>
   __device__ static void mma(Pipeline& pipeline, State& read, const SharedStorage& smem,
                              int a_block, int /*n0*/, int k_blocks, float (&acc)[kAccRegs],
-                             Waited&& waited, Between&& between, const Params& = {}) {
+                             Waited&& waited, Midway&& midway, const Params& = {}) {
     pipeline.consumer_wait(read);
     if (k_blocks == 1) waited();
     ptx::wgmma_fence_operands(acc);
     issue(smem, read.index, a_block, acc, true);
-    between(0);
     State in_flight = read;
     ++read;
 #pragma unroll 1
@@ -238,7 +236,7 @@ struct MainloopSm90TmaWgmma {
       pipeline.consumer_wait(read);
       if (kb == k_blocks - 1) waited();
       issue(smem, read.index, a_block, acc, false);
-      between(kb);
+      if (kb == kMidwaySlice) midway();
       ptx::wgmma_wait_group<1>();
       release(pipeline, in_flight);
       in_flight = read;
@@ -247,6 +245,7 @@ struct MainloopSm90TmaWgmma {
     ptx::wgmma_wait_group<0>();
     ptx::wgmma_fence_operands(acc);
     release(pipeline, in_flight);
+    if (k_blocks <= kMidwaySlice) midway();
   }
 
   // Consumer warpgroup of an idle CTA (LoadMode::kIdle): pass through the tile's stages.

@@ -166,20 +166,18 @@ struct MainloopSm90Fp8 {
 
   // Consumer warpgroup: A's row block `a_block` of the output tile at column `n0` over
   // `k_blocks` (>= 1) slices into `acc`. `waited()` runs once the tile's last stage is known
-  // full; `between(kb)` (the caller's overlapping work, MainloopSm90TmaWgmma::mma) once, at
-  // the end, for the last slice: the fp8 epilogues read no operand, and the kernel defers no
-  // epilogue over this mainloop (kDefersEpilogue: its partial sums leave no registers).
-  static constexpr bool kDefersEpilogue = false;
-  template <class Waited, class Between>
+  // full; `midway()` (the epilogue's prefetch hook, MainloopSm90TmaWgmma::mma) once, at the
+  // end: the fp8 epilogues read no operand.
+  template <class Waited, class Midway>
   __device__ static void mma(Pipeline& pipeline, State& read, const SharedStorage& smem,
                              int a_block, int n0, int k_blocks, float (&acc)[kAccRegs],
-                             Waited&& waited, Between&& between, const Params& params) {
+                             Waited&& waited, Midway&& midway, const Params& params) {
     if constexpr (kPromote) {
       promoted(pipeline, read, smem, a_block, n0, k_blocks, acc, waited, params);
     } else {
       unpromoted(pipeline, read, smem, a_block, k_blocks, acc, waited);
     }
-    between(k_blocks - 1);
+    midway();
   }
 
   // Where this thread reads a slice's scales: its first row of A's (the second is row + 8),
