@@ -62,6 +62,16 @@ struct Buffers {
   ffi::AnyBuffer* workspace;
 };
 
+// The bias's element type as the epilogue reads it; false where it is not fp32, bf16 or fp16.
+bool bias_type(ffi::DataType t, VectorType* out) {
+  DType d;
+  if (!ffi_util::to_dtype(t, &d)) return false;
+  *out = d == DType::kBF16  ? VectorType::kBF16
+         : d == DType::kF16 ? VectorType::kF16
+                            : VectorType::kF32;
+  return true;
+}
+
 template <class Tile>
 bool tile_matches(const DenseAttrs& p) {
   return p.block_m == Tile::kBlockM && p.block_n == Tile::kBlockN && p.stages == Tile::kStages &&
@@ -134,9 +144,7 @@ ffi::Error run(const DenseAttrs& p, DType in, const Buffers& buf, LaunchArgs arg
                     p.store_pre ? &map_pre : nullptr,
                     p.store_pre && Fusion::kGated ? &map_pre2 : nullptr, {}};
   fused.args.bias = p.has_bias ? buf.bias->untyped_data() : nullptr;
-  fused.args.bias_type = buf.bias->element_type() == ffi::DataType::BF16  ? VectorType::kBF16
-                         : buf.bias->element_type() == ffi::DataType::F16 ? VectorType::kF16
-                                                                          : VectorType::kF32;
+  bias_type(buf.bias->element_type(), &fused.args.bias_type);  // checked by dense()
   fused.args.aux = p.has_aux != 0;
   fused.args.store_pre = p.store_pre != 0;
   const cudaError_t launched =
@@ -181,8 +189,7 @@ ffi::Error dense(cudaStream_t stream, int32_t device, const Buffers& buf, const 
     return ffi::Error::InvalidArgument(
         "jax_tma dense: a, b, b2, aux, out and pre must share one type, bf16 or fp16");
   }
-  if (const ffi::DataType t = buf.bias->element_type();
-      t != ffi::DataType::F32 && t != ffi::DataType::BF16 && t != ffi::DataType::F16) {
+  if (VectorType unused; !bias_type(buf.bias->element_type(), &unused)) {
     return ffi::Error::InvalidArgument("jax_tma dense: bias must be fp32, bf16 or fp16");
   }
   const bool gated = p.kind == 3;
