@@ -212,15 +212,16 @@ struct MainloopSm90TmaWgmma {
     }
   }
 
-  // K slice after which mma() calls its `midway` hook: late enough that the epilogue's stores
-  // of the previous tile have read their staging buffers, early enough to hide a TMA load.
+  // First K slice after which mma() calls its `midway` hook: late enough that the epilogue's
+  // stores of the previous tile have read their staging buffers.
   static constexpr int kMidwaySlice = 4;
 
   // Consumer warpgroup: accumulate A's row block `a_block` of one output tile over `k_blocks`
-  // (>= 1) slices (`n0`, the tile's first column, is for mainloops with column-block scales). Keeps one wgmma group in flight and releases each stage as soon as the
-  // group reading it has retired. `waited()` runs once the tile's last stage is known full;
-  // `midway()` once, after slice kMidwaySlice is issued (at the end for shorter tiles), for the
-  // epilogue's prefetches.
+  // (>= 1) slices (`n0`, the tile's first column, is for mainloops with column-block scales).
+  // Keeps one wgmma group in flight and releases each stage as soon as the group reading it has
+  // retired. `waited()` runs once the tile's last stage is known full; `midway(kb)` after each
+  // slice kb >= kMidwaySlice is issued, and `midway(k_blocks)` at the end: the epilogue's
+  // prefetch hook, which picks its slice (it must act once, at the end at the latest).
   template <class Waited, class Midway>
   __device__ static void mma(Pipeline& pipeline, State& read, const SharedStorage& smem,
                              int a_block, int /*n0*/, int k_blocks, float (&acc)[kAccRegs],
@@ -236,7 +237,7 @@ struct MainloopSm90TmaWgmma {
       pipeline.consumer_wait(read);
       if (kb == k_blocks - 1) waited();
       issue(smem, read.index, a_block, acc, false);
-      if (kb == kMidwaySlice) midway();
+      if (kb >= kMidwaySlice) midway(kb);
       ptx::wgmma_wait_group<1>();
       release(pipeline, in_flight);
       in_flight = read;
@@ -245,7 +246,7 @@ struct MainloopSm90TmaWgmma {
     ptx::wgmma_wait_group<0>();
     ptx::wgmma_fence_operands(acc);
     release(pipeline, in_flight);
-    if (k_blocks <= kMidwaySlice) midway();
+    midway(k_blocks);
   }
 
   // Consumer warpgroup of an idle CTA (LoadMode::kIdle): pass through the tile's stages.

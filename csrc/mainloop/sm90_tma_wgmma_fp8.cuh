@@ -52,6 +52,7 @@ struct MainloopSm90Fp8 {
   static constexpr int kStages = Tile::kStages;
   static constexpr int kWgmmaK = 32;
   static constexpr int kScaleBlock = 128;  // K and N indices per scale
+  static constexpr int kMidwaySlice = Operands::kMidwaySlice;  // (the hook runs at the end)
   // NOTE: one wgmma group spans at most 128 columns, so that its partial sums and the tile's
   // promoted sums fit a consumer's 232 registers together (128 x 256 tiles: 64 + 128).
   static constexpr int kPartN = kBlockN < 128 ? kBlockN : 128;
@@ -166,8 +167,8 @@ struct MainloopSm90Fp8 {
 
   // Consumer warpgroup: A's row block `a_block` of the output tile at column `n0` over
   // `k_blocks` (>= 1) slices into `acc`. `waited()` runs once the tile's last stage is known
-  // full; `midway()` (the epilogue's prefetch hook, MainloopSm90TmaWgmma::mma) once, at the
-  // end: the fp8 epilogues read no operand.
+  // full; `midway(k_blocks)` (the epilogue's prefetch hook, MainloopSm90TmaWgmma::mma) once, at
+  // the end: the fp8 epilogues read no operand.
   template <class Waited, class Midway>
   __device__ static void mma(Pipeline& pipeline, State& read, const SharedStorage& smem,
                              int a_block, int n0, int k_blocks, float (&acc)[kAccRegs],
@@ -177,7 +178,7 @@ struct MainloopSm90Fp8 {
     } else {
       unpromoted(pipeline, read, smem, a_block, k_blocks, acc, waited);
     }
-    midway();
+    midway(k_blocks);
   }
 
   // Where this thread reads a slice's scales: its first row of A's (the second is row + 8),
