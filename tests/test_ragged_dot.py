@@ -357,6 +357,32 @@ def test_kernel_rows_match_float64(rng, pattern, config):
     assert np.all(out[int(gs.sum()):] == 0)
 
 
+PAIRED_CONFIGS = [c for c in rd.RAGGED_CONFIGS if c.cluster_m == 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", PAIRED_CONFIGS, ids=[c.describe() for c in PAIRED_CONFIGS])
+@pytest.mark.parametrize("case", ["even", "odd", "odd_end"])
+def test_kernel_pairs_row_blocks_across_groups(rng, config, case):
+    # A cluster of 2 takes two consecutive 128-row blocks of the groups' blocks numbered across
+    # groups and batch entries: a group's last block and the next group's first share a cluster
+    # (no multicast, each CTA with its own weights). The rows after an entry's last group (a
+    # zero segment) start at an even block: "odd" leaves an idle block before them; "odd_end"
+    # fills the second entry (no zero rows) with an odd number of blocks, the last one idle.
+    first = [1, 129, 300, 0, 128, 257, 600, 40] if case == "even" else \
+        [1, 100, 300, 0, 128, 257, 600, 40]  # 16 or 15 blocks, then 545 or 574 zero rows
+    second = [600, 40, 0, 129, 1, 300, 257, 673] if case == "odd_end" else \
+        [600, 40, 0, 129, 1, 300, 257, 128]  # 21 blocks and no zero rows, or 16 and 545
+    gs = np.asarray([first, second], np.int32)
+    b, m, k, n, g = 2, 2000, 256, 384, gs.shape[1]
+    x = random_array(rng, (b, m, k), BF16)
+    w = random_array(rng, (b, g, k, n), BF16)
+    out = _run_kernel(x, w, gs, rd.ROWS, False, BF16, config)
+    for i in range(b):
+        assert rel_error(out[i], f64_ragged_rows(x[i], w[i], gs[i])) <= TOL[BF16]
+        assert np.all(out[i][int(gs[i].sum()):] == 0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", rd.RAGGED_CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize("out_dtype", [BF16, F32])

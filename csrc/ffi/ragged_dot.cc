@@ -79,10 +79,11 @@ ffi::Error run(const RaggedAttrs& p, Call call) {
   const int64_t weights = p.weights_batched ? p.batch * p.groups : p.groups;
   const int64_t segments = sm90_gemm::ragged_segments(kMode, p.groups, p.batch);
   // NOTE: work units are numbered in int32 and stepped past by the grid's cluster count. In
-  // rows mode each segment's row blocks round up once: at most stacked / block_m + segments.
+  // rows mode each segment's row blocks round up once, and the numbering pads at most two
+  // blocks per batch entry and one at the end: stacked / block_m + segments + 2 batch + 1.
   const int64_t n_blocks = (p.n + Tile::kBlockN - 1) / Tile::kBlockN;
   const int64_t units =
-      kRows ? (stacked / Tile::kBlockM + segments) * n_blocks
+      kRows ? (stacked / Tile::kBlockM + segments + 2 * p.batch + 1) * n_blocks
             : (p.k + Tile::kBlockM - 1) / Tile::kBlockM * n_blocks * segments;
   if (units > INT32_MAX / 2) {
     return ffi::Error::InvalidArgument("jax_tma ragged_dot: up to " + str(units) +

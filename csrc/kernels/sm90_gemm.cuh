@@ -142,6 +142,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   if (threadIdx.x == 0) {
     K::Pipeline::init(smem.barriers, Tile::kStageReaderWarps * Tile::kClusterM);
     if constexpr (Tile::kPingPong) K::Turns::init(smem.turns, 128);  // a warpgroup arrives
+    K::Mainloop::init(smem.operands);
     if constexpr (F::kMayReadAux) {
       for (int i = 0; i < Tile::kConsumerWarpgroups; ++i) EpilogueLoad::init(&smem.aux_load[i]);
     }

@@ -3,7 +3,7 @@
 //
 // 1. The prepare kernel (kernels/sm90_ragged_prepare.cu, one CTA) reads the group sizes on the device and writes the
 //    workspace: the segment table (scheduler/ragged_scheduler.cuh: each segment's first row,
-//    row count, weight and, in rows mode, first work unit, from prefix sums over the groups)
+//    row count, weight and, in rows mode, first row block, from prefix sums over the groups)
 //    and one or two tensor maps per segment, copies of host-encoded templates whose global
 //    address is moved to the segment's first row and whose row extent is cut to its rows
 //    (tensormap.replace, then a release fence to the tensormap proxy).
@@ -49,9 +49,6 @@ cudaError_t launch_ragged(const LaunchArgs& args, const RaggedArgs& ragged) {
   prepare.weights_batched = ragged.weights_batched;
   prepare.block_m = Tile::kBlockM;
   prepare.cluster_m = Tile::kClusterM;
-  prepare.n_blocks = kRows ? static_cast<int>((int64_t{args.shape.n} + Tile::kBlockN - 1) /
-                                              Tile::kBlockN)
-                           : 0;
   prepare.segments = table;
   prepare.maps = maps;
   prepare.maps_per_segment = ragged_maps_per_segment(kMode);

@@ -58,12 +58,14 @@ __global__ void __launch_bounds__(kPrepareThreads, 1)
                                RaggedPrepareParams p) {
   __shared__ int64_t warp_sums[32];
   const int per_entry = p.groups + (p.tail ? 1 : 0);
-  const auto units_of = [&](int64_t rows) -> int64_t {
-    if (p.n_blocks == 0) return 0;
-    const int64_t m_blocks = (rows + p.block_m - 1) / p.block_m;
-    return (m_blocks + p.cluster_m - 1) / p.cluster_m * p.n_blocks;
+  const auto blocks_of = [&](int64_t rows) -> int64_t {
+    return p.tail ? (rows + p.block_m - 1) / p.block_m : 0;  // rows mode only
   };
-  int64_t unit_carry = 0;
+  // Up to a multiple of the cluster size (a zero segment's start and length, the end).
+  const auto whole_clusters = [&](int64_t blocks) {
+    return (blocks + p.cluster_m - 1) / p.cluster_m * p.cluster_m;
+  };
+  int64_t block_carry = 0;
   for (int b = 0; b < p.batch; ++b) {
     const int32_t* sizes = p.group_sizes + b * p.group_sizes_batch_stride;
     const int64_t entry_row = static_cast<int64_t>(b) * p.rows;
@@ -72,38 +74,40 @@ __global__ void __launch_bounds__(kPrepareThreads, 1)
       const int g = g0 + static_cast<int>(threadIdx.x);
       const bool mine = g < p.groups;
       const int64_t size = mine ? min(max(sizes[g], 0), p.rows) : 0;
-      int64_t chunk_rows, chunk_units;
+      int64_t chunk_rows, chunk_blocks;
       const int64_t before = row_carry + cta_exclusive_scan(size, warp_sums, &chunk_rows);
       const int64_t begin = min(before, int64_t{p.rows});
       const int rows = static_cast<int>(min(before + size, int64_t{p.rows}) - begin);
-      const int64_t units = mine ? units_of(rows) : 0;
-      const int64_t first_unit = unit_carry + cta_exclusive_scan(units, warp_sums, &chunk_units);
+      const int64_t blocks = mine ? blocks_of(rows) : 0;
+      const int64_t first_block =
+          block_carry + cta_exclusive_scan(blocks, warp_sums, &chunk_blocks);
       if (mine) {
         const int s = b * per_entry + g;
         const int weight = p.weights_batched ? b * p.groups + g : g;
         p.segments[s] = RaggedSegment{static_cast<int32_t>(entry_row + begin), rows, weight,
-                                      static_cast<int32_t>(first_unit)};
+                                      static_cast<int32_t>(first_block)};
         write_segment_maps(p, &template0, &template1, s, entry_row + begin, rows);
       }
       row_carry += chunk_rows;
-      unit_carry += chunk_units;
+      block_carry += chunk_blocks;
     }
     if (p.tail) {  // every thread computes the tail; thread 0 writes it
       const int64_t begin = min(row_carry, int64_t{p.rows});
       const int rows = static_cast<int>(p.rows - begin);
+      if (rows > 0) block_carry = whole_clusters(block_carry);
       if (threadIdx.x == 0) {
         const int s = b * per_entry + p.groups;
         p.segments[s] = RaggedSegment{static_cast<int32_t>(entry_row + begin), rows, -1,
-                                      static_cast<int32_t>(unit_carry)};
+                                      static_cast<int32_t>(block_carry)};
         write_segment_maps(p, &template0, &template1, s, entry_row + begin, rows);
       }
-      unit_carry += units_of(rows);
+      block_carry += whole_clusters(blocks_of(rows));
     }
   }
   if (threadIdx.x == 0) {
     p.segments[p.batch * per_entry] =
         RaggedSegment{static_cast<int32_t>(static_cast<int64_t>(p.batch) * p.rows), 0, -1,
-                      static_cast<int32_t>(unit_carry)};
+                      static_cast<int32_t>(whole_clusters(block_carry))};
   }
 }
 

@@ -18,8 +18,10 @@ struct RaggedPrepareParams {
   int groups, batch, rows;
   bool tail;             // rows mode: a zero segment after each entry's groups
   bool weights_batched;  // weight index b * groups + g, else g
-  // Rows mode: a segment's work units are ceil(ceil(rows / block_m) / cluster_m) x n_blocks.
-  int block_m, cluster_m, n_blocks;
+  // Rows mode: segments' row blocks of block_m rows, numbered across segments; with clusters
+  // of 2, a zero segment with rows starts at an even block and counts an even number, and so
+  // does the whole numbering (scheduler/ragged_scheduler.cuh).
+  int block_m, cluster_m;
   RaggedSegment* segments;  // segments + 1 entries
   CUtensorMap* maps;        // maps_per_segment per segment
   int maps_per_segment;

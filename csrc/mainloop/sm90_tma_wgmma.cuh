@@ -104,6 +104,8 @@ struct MainloopSm90TmaWgmma {
   // The tensor maps a mainloop reads besides A's and B's (kernel parameter): none here.
   struct Params {};
   __device__ static void prefetch(const Params&) {}
+  // One thread, before the kernel's fence_mbarrier_init: barriers of the mainloop's own (none).
+  __device__ static void init(SharedStorage&) {}
 
   // How many of the tile's A and B boxes hold indices of the matrix (boxes_within).
   __device__ static int a_loads(const LoadPlan& plan) {

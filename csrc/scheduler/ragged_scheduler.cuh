@@ -6,11 +6,21 @@
 // entries one after another) that shares one weight matrix: group g of batch entry b, or the
 // rows after a batch entry's last group, which multiply nothing (weight -1: zero rows).
 //
-// RaggedRowScheduler (ragged rows: D[rows of s] = A[rows of s] @ B[weight of s]): work units
-// are (segment, cluster row, N block) triples, segment-major, each segment's tiles in the
-// grouped order of TileScheduler; unit numbers start where the previous segment's end
-// (RaggedSegment::first_unit, a prefix sum the prepare kernel writes). A unit's segment is
-// found by binary search. Tiles never straddle segments, so no tile mixes two groups' weights.
+// RaggedRowScheduler (ragged rows: D[rows of s] = A[rows of s] @ B[weight of s]): the
+// segments' row blocks are numbered one after another across segments (RaggedSegment::
+// first_block, a prefix sum the prepare kernel writes), a cluster of 2 takes two consecutive
+// blocks, and work units are (cluster row, N block) pairs in the grouped order of
+// TileScheduler over all the cluster rows. A CTA finds its block's segment by binary search.
+// Tiles never straddle segments, so no tile mixes two groups' weights. Where both blocks of a
+// cluster row lie in one segment the pair multicasts B; where they lie in two (one group's
+// last block, the next's first) each CTA loads its own A rows and B weights (LoadMode::kSolo)
+// over the same K slices, so the rings stay in step.
+// NOTE: numbered per segment instead, a group with an odd number of blocks left its last
+// cluster row's second CTA idle for the whole unit: with Zipf-sized groups a quarter of all
+// CTA tiles of 8192 x 7168 x 2048, G = 32, on 128 x 256 pairs. Blocks of a zero segment (no K
+// slices) must pair with each other only: such a segment starts at an even block and counts
+// an even number of them (the last one past its rows, an idle CTA); so may the numbering's
+// end. An idle CTA passes through as many K slices as its peer.
 //
 // RaggedKScheduler (ragged contraction: D[s] = A[rows of s]^T @ B[rows of s]): one dense
 // batch entry per segment, its K range the segment's rows in kBlockK slices (none for an
@@ -30,7 +40,8 @@ struct alignas(16) RaggedSegment {
   int32_t row_begin;   // first row in the stacked row numbering
   int32_t rows;        // 0 for an empty group
   int32_t weight;      // B's batch coordinate for these rows; -1: the rows are zero
-  int32_t first_unit;  // RaggedRowScheduler: the segment's first work unit
+  int32_t first_block;  // RaggedRowScheduler: the segment's first row block, numbered across
+                        // segments; past the last segment: how many blocks there are in all
 };
 
 __device__ __forceinline__ RaggedSegment load_segment(const RaggedSegment* table, int s) {
@@ -47,6 +58,8 @@ struct RaggedWorkTile : WorkTile {
 
 template <int kBlockM, int kBlockN, int kClusterM, int kBlockK, int kGroupM = 8>
 struct RaggedRowScheduler {
+  static_assert(kClusterM == 1 || kClusterM == 2);
+
   struct Params {
     const RaggedSegment* segments;  // num_segments + 1 entries (written by the prepare kernel)
     int num_segments;
@@ -67,22 +80,27 @@ struct RaggedRowScheduler {
   int cluster;
   int num_clusters;
   int rank;
+  int cluster_rows;  // of all the blocks
   int num_units;
+  Divmod last_rows;  // cluster rows of the last group of kGroupM (or fewer)
 
   __device__ explicit RaggedRowScheduler(const Params& params)
       : p(params),
         cluster(static_cast<int>(blockIdx.x) / kClusterM),
         num_clusters(static_cast<int>(gridDim.x) / kClusterM),
-        rank(static_cast<int>(blockIdx.x) % kClusterM),
-        num_units(load_segment(params.segments, params.num_segments).first_unit) {}
+        rank(static_cast<int>(blockIdx.x) % kClusterM) {
+    cluster_rows = load_segment(params.segments, params.num_segments).first_block / kClusterM;
+    num_units = cluster_rows * params.n_blocks;
+    last_rows = Divmod{cluster_rows - (cluster_rows - 1) / kGroupM * kGroupM};
+  }
 
-  // The segment holding unit `linear` (< num_units): the last one that starts at or before it,
-  // which skips the empty segments that start at the same unit.
-  __device__ int find_segment(int linear) const {
+  // The segment holding block `block`: the last one that starts at or before it, which skips
+  // the empty segments that start at the same block.
+  __device__ int find_segment(int block) const {
     int lo = 0, hi = p.num_segments - 1;
     while (lo < hi) {
       const int mid = (lo + hi + 1) / 2;
-      if (__ldg(&p.segments[mid].first_unit) <= linear) {
+      if (__ldg(&p.segments[mid].first_block) <= block) {
         lo = mid;
       } else {
         hi = mid - 1;
@@ -96,21 +114,23 @@ struct RaggedRowScheduler {
     w.linear = linear;
     w.piece = -1;
     if (linear >= num_units) return w;
-    w.segment = find_segment(linear);
+    int row;
+    raster_tile<kGroupM>(linear, cluster_rows, p.tiles_per_group, last_rows, &row, &w.n_block);
+    const int block = row * kClusterM + rank;
+    w.segment = find_segment(block);
     const RaggedSegment s = load_segment(p.segments, w.segment);
     w.row_begin = s.row_begin;
     w.rows = s.rows;
     const int m_blocks = (s.rows + kBlockM - 1) / kBlockM;
-    const int cluster_rows = (m_blocks + kClusterM - 1) / kClusterM;
-    const int last_rows = cluster_rows - (cluster_rows - 1) / kGroupM * kGroupM;
-    int row;
-    raster_tile<kGroupM>(linear - s.first_unit, cluster_rows, p.tiles_per_group,
-                         Divmod{last_rows}, &row, &w.n_block);
-    w.m_block = row * kClusterM + rank;
+    w.m_block = block - s.first_block;
     w.self_valid = w.m_block < m_blocks;
-    w.cluster_full = (row + 1) * kClusterM <= m_blocks;
+    // Both blocks of the cluster row in this segment: B is multicast.
+    const int first = row * kClusterM;
+    w.cluster_full = first >= s.first_block && first + kClusterM <= s.first_block + m_blocks;
     w.batch = s.weight;
-    w.k_end = s.weight < 0 ? 0 : p.k_blocks;  // zero rows: nothing to load
+    // A zero segment's rows load nothing; so does an idle block past its rows (its peer's
+    // too, by the numbering). Any other idle block's peer is a group's.
+    w.k_end = s.weight < 0 && s.rows > 0 ? 0 : p.k_blocks;
     return w;
   }
 
