@@ -128,8 +128,8 @@ struct RaggedRowScheduler {
     w.piece = -1;
     if (linear >= num_units) return w;
     int in_row;
-    const int owner_index =
-        last_segment_at(p.units_per_row.divmod(linear, &in_row), [](int b) { return first_row(b); });
+    const int owner_index = last_segment_at(p.units_per_row.divmod(linear, &in_row),
+                                            [](int b) { return first_row(b); });
     const RaggedSegment owner = load_segment(p.segments, owner_index);
     const int owner_blocks = (owner.rows + kBlockM - 1) / kBlockM;
     const int row0 = first_row(owner.first_block);
