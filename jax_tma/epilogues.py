@@ -7,11 +7,15 @@
                                             act(x @ w1 + b1) @ w2 + b2 + residual
 
 On Hopper, bf16 or fp16 operands of one type run the sm90 GEMM kernel with the elementwise work
-in its epilogue (csrc/epilogue/fusion.h): applied to the fp32 accumulators and rounded once, at
-the store, to the output type (the operands' type). That is where the results differ from the
-unfused 16-bit expression ``act(x @ w + b) + r``, which rounds after the product, after the bias,
-after the activation and after the sum; the XLA path of these functions (other dtypes, other
-devices) computes what the kernel computes, in fp32 with one rounding.
+in its epilogue (csrc/epilogue/fusion.h), rounding to the output type (the operands' type) where
+the unfused 16-bit expression ``act(x @ w + b) + r`` rounds: after the product, after the bias,
+after the activation and after the sum (gated: ``act(x @ wg)``, ``x @ wu`` and their product),
+each operation itself in fp32. So the forward output is the activation of the saved
+pre-activation, and the results differ from the unfused expression only by the activation's
+fp32 arithmetic (SFU approximations of tanh and exp). On 128-row tiles the consumer warps round
+the product into shared memory and three otherwise idle warps of the producer warpgroup apply
+the rest while the next tile's product runs (csrc/epilogue/epilogue_warps.cuh). The XLA path of
+these functions (other dtypes, other devices) rounds at the same places.
 
 Gradients (``jax.custom_vjp``): the forward pass also stores the pre-activation when
 differentiated (a second output of the same kernel); the backward pass multiplies by the
@@ -168,25 +172,33 @@ def _split_rest(rest, kind, has_bias, has_aux):
 
 def _reference(a, b, *rest, kind, activation, has_bias, has_aux, save_pre, b_k_major, out_dtype,
                config, local):
-    """What the kernel computes, in XLA: fp32 accumulation and epilogue, one rounding."""
+    """What the kernel computes, in XLA: fp32 accumulation and arithmetic, rounded to
+    ``out_dtype`` where the unfused expression rounds (forward and gated; the gradient's
+    product and derivative once)."""
     del config, local
     b2, bias, aux = _split_rest(rest, kind, has_bias, has_aux)
     dims = (((1,), (1,)), ((), ())) if b_k_major else (((1,), (0,)), ((), ()))
     acc = lax.dot_general(a, b, dims, preferred_element_type=jnp.float32)
+
+    def rounded(v):
+        return v.astype(out_dtype).astype(jnp.float32)
+
     pre = []
     if kind == FORWARD:
+        acc = rounded(acc)
         if bias is not None:
-            acc = acc + bias.astype(jnp.float32)
+            acc = rounded(acc + bias.astype(jnp.float32))
         pre = [acc]
         out = activate(activation, acc)
         if aux is not None:
-            out = out + aux.astype(jnp.float32)
+            out = rounded(out) + aux.astype(jnp.float32)
     elif kind == GRADIENT:
         out = acc * activation_grad(activation, aux.astype(jnp.float32))
     else:
-        up = lax.dot_general(a, b2, dims, preferred_element_type=jnp.float32)
+        acc = rounded(acc)
+        up = rounded(lax.dot_general(a, b2, dims, preferred_element_type=jnp.float32))
         pre = [jnp.stack([acc, up])]
-        out = activate(activation, acc) * up
+        out = rounded(activate(activation, acc)) * up
     results = [out.astype(out_dtype)]
     if save_pre:
         results.append(pre[0].astype(out_dtype))
@@ -437,7 +449,8 @@ def dense(x: Any, w: Any, bias: Any = None, activation: str | None = None,
 
     Returns:
       [..., N] in the promoted type of x, w, bias and residual. bf16/fp16 run the fused kernel
-      (fp32 epilogue, one rounding at the store); other types compute the same in XLA.
+      (fp32 arithmetic, rounded where the unfused expression rounds); other types compute the
+      same in XLA.
     """
     activation = _canonical(activation, ACTIVATIONS, "dense")
     dtype = _prepare("dense", x, {"w": w}, {"bias": bias, "residual": residual}, activation)
@@ -501,7 +514,8 @@ def gated_dense(x: Any, w_gate: Any, w_up: Any, activation: str = "silu", *,
       config: a ``GemmConfig`` among ``DENSE_CONFIGS`` (its block_n counts gate and up columns).
 
     Returns:
-      [..., N] in the promoted type; bf16/fp16 run the kernel (fp32 epilogue, one rounding).
+      [..., N] in the promoted type; bf16/fp16 run the kernel (fp32 arithmetic, rounded where
+      the unfused expression rounds).
     """
     activation = _canonical(activation, GATED_ACTIVATIONS, "gated_dense")
     dtype = _prepare("gated_dense", x, {"w_gate": w_gate, "w_up": w_up}, {}, activation)

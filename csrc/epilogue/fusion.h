@@ -16,6 +16,10 @@
 //                    over K, and a bias
 // Activations: relu, gelu (tanh approximation, as jax.nn.gelu; or erf, exact), silu. The aux
 // operand arrives through TMA in the epilogue's staging buffer (epilogue/tma_store.cuh).
+// BiasActivation and Gated round to the (16-bit) output type where the unfused expression
+// rounds: the product(s), the bias sum, the activation (gated: before the product with up), the
+// residual sum; each operation in fp32. On cooperative tiles the epilogue warps apply them to
+// the staged block (epilogue/epilogue_warps.cuh) unless a residual is read.
 #pragma once
 
 #include <cstdint>

@@ -59,6 +59,22 @@ __device__ __forceinline__ float2 unpack_pair<__half>(uint32_t v) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
 }
 
+// `v` rounded to Out and back (a 16-bit type; fp32 as it is).
+template <class Out>
+__device__ __forceinline__ float2 round_pair(float2 v) {
+  if constexpr (sizeof(Out) == 2) {
+    return unpack_pair<Out>(pack_pair<Out>(v.x, v.y));
+  } else {
+    return v;
+  }
+}
+
+// The staging area of one consumer warpgroup: kBuffers chunks of 64 rows x 128 bytes.
+template <int kBuffers>
+struct StagingBuffers {
+  alignas(1024) uint8_t buffer[kBuffers][64 * 128];
+};
+
 // Where one consumer warpgroup's block goes: D's map (a kernel parameter, or a map in global
 // memory) and the coordinates of the block's first element; `rows` and `cols` are D's extent
 // in the map's coordinates: a block that starts past `rows`, or a chunk past `cols`, is not
@@ -104,9 +120,8 @@ struct TmaStoreEpilogue {
   // One store group per batch, and the next batch rewrites the whole staging area.
   using StorePipeline = PipelineTmaStore<1>;
 
-  struct SharedStorage {
-    alignas(1024) uint8_t buffer[kBuffers][kChunkBytes];
-  };
+  using SharedStorage = StagingBuffers<kBuffers>;
+  static_assert(sizeof(SharedStorage::buffer[0]) == kChunkBytes);
 
   // What a pass over the staging area writes: the output, or a pre-activation (BiasActivation:
   // z; gated: the gate's and then the up's).
@@ -123,17 +138,28 @@ struct TmaStoreEpilogue {
   template <Pass kPass, bool kAux>
   __device__ static float2 fuse(float2 x, float2 up, float2 aux, int col, const StorePlan& to,
                                 const FusionArgs& args) {
+    // Gated and BiasActivation round where the unfused 16-bit expression does (the
+    // epilogue warps' rounding, epilogue/epilogue_warps.cuh): the products, the bias sum, the
+    // activation; the last rounding is the store's.
     if constexpr (F::kKind == FusionKind::kGated) {
       if constexpr (kPass == Pass::kPre) return x;
       if constexpr (kPass == Pass::kPreUp) return up;
-      return make_float2(activate<F::kAct>(x.x) * up.x, activate<F::kAct>(x.y) * up.y);
+      x = round_pair<Out>(x);
+      up = round_pair<Out>(up);
+      const float2 a = round_pair<Out>(
+          make_float2(activate<F::kAct>(x.x), activate<F::kAct>(x.y)));
+      return make_float2(a.x * up.x, a.y * up.y);
     } else if constexpr (F::kKind == FusionKind::kActivationGrad) {
       return make_float2(x.x * activate_grad<F::kAct>(aux.x),
                          x.y * activate_grad<F::kAct>(aux.y));
     } else if constexpr (F::kKind == FusionKind::kBiasActivation) {
-      // The bias is in the accumulators already (add_bias).
+      // The bias is in the accumulators already (add_bias, which rounds the sum).
       if constexpr (kPass == Pass::kPre) return x;
-      x = make_float2(activate<F::kAct>(x.x), activate<F::kAct>(x.y));
+      x = round_pair<Out>(x);
+      if constexpr (F::kAct != Activation::kNone) {
+        x = make_float2(activate<F::kAct>(x.x), activate<F::kAct>(x.y));
+        if constexpr (kAux) x = round_pair<Out>(x);
+      }
       if constexpr (kAux) x = make_float2(x.x + aux.x, x.y + aux.y);
       return x;
     } else {
@@ -315,8 +341,10 @@ struct TmaStoreEpilogue {
 
   // BiasActivation, Scaled: acc += bias[col] once, before the passes that read z. Columns past
   // D's get none (N % 8 == 0, so a pair is wholly in or out). `T`: the bias's element type.
+  // BiasActivation rounds the product and the sum to Out (Scaled adds to the fp32 product).
   template <class T>
   __device__ static void add_bias(float (&acc)[kBlockN / 2], const StorePlan& to, const T* bias) {
+    constexpr bool kRound = F::kKind == FusionKind::kBiasActivation;
     const int pair_col = to.col + 2 * (threadIdx.x % 4);
 #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j) {
@@ -331,8 +359,12 @@ struct TmaStoreEpilogue {
       }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        acc[4 * j + 2 * h] += b.x;
-        acc[4 * j + 2 * h + 1] += b.y;
+        float2 z = make_float2(acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1]);
+        if constexpr (kRound) z = round_pair<Out>(z);
+        z = make_float2(z.x + b.x, z.y + b.y);
+        if constexpr (kRound) z = round_pair<Out>(z);
+        acc[4 * j + 2 * h] = z.x;
+        acc[4 * j + 2 * h + 1] = z.y;
       }
     }
   }

@@ -38,6 +38,7 @@
 #include <type_traits>
 
 #include "epilogue/direct_store.cuh"
+#include "epilogue/epilogue_warps.cuh"
 #include "epilogue/fusion.cuh"
 #include "epilogue/fusion.h"
 #include "epilogue/partial_tiles.cuh"
@@ -57,9 +58,14 @@ namespace jax_tma::sm90_gemm {
 
 enum class WarpGroupRole { Producer = 0, Consumer0 = 1, Consumer1 = 2 };
 
-// NOTE: 40 + 2 * 232 registers per thread-slot fit the 64K register file at 384 threads.
+// NOTE: 40 + 2 * 232 registers per thread-slot fit the 64K register file at 384 threads; where
+// the producer warpgroup's warps 1-3 are epilogue warps (Kernel::kOffload), 56 + 2 * 224 (at 48
+// the epilogue warps' code and the producer's scheduler spilled: bf16 bias + silu on 128 x 256
+// tiles). Both leave 8 registers per slot free, as a sum of 512 hung the consumers' setmaxnreg.
 inline constexpr int kProducerRegs = 40;
 inline constexpr int kConsumerRegs = 232;
+inline constexpr int kEpilogueWarpsProducerRegs = 56;
+inline constexpr int kEpilogueWarpsConsumerRegs = 224;
 
 // The maps and arguments of a fused epilogue (epilogue/fusion.h), one kernel parameter: gated
 // products read B from `b` (gate) and `b2` (up); `aux` is the [M, N] operand the epilogue reads,
@@ -90,20 +96,56 @@ struct Kernel {
   // Ping-pong: the consumers' turns at waiting on the ring (see the note at the top).
   using Turns = OrderedBarrier<Tile::kConsumerWarpgroups, 1>;
 
+  // Cooperative tiles hand a fused block to the epilogue warps (epilogue/epilogue_warps.cuh):
+  // always, where the fusion reads no [M, N] operand (gated) or where the shared memory holds
+  // a ring for the residual's chunks besides the tile's (kAuxRing); else only without a
+  // residual (a run-time choice, offload()). Ping-pong tiles hide their epilogue under the other
+  // consumer's mainloop already.
+  using Warps = EpilogueWarps<Out, Tile::kBlockN, Fusion>;
+  static constexpr bool kOffload = kTmaStore && !Tile::kPingPong && Warps::kApplies &&
+                                   Tile::kEpilogueBuffers == Warps::kChunks;
+  // (The ring follows the staging, the barriers and the handoff slots: 1024 bytes at most.)
+  static constexpr uint32_t kMaxSmemBytes = 227 * 1024;
+  static constexpr bool kAuxRing =
+      kOffload && Fusion::kMayReadAux &&
+      Tile::kRingBytes + Tile::kEpilogueBytes + 1024 + sizeof(typename Warps::AuxRing) + 1023 <=
+          kMaxSmemBytes;
+  static constexpr bool kOffloadAlways = kOffload && (!Fusion::kMayReadAux || kAuxRing);
+  __device__ static bool offload(const FusionArgs& args) {
+    return kOffloadAlways || (kOffload && !args.aux);
+  }
+  static_assert(!kOffload || Tile::kConsumerWarpgroups == 2);
+  static constexpr int kProducerRegs =
+      kOffload ? kEpilogueWarpsProducerRegs : sm90_gemm::kProducerRegs;
+  static constexpr int kConsumerRegs =
+      kOffload ? kEpilogueWarpsConsumerRegs : sm90_gemm::kConsumerRegs;
+
   struct Empty {};
   struct SharedStorage {
     typename Mainloop::SharedStorage operands;
     // One staging ring per consumer warpgroup (none for the direct-store epilogue).
-    std::conditional_t<kTmaStore, typename Epilogue::SharedStorage, Empty>
+    std::conditional_t<kTmaStore,
+                       std::conditional_t<kOffload, typename Warps::SharedStorage,
+                                          typename Epilogue::SharedStorage>,
+                       Empty>
         staging[Tile::kConsumerWarpgroups];
     typename Pipeline::SharedStorage barriers;
     uint64_t aux_load[Tile::kConsumerWarpgroups];  // fused epilogues that read an operand
     typename Turns::SharedStorage turns;  // used in ping-pong only
+    StagedHandoff::SharedStorage handoff[Tile::kConsumerWarpgroups];  // kOffload only
+    uint64_t aux_loaded[Warps::kAuxSlots];                             // kAuxRing only
+    std::conditional_t<kAuxRing, typename Warps::AuxRing, Empty> aux_ring;
   };
   // The base is aligned up by at most 1023 bytes inside the dynamic allocation.
   // (sizeof would count the tail padding up to the 1024-byte alignment, which is never used.)
-  static_assert(offsetof(SharedStorage, turns) + sizeof(SharedStorage::turns) + 1023 <=
-                Tile::kSmemBytes);
+  // The tile's budget (kernels/sm90_gemm.h), or more for the residual's ring.
+  static constexpr uint32_t kSmemBytes =
+      kAuxRing ? offsetof(SharedStorage, aux_ring) + sizeof(SharedStorage::aux_ring) + 1023
+               : Tile::kSmemBytes;
+  static_assert(offsetof(SharedStorage, aux_ring) +
+                    (kAuxRing ? sizeof(SharedStorage::aux_ring) : 0) + 1023 <=
+                kSmemBytes);
+  static_assert(kSmemBytes <= kMaxSmemBytes);
   static_assert(!kTmaStore || sizeof(SharedStorage::staging) <= Tile::kEpilogueBytes);
   static_assert(kTmaStore || std::is_same_v<Fusion, PlainFusion>, "fusion needs TMA stores");
   static_assert(Epilogue::kChunkBytes == Tile::kEpilogueChunkBytes);
@@ -142,6 +184,12 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   if (threadIdx.x == 0) {
     K::Pipeline::init(smem.barriers, Tile::kStageReaderWarps * Tile::kClusterM);
     if constexpr (Tile::kPingPong) K::Turns::init(smem.turns, 128);  // a warpgroup arrives
+    if constexpr (K::kOffload) {
+      for (int i = 0; i < Tile::kConsumerWarpgroups; ++i) K::Warps::Handoff::init(smem.handoff[i]);
+    }
+    if constexpr (K::kAuxRing) {
+      for (int i = 0; i < K::Warps::kAuxSlots; ++i) EpilogueLoad::init(&smem.aux_loaded[i]);
+    }
     K::Mainloop::init(smem.operands);
     if constexpr (F::kMayReadAux) {
       for (int i = 0; i < Tile::kConsumerWarpgroups; ++i) EpilogueLoad::init(&smem.aux_load[i]);
@@ -178,7 +226,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   typename K::Pipeline pipeline{smem.barriers};
 
   if (role == WarpGroupRole::Producer) {
-    ptx::setmaxnreg_dec<kProducerRegs>();
+    ptx::setmaxnreg_dec<K::kProducerRegs>();
     wait_for_peers();
     if (threadIdx.x / 32 == 0 && ptx::elect_one_sync()) {
       auto write = make_producer_start_state<Tile::kStages>();
@@ -205,9 +253,16 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
                           scheduler.rank, local.a_stage_bytes, mainloop);
       }
       pipeline.producer_tail(write);
+    } else if constexpr (K::kOffload) {  // warps 1-3: the epilogue warps
+      if (threadIdx.x / 32 != 0 && K::offload(fused.args)) {
+        typename K::Warps::AuxRing* ring = nullptr;
+        if constexpr (K::kAuxRing) ring = &smem.aux_ring;
+        K::Warps::run(smem.staging, smem.handoff,
+                      {fused.args, &fused.aux, &fused.pre, &fused.pre2}, ring, smem.aux_loaded);
+      }
     }
   } else {
-    ptx::setmaxnreg_inc<kConsumerRegs>();
+    ptx::setmaxnreg_inc<K::kConsumerRegs>();
     wait_for_peers();
     const int warpgroup = static_cast<int>(role) - static_cast<int>(WarpGroupRole::Consumer0);
     const NamedBarrier epilogue_barrier{
@@ -222,6 +277,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       if constexpr (Tile::kPingPong) turns.arrive();
     };
     TensormapAcquirer acquire_d;
+    StagedHandoff handoff{};
     EpilogueLoad aux_load{&smem.aux_load[warpgroup]};
     const FusedStore fused_store{&fused.aux, &fused.pre, &fused.pre2, fused.args, &aux_load};
     float acc[K::Mainloop::kAccRegs];
@@ -267,7 +323,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       auto midway = [&](int kb) {  // once, from slice prefetch_slice (or at the end)
         if (midway_done || (kb < prefetch_slice && kb < count)) return;
         midway_done = true;
-        if constexpr (K::kTmaStore && F::kMayReadAux && !K::kStreamK) {
+        if constexpr (K::kTmaStore && F::kMayReadAux && !K::kStreamK && !K::kOffloadAlways) {
           if (fused.args.aux && !fused.args.store_pre) {
             const StorePlan to = P::store_plan(params, w, shape, &tmap_d, row0, col0);
             if (to.row < to.rows) {
@@ -298,17 +354,29 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       if constexpr (K::kTmaStore) {
         StorePlan to = P::store_plan(params, w, shape, &tmap_d, row0, col0);
         if constexpr (F::kGated) to.cols /= 2;
-        if (to.row >= to.rows) continue;  // this warpgroup's rows lie past D's
-        if constexpr (P::kGlobalStoreMaps) {
-          if (threadIdx.x % 128 == 0) acquire_d(to.d);
+        if constexpr (K::kOffload) {
+          if (K::offload(fused.args)) {
+            K::Warps::hand_off(acc, smem.staging[warpgroup], handoff, smem.handoff[warpgroup], to,
+                               epilogue_barrier);
+            continue;
+          }
         }
-        K::Epilogue::store(acc, smem.staging[warpgroup], to, epilogue_barrier, fused_store,
-                           prefetched);
+        if constexpr (!K::kOffloadAlways) {
+          if (to.row >= to.rows) continue;  // this warpgroup's rows lie past D's
+          if constexpr (P::kGlobalStoreMaps) {
+            if (threadIdx.x % 128 == 0) acquire_d(to.d);
+          }
+          K::Epilogue::store(acc, smem.staging[warpgroup], to, epilogue_barrier, fused_store,
+                             prefetched);
+        }
       } else {
         Out* d_matrix = d + w.split * shape.d_split_stride + w.batch * shape.d_batch_stride;
         DirectStoreEpilogue<Out, Tile::kBlockN>::store(acc, d_matrix, shape.m, shape.n,
                                                        shape.d_m_stride, row0, col0);
       }
+    }
+    if constexpr (K::kOffload) {
+      if (K::offload(fused.args)) K::Warps::close(handoff, smem.handoff[warpgroup]);
     }
     if constexpr (K::kTmaStore) K::Epilogue::finish();
   }
@@ -352,14 +420,14 @@ class Launcher {
     // NOTE: the attribute is per function and device; setting it again is cheap and keeps the
     // launcher free of shared state.
     cudaError_t err = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           Tile::kSmemBytes);
+                                           K::kSmemBytes);
     if (err != cudaSuccess) return err;
     cluster_.id = cudaLaunchAttributeClusterDimension;
     cluster_.val.clusterDim.x = Tile::kClusterM;
     cluster_.val.clusterDim.y = 1;
     cluster_.val.clusterDim.z = 1;
     config_.blockDim = dim3(Tile::kThreads);
-    config_.dynamicSmemBytes = Tile::kSmemBytes;
+    config_.dynamicSmemBytes = K::kSmemBytes;
     config_.stream = stream;
     config_.attrs = &cluster_;
     config_.numAttrs = Tile::kClusterM > 1 ? 1 : 0;

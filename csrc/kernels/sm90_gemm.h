@@ -94,10 +94,12 @@ struct TileConfig {
 
   // Operand ring (up to the 1024-byte boundary where the staging starts: FP8 stages' scales
   // leave the ring a multiple of 128 bytes) + epilogue staging + two mbarriers per stage (with
-  // up to 64 bytes of padding before them) + slack to align the base to 1024 bytes (the
-  // 128-byte swizzle pattern repeats every 1024 bytes, keyed to the address).
+  // up to 64 bytes of padding before them) + the epilogue's barriers and handoff slots
+  // (kernels/sm90_gemm.cuh) + slack to align the base to 1024 bytes (the 128-byte swizzle
+  // pattern repeats every 1024 bytes, keyed to the address).
   static constexpr uint32_t kRingBytes = (kStages * kStageBytes + 1023) / 1024 * 1024;
-  static constexpr uint32_t kSmemBytes = kRingBytes + kEpilogueBytes + kStages * 16 + 64 + 1024;
+  static constexpr uint32_t kSmemBytes =
+      kRingBytes + kEpilogueBytes + kStages * 16 + 64 + 160 + 1024;
 
   static_assert(kElementBytes == 1 || kElementBytes == 2, "16-bit or FP8 elements");
   static_assert(kBlockK == kSwizzleElems, "one K slice is one 128-byte swizzle row");

@@ -31,4 +31,24 @@ struct EpilogueLoad {
   }
 };
 
+// EpilogueLoadRing: kSlots such barriers (consecutive), one per buffer of a ring that the
+// issuer refills as the readers finish a slot; each slot's phase is one bit.
+template <int kSlots>
+struct EpilogueLoadRing {
+  uint64_t* bars;
+  uint32_t phases = 0;
+
+  // Issuer: expect `bytes` of loads on slot `slot`'s barrier; returns it for the copies.
+  __device__ uint64_t* arm(int slot, uint32_t bytes) {
+    ptx::mbarrier_arrive_expect_tx(bars + slot, bytes);
+    return bars + slot;
+  }
+
+  // Every reader thread, once per load of the slot.
+  __device__ void wait(int slot) {
+    wait_parity(bars + slot, (phases >> slot) & 1u, "epilogue load ring", slot);
+    phases ^= 1u << slot;
+  }
+};
+
 }  // namespace jax_tma

@@ -12,7 +12,8 @@ namespace jax_tma {
 enum class NamedBarrierId : uint32_t {
   kEpilogue0 = 1,  // consumer warpgroup 0's epilogue
   kEpilogue1 = 2,  // consumer warpgroup 1's epilogue
-  kFirstFree = 3,  // first id no kernel reserves
+  kEpilogueWarps = 3,  // the epilogue warps (kernels/sm90_gemm.cuh)
+  kFirstFree = 4,  // first id no kernel reserves
 };
 
 struct NamedBarrier {

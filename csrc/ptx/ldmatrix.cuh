@@ -41,4 +41,14 @@ __device__ __forceinline__ float2 ld_shared_v2_f32(uint32_t smem_addr) {
   return v;
 }
 
+// ld.shared.v4.b32: 16 bytes from a shared address (the epilogue warps' unit of a staged block).
+__device__ __forceinline__ uint4 ld_shared_v4_b32(uint32_t smem_addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(smem_addr)
+               : "memory");
+  return v;
+}
+
 }  // namespace jax_tma::ptx

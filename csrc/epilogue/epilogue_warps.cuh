@@ -1,0 +1,372 @@
+// Fused epilogues finished by the epilogue warps: on cooperative tiles both consumer warpgroups
+// stop the tensor cores for their epilogue at once, so the elementwise work of a fusion (bias,
+// activation, gating) would run with the tensor pipes idle (5 % of a 128 x 256 tile for bias +
+// gelu). Here a consumer warpgroup only rounds its 64 x kBlockN block to the output type into
+// its staging buffers (the plain epilogue's stmatrix pass) and hands it over
+// (pipeline/epilogue_handoff.cuh); warps 1-3 of the producer warpgroup, idle otherwise, apply
+// the fusion in place, 16 bytes at a time, store the block with TMA and give the buffers back,
+// while the consumers run the next tile's mainloop.
+//
+// Staged block: kBlockN / 64 chunks of 64 rows x 64 16-bit columns, 128-byte swizzled (the
+// plain epilogue's layout, epilogue/tma_store.cuh); gated blocks alternate gate and up chunks
+// and store half as many. Rounding is the unfused 16-bit expression's: the product, the bias
+// sum and the activation each round to the output type (gated: the activation, then the
+// product with up), the activation itself computed in fp32 (epilogue/fusion.cuh).
+// A residual arrives by TMA, chunk by chunk, in a ring of two more chunks (AuxRing) where the
+// kernel has the shared memory for it (kernels/sm90_gemm.cuh); elsewhere, and for the gradient
+// fusion (which reads the saved pre-activation), the consumers' epilogue reads it into their
+// staging buffers (epilogue/tma_store.cuh).
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+#include "epilogue/fusion.cuh"
+#include "epilogue/tma_store.cuh"
+#include "pipeline/epilogue_handoff.cuh"
+#include "pipeline/named_barrier.cuh"
+#include "pipeline/tma_store_pipeline.cuh"
+#include "ptx/ldmatrix.cuh"
+#include "ptx/stmatrix.cuh"
+#include "ptx/tma.cuh"
+
+namespace jax_tma {
+
+// What a consumer warpgroup hands over: a staged block to store at `to`, a block past D's rows
+// (nothing to store: handed over so that both warpgroups hand over as many), or the end.
+enum class StagedBlock : int { kStore, kSkip, kEnd };
+struct StagedSlot {
+  StorePlan to;
+  StagedBlock kind;
+};
+using StagedHandoff = EpilogueHandoff<StagedSlot>;
+
+template <class Out, int kBlockN, class FusionT>
+struct EpilogueWarps {
+  using F = FusionT;
+  // Fusions finished here: 16-bit outputs of whole 64-column chunks; BiasActivation with a
+  // residual only where the kernel gives the warps an AuxRing.
+  // NOTE: not bias + gelu with erf (compiled on 128 x 128 tiles only), whose erff spilled in the
+  // producer warpgroup's registers here.
+  static constexpr bool kApplies =
+      sizeof(Out) == 2 && kBlockN % 64 == 0 &&
+      ((F::kKind == FusionKind::kBiasActivation && F::kAct != Activation::kGeluErf) || F::kGated);
+  static constexpr int kWarps = 3;  // warps 1-3 of the producer warpgroup
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kFirstThread = 32;
+  static constexpr int kChunks = kBlockN / 64;
+  static constexpr int kRows = 64;
+  static constexpr int kUnits = 8;  // 16-byte units per 128-byte row of a chunk
+  static constexpr int kRowStep = kThreads / kUnits;
+  static_assert(kThreads % kUnits == 0);
+
+  // The consumers' staging pass: the plain epilogue's over every chunk of the block.
+  using Stage = TmaStoreEpilogue<Out, kBlockN, kApplies ? kChunks : 1, PlainFusion>;
+  using SharedStorage = typename Stage::SharedStorage;
+  using StorePipeline = PipelineTmaStore<1>;
+  // The residual's chunks, each loaded by TMA with D's box (so in the staged chunks' layout),
+  // completing on its slot's barrier (run()'s `loaded`).
+  static constexpr int kAuxSlots = 2;
+  using AuxRing = StagingBuffers<kAuxSlots>;
+  using Block = StagedBlock;
+  using Slot = StagedSlot;
+  using Handoff = StagedHandoff;
+
+  // ---------------------------------------------------------------- consumer warpgroup
+
+  // Every thread of the warpgroup: stage `acc` and hand it over to be stored at `to` (a block
+  // past D's rows is handed over as a skip, so both warpgroups hand over as many blocks).
+  __device__ static void hand_off(const float (&acc)[kBlockN / 2], SharedStorage& smem,
+                                  Handoff& handoff, typename Handoff::SharedStorage& slot,
+                                  const StorePlan& to, const NamedBarrier& barrier) {
+    const bool store = to.row < to.rows;
+    handoff.acquire(slot);
+    if (store) {
+      Stage::template write_batch<0, Stage::Pass::kOut, false>(
+          acc, smem, to, FusionArgs{}, std::make_integer_sequence<int, kChunks>{});
+      ptx::fence_proxy_async_shared();  // the pre-activations may be stored as they are
+    }
+    barrier.sync();  // the whole block is staged
+    if (threadIdx.x % 128 == 0) {
+      slot.slot = Slot{to, store ? Block::kStore : Block::kSkip};
+      Handoff::commit(slot);
+    }
+    handoff.advance();
+  }
+
+  // Every thread of the warpgroup, after its last block: no more blocks.
+  __device__ static void close(Handoff& handoff, typename Handoff::SharedStorage& slot) {
+    handoff.acquire(slot);
+    if (threadIdx.x % 128 == 0) {
+      slot.slot = Slot{StorePlan{}, Block::kEnd};
+      Handoff::commit(slot);
+    }
+    handoff.advance();
+  }
+
+  // ---------------------------------------------------------------- epilogue warps
+
+  // What the epilogue warps read of the kernel's fused parameters (the args by reference, so
+  // that they stay in the parameter bank).
+  struct Operands {
+    const FusionArgs& args;
+    const CUtensorMap* aux;
+    const CUtensorMap* pre;
+    const CUtensorMap* pre2;
+  };
+  using AuxLoads = EpilogueLoadRing<kAuxSlots>;
+
+  // Byte offset of 16-byte unit `unit` of row `row` in a 128-byte-swizzled chunk.
+  __device__ static uint32_t swizzled(int row, int unit) {
+    return static_cast<uint32_t>(row * 128 + ((unit ^ (row & 7)) << 4));
+  }
+
+  // z[i] += bias[col + i] for 8 columns (read through L1 per row: nothing held across rows).
+  template <class T>
+  __device__ static void add_bias(const T* bias, int col, float (&z)[8]) {
+    if constexpr (std::is_same_v<T, float>) {
+      const float4 lo = __ldg(reinterpret_cast<const float4*>(bias + col));
+      const float4 hi = __ldg(reinterpret_cast<const float4*>(bias + col) + 1);
+      z[0] += lo.x, z[1] += lo.y, z[2] += lo.z, z[3] += lo.w;
+      z[4] += hi.x, z[5] += hi.y, z[6] += hi.z, z[7] += hi.w;
+    } else {
+      const uint4 v = __ldg(reinterpret_cast<const uint4*>(bias + col));
+      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float2 p = unpack_pair<T>(w[i]);
+        z[2 * i] += p.x;
+        z[2 * i + 1] += p.y;
+      }
+    }
+  }
+
+  // Issuer: the residual's chunk `c` of the block at `to` into slot c % kAuxSlots.
+  __device__ static void load_aux(AuxRing& ring, AuxLoads& loads, int c, const StorePlan& to,
+                                  const CUtensorMap* aux) {
+    if (c >= kChunks || 64 * c >= to.cols - to.col) return;
+    uint64_t* bar = loads.arm(c % kAuxSlots, Stage::kChunkBytes);
+    ptx::tma_load(ring.buffer[c % kAuxSlots], aux, bar,
+                  ptx::TmaCoord<4>{{to.col + 64 * c, to.row, to.batch, to.split}});
+  }
+
+  // BiasActivation, in place over the chunks of D's columns: z = round(staged + bias) where
+  // kBias (of type T), then act(z) where kAct, then + the residual where kAux (its first
+  // chunks loading already; each slot refilled once read).
+  template <bool kBias, bool kAct, bool kAux, class T = float>
+  __device__ static void bias_activation(SharedStorage& smem, const StorePlan& to,
+                                         const Operands& in, int t, const NamedBarrier& barrier,
+                                         AuxRing* ring, AuxLoads& loads) {
+    const int unit = t % kUnits;
+    const T* bias = static_cast<const T*>(in.args.bias);
+#pragma unroll 1
+    for (int c = 0; c < kChunks; ++c) {
+      if (64 * c >= to.cols - to.col) break;
+      const int col = to.col + 64 * c + 8 * unit;
+      const bool biased = kBias && col < to.cols;  // none past D's columns (N % 8 == 0)
+      const uint32_t base = ptx::smem_u32(smem.buffer[c]);
+      uint32_t aux_base = 0;
+      if constexpr (kAux) {
+        loads.wait(c % kAuxSlots);
+        aux_base = ptx::smem_u32(ring->buffer[c % kAuxSlots]);
+      }
+#pragma unroll 1
+      for (int row = t / kUnits; row < kRows; row += kRowStep) {
+        const uint32_t offset = swizzled(row, unit);
+        const uint4 v = ptx::ld_shared_v4_b32(base + offset);
+        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+        float z[8];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 p = unpack_pair<Out>(w[i]);
+          z[2 * i] = p.x;
+          z[2 * i + 1] = p.y;
+        }
+        if constexpr (kBias) {
+          if (biased) add_bias(bias, col, z);
+        }
+        uint32_t out[4];
+        uint4 r = make_uint4(0, 0, 0, 0);
+        if constexpr (kAux) r = ptx::ld_shared_v4_b32(aux_base + offset);
+        const uint32_t res[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float2 x = make_float2(z[2 * i], z[2 * i + 1]);
+          if constexpr (kBias) x = round_pair<Out>(x);
+          if constexpr (kAct) x = make_float2(activate<F::kAct>(x.x), activate<F::kAct>(x.y));
+          if constexpr (kAux) {
+            if constexpr (kAct) x = round_pair<Out>(x);
+            const float2 y = unpack_pair<Out>(res[i]);
+            x = make_float2(x.x + y.x, x.y + y.y);
+          }
+          out[i] = pack_pair<Out>(x.x, x.y);
+        }
+        ptx::st_shared_v4_b32(base + offset, make_uint4(out[0], out[1], out[2], out[3]));
+      }
+      if constexpr (kAux) {
+        // Every thread has read the slot: refill it (the reads ordered before the async write).
+        ptx::fence_proxy_async_shared();
+        barrier.sync();
+        if (t == 0) load_aux(*ring, loads, c + kAuxSlots, to, in.aux);
+      }
+    }
+  }
+
+  // As above, for the bias's run-time type.
+  template <bool kAct, bool kAux>
+  __device__ static void bias_activation_any(SharedStorage& smem, const StorePlan& to,
+                                             const Operands& in, int t,
+                                             const NamedBarrier& barrier, AuxRing* ring,
+                                             AuxLoads& loads) {
+    switch (in.args.bias_type) {
+      case VectorType::kBF16:
+        return bias_activation<true, kAct, kAux, __nv_bfloat16>(smem, to, in, t, barrier, ring,
+                                                                 loads);
+      case VectorType::kF16:
+        return bias_activation<true, kAct, kAux, __half>(smem, to, in, t, barrier, ring, loads);
+      default:
+        return bias_activation<true, kAct, kAux, float>(smem, to, in, t, barrier, ring, loads);
+    }
+  }
+
+  // Gated, in place: output chunk j = round(act(gate chunk 2j)) * up chunk 2j + 1, written over
+  // the gate chunk.
+  __device__ static void gate(SharedStorage& smem, const StorePlan& to, int t) {
+    const int unit = t % kUnits;
+#pragma unroll 1
+    for (int j = 0; j < kChunks / 2; ++j) {
+      if (64 * j >= to.cols - to.col) break;
+      const uint32_t gate_base = ptx::smem_u32(smem.buffer[2 * j]);
+      const uint32_t up_base = ptx::smem_u32(smem.buffer[2 * j + 1]);
+#pragma unroll 1
+      for (int row = t / kUnits; row < kRows; row += kRowStep) {
+        const uint32_t offset = swizzled(row, unit);
+        const uint4 g = ptx::ld_shared_v4_b32(gate_base + offset);
+        const uint4 u = ptx::ld_shared_v4_b32(up_base + offset);
+        const uint32_t gates[4] = {g.x, g.y, g.z, g.w};
+        const uint32_t ups[4] = {u.x, u.y, u.z, u.w};
+        uint32_t out[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 x = unpack_pair<Out>(gates[i]);
+          const float2 a =
+              round_pair<Out>(make_float2(activate<F::kAct>(x.x), activate<F::kAct>(x.y)));
+          const float2 y = unpack_pair<Out>(ups[i]);
+          out[i] = pack_pair<Out>(a.x * y.x, a.y * y.y);
+        }
+        ptx::st_shared_v4_b32(gate_base + offset, make_uint4(out[0], out[1], out[2], out[3]));
+      }
+    }
+  }
+
+  // Issuer: chunks `first`, `first` + `step`, ... to `map`, the i-th at D column to.col + 64 i
+  // (those past D's columns left out), as one store group.
+  __device__ static void store(const CUtensorMap* map, SharedStorage& smem, const StorePlan& to,
+                               int first, int step) {
+#pragma unroll 1
+    for (int i = 0; first + i * step < kChunks; ++i) {
+      if (64 * i >= to.cols - to.col) break;
+      ptx::tma_store(map, smem.buffer[first + i * step],
+                     ptx::TmaCoord<4>{{to.col + 64 * i, to.row, to.batch, to.split}});
+    }
+    StorePipeline::producer_commit();
+  }
+
+  // Every epilogue thread: the writes of this pass reach the TMA unit, then the issuer stores.
+  __device__ static void publish(const NamedBarrier& barrier) {
+    ptx::fence_proxy_async_shared();
+    barrier.sync();
+  }
+
+  // One staged block: the fusion, the pre-activations first where asked for, then the output.
+  __device__ static void finish(SharedStorage& smem, const StorePlan& to, const Operands& in,
+                                const NamedBarrier& barrier, int t, AuxRing* ring,
+                                AuxLoads& loads) {
+    const bool issuer = t == 0;
+    const FusionArgs& args = in.args;
+    if constexpr (F::kGated) {
+      if (args.store_pre) {  // the staged gate and up chunks as they are
+        if (issuer) {
+          store(in.pre, smem, to, 0, 2);
+          store(in.pre2, smem, to, 1, 2);
+          StorePipeline::producer_tail();
+        }
+        barrier.sync();  // their stores have read the chunks about to be rewritten
+      }
+      gate(smem, to, t);
+    } else {
+      constexpr bool kAct = F::kAct != Activation::kNone;
+      const bool bias = args.bias != nullptr;
+      const bool aux = ring != nullptr && args.aux;
+      if (aux && issuer) {
+        for (int c = 0; c < kAuxSlots; ++c) load_aux(*ring, loads, c, to, in.aux);
+      }
+      if (args.store_pre) {
+        if (bias) {
+          bias_activation_any<false, false>(smem, to, in, t, barrier, ring, loads);
+          publish(barrier);
+        }
+        if (issuer) {
+          store(in.pre, smem, to, 0, 1);
+          StorePipeline::producer_tail();
+        }
+        barrier.sync();  // the pre-activations' stores have read the chunks
+        if (aux) {
+          bias_activation<false, kAct, true>(smem, to, in, t, barrier, ring, loads);
+        } else if constexpr (kAct) {
+          bias_activation<false, true, false>(smem, to, in, t, barrier, ring, loads);
+        }
+      } else if (aux) {
+        if (bias) {
+          bias_activation_any<kAct, true>(smem, to, in, t, barrier, ring, loads);
+        } else {
+          bias_activation<false, kAct, true>(smem, to, in, t, barrier, ring, loads);
+        }
+      } else if (bias) {
+        bias_activation_any<kAct, false>(smem, to, in, t, barrier, ring, loads);
+      } else if constexpr (kAct) {
+        bias_activation<false, true, false>(smem, to, in, t, barrier, ring, loads);
+      }
+    }
+    publish(barrier);
+    if (issuer) store(to.d, smem, to, 0, F::kGated ? 2 : 1);
+  }
+
+  // Warps 1-3 of the producer warpgroup: finish the blocks of both consumer warpgroups, in the
+  // order each hands them over, until both have closed. `ring`: the residual's, with its slots'
+  // barriers `loaded` (null where the kernel has none: no residual comes here then).
+  __device__ static void run(SharedStorage (&staging)[2],
+                             typename Handoff::SharedStorage (&slots)[2], const Operands& in,
+                             AuxRing* ring, uint64_t (&loaded)[kAuxSlots]) {
+    const int t = static_cast<int>(threadIdx.x) - kFirstThread;
+    const NamedBarrier barrier{static_cast<uint32_t>(NamedBarrierId::kEpilogueWarps), kThreads};
+    AuxLoads loads{loaded};
+    Handoff handoff[2] = {};
+    bool open[2] = {true, true};
+    while (open[0] || open[1]) {
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        if (!open[w]) continue;
+        handoff[w].wait(slots[w]);
+        const Slot slot = slots[w].slot;
+        handoff[w].advance();
+        // Every thread has read the slot before the buffers (and the slot) go back.
+        barrier.sync();
+        if (slot.kind == Block::kEnd) {
+          open[w] = false;
+          continue;
+        }
+        if (slot.kind == Block::kStore) finish(staging[w], slot.to, in, barrier, t, ring, loads);
+        if (t == 0) {
+          StorePipeline::producer_tail();  // the block's stores have read the buffers
+          Handoff::release(slots[w]);
+        }
+      }
+    }
+  }
+};
+
+}  // namespace jax_tma
