@@ -100,6 +100,18 @@ def _fused_cases(rng, m, n, k) -> list[Case]:
                 kind=ep.FORWARD, activation=activation, has_bias=True, has_aux=True,
                 save_pre=True, b_k_major=False, out_dtype=BF16, config=cfg, poison=True)[0])
             cases.append(Case(f"dense forward {act} {cfg.describe()}", run, ref, 1e-2))
+        # On 128-row tiles the epilogue warps finish these: bias + gelu alone, and the residual
+        # through their ring without a saved pre-activation.
+        for has_aux in (False, True):
+            ref = _f64(ep.activate("gelu_tanh", jnp.asarray(x64 @ _f64(w) + bias, jnp.float32)))
+            ref = ref + _f64(aux) if has_aux else ref
+            operands = (x, w, bias, aux) if has_aux else (x, w, bias)
+            run = (lambda cfg=cfg, has_aux=has_aux, operands=operands: ep._kernel_call(
+                *map(jnp.asarray, operands), kind=ep.FORWARD, activation="gelu_tanh",
+                has_bias=True, has_aux=has_aux, save_pre=False, b_k_major=False, out_dtype=BF16,
+                config=cfg, poison=True)[0])
+            name = "bias + gelu" + (" + residual" if has_aux else "")
+            cases.append(Case(f"dense forward {name} {cfg.describe()}", run, ref, 1e-2))
         for act in ("relu", "gelu_tanh", "gelu_erf", "silu"):
             slope = _f64(ep.activation_grad(act, jnp.asarray(z, jnp.float32)))
             ref = (x64 @ _f64(wt).T) * slope
