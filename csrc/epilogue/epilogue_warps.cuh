@@ -124,6 +124,10 @@ struct EpilogueWarps {
     return static_cast<uint32_t>(row * 128 + ((unit ^ (row & 7)) << 4));
   }
 
+  // The block's rows within D's (the stores clip the rest, so they are left as staged: a
+  // decode product of 16 rows transforms 16 of 64).
+  __device__ static int rows_within(const StorePlan& to) { return min(kRows, to.rows - to.row); }
+
   // z[i] += bias[col + i] for 8 columns (read through L1 per row: nothing held across rows).
   template <class T>
   __device__ static void add_bias(const T* bias, int col, float (&z)[8]) {
@@ -161,6 +165,7 @@ struct EpilogueWarps {
                                          const Operands& in, int t, const NamedBarrier& barrier,
                                          AuxRing* ring, AuxLoads& loads) {
     const int unit = t % kUnits;
+    const int rows = rows_within(to);
     const T* bias = static_cast<const T*>(in.args.bias);
 #pragma unroll 1
     for (int c = 0; c < kChunks; ++c) {
@@ -174,7 +179,7 @@ struct EpilogueWarps {
         aux_base = ptx::smem_u32(ring->buffer[c % kAuxSlots]);
       }
 #pragma unroll 1
-      for (int row = t / kUnits; row < kRows; row += kRowStep) {
+      for (int row = t / kUnits; row < rows; row += kRowStep) {
         const uint32_t offset = swizzled(row, unit);
         const uint4 v = ptx::ld_shared_v4_b32(base + offset);
         const uint32_t w[4] = {v.x, v.y, v.z, v.w};
@@ -236,13 +241,14 @@ struct EpilogueWarps {
   // the gate chunk.
   __device__ static void gate(SharedStorage& smem, const StorePlan& to, int t) {
     const int unit = t % kUnits;
+    const int rows = rows_within(to);
 #pragma unroll 1
     for (int j = 0; j < kChunks / 2; ++j) {
       if (64 * j >= to.cols - to.col) break;
       const uint32_t gate_base = ptx::smem_u32(smem.buffer[2 * j]);
       const uint32_t up_base = ptx::smem_u32(smem.buffer[2 * j + 1]);
 #pragma unroll 1
-      for (int row = t / kUnits; row < kRows; row += kRowStep) {
+      for (int row = t / kUnits; row < rows; row += kRowStep) {
         const uint32_t offset = swizzled(row, unit);
         const uint4 g = ptx::ld_shared_v4_b32(gate_base + offset);
         const uint4 u = ptx::ld_shared_v4_b32(up_base + offset);
