@@ -44,6 +44,15 @@ struct StagedSlot {
 };
 using StagedHandoff = EpilogueHandoff<StagedSlot>;
 
+// The handoff between consumer warpgroup `warpgroup` (128 threads) and the epilogue warps.
+__device__ inline StagedHandoff staged_handoff(int warpgroup, int epilogue_threads) {
+  const uint32_t threads = 128 + static_cast<uint32_t>(epilogue_threads);
+  const uint32_t w = static_cast<uint32_t>(warpgroup);
+  return StagedHandoff{
+      NamedBarrier{static_cast<uint32_t>(NamedBarrierId::kHandoffFull0) + w, threads},
+      NamedBarrier{static_cast<uint32_t>(NamedBarrierId::kHandoffEmpty0) + w, threads}};
+}
+
 template <class Out, int kBlockN, class FusionT>
 struct EpilogueWarps {
   using F = FusionT;
@@ -77,34 +86,30 @@ struct EpilogueWarps {
 
   // ---------------------------------------------------------------- consumer warpgroup
 
-  // Every thread of the warpgroup: stage `acc` and hand it over to be stored at `to` (a block
-  // past D's rows is handed over as a skip, so both warpgroups hand over as many blocks).
+  // Every thread of consumer warpgroup `warpgroup`: stage `acc` and hand it over to be stored
+  // at `to` (a block past D's rows is handed over as a skip, so both warpgroups hand over as
+  // many blocks).
   __device__ static void hand_off(const float (&acc)[kBlockN / 2], SharedStorage& smem,
-                                  Handoff& handoff, typename Handoff::SharedStorage& slot,
-                                  const StorePlan& to, const NamedBarrier& barrier) {
+                                  typename Handoff::SharedStorage& slot, const StorePlan& to,
+                                  int warpgroup) {
+    const Handoff handoff = staged_handoff(warpgroup, kThreads);
     const bool store = to.row < to.rows;
-    handoff.acquire(slot);
+    handoff.acquire();
     if (store) {
       Stage::template write_batch<0, Stage::Pass::kOut, false>(
           acc, smem, to, FusionArgs{}, std::make_integer_sequence<int, kChunks>{});
       ptx::fence_proxy_async_shared();  // the pre-activations may be stored as they are
     }
-    barrier.sync();  // the whole block is staged
-    if (threadIdx.x % 128 == 0) {
-      slot.slot = Slot{to, store ? Block::kStore : Block::kSkip};
-      Handoff::commit(slot);
-    }
-    handoff.advance();
+    if (threadIdx.x % 128 == 0) slot.slot = Slot{to, store ? Block::kStore : Block::kSkip};
+    handoff.commit();
   }
 
   // Every thread of the warpgroup, after its last block: no more blocks.
-  __device__ static void close(Handoff& handoff, typename Handoff::SharedStorage& slot) {
-    handoff.acquire(slot);
-    if (threadIdx.x % 128 == 0) {
-      slot.slot = Slot{StorePlan{}, Block::kEnd};
-      Handoff::commit(slot);
-    }
-    handoff.advance();
+  __device__ static void close(typename Handoff::SharedStorage& slot, int warpgroup) {
+    const Handoff handoff = staged_handoff(warpgroup, kThreads);
+    handoff.acquire();
+    if (threadIdx.x % 128 == 0) slot.slot = Slot{StorePlan{}, Block::kEnd};
+    handoff.commit();
   }
 
   // ---------------------------------------------------------------- epilogue warps
@@ -350,26 +355,24 @@ struct EpilogueWarps {
     const int t = static_cast<int>(threadIdx.x) - kFirstThread;
     const NamedBarrier barrier{static_cast<uint32_t>(NamedBarrierId::kEpilogueWarps), kThreads};
     AuxLoads loads{loaded};
-    Handoff handoff[2] = {};
+    const Handoff handoff[2] = {staged_handoff(0, kThreads), staged_handoff(1, kThreads)};
+    handoff[0].release();  // the staging buffers start free
+    handoff[1].release();
     bool open[2] = {true, true};
     while (open[0] || open[1]) {
 #pragma unroll
       for (int w = 0; w < 2; ++w) {
         if (!open[w]) continue;
-        handoff[w].wait(slots[w]);
+        handoff[w].wait();
         const Slot slot = slots[w].slot;
-        handoff[w].advance();
-        // Every thread has read the slot before the buffers (and the slot) go back.
-        barrier.sync();
         if (slot.kind == Block::kEnd) {
           open[w] = false;
           continue;
         }
         if (slot.kind == Block::kStore) finish(staging[w], slot.to, in, barrier, t, ring, loads);
-        if (t == 0) {
-          StorePipeline::producer_tail();  // the block's stores have read the buffers
-          Handoff::release(slots[w]);
-        }
+        if (t == 0) StorePipeline::producer_tail();  // the block's stores have read the buffers
+        barrier.sync();
+        handoff[w].release();
       }
     }
   }

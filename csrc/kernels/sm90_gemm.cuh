@@ -184,9 +184,6 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   if (threadIdx.x == 0) {
     K::Pipeline::init(smem.barriers, Tile::kStageReaderWarps * Tile::kClusterM);
     if constexpr (Tile::kPingPong) K::Turns::init(smem.turns, 128);  // a warpgroup arrives
-    if constexpr (K::kOffload) {
-      for (int i = 0; i < Tile::kConsumerWarpgroups; ++i) K::Warps::Handoff::init(smem.handoff[i]);
-    }
     if constexpr (K::kAuxRing) {
       for (int i = 0; i < K::Warps::kAuxSlots; ++i) EpilogueLoad::init(&smem.aux_loaded[i]);
     }
@@ -277,7 +274,6 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       if constexpr (Tile::kPingPong) turns.arrive();
     };
     TensormapAcquirer acquire_d;
-    StagedHandoff handoff{};
     EpilogueLoad aux_load{&smem.aux_load[warpgroup]};
     const FusedStore fused_store{&fused.aux, &fused.pre, &fused.pre2, fused.args, &aux_load};
     float acc[K::Mainloop::kAccRegs];
@@ -356,8 +352,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         if constexpr (F::kGated) to.cols /= 2;
         if constexpr (K::kOffload) {
           if (K::offload(fused.args)) {
-            K::Warps::hand_off(acc, smem.staging[warpgroup], handoff, smem.handoff[warpgroup], to,
-                               epilogue_barrier);
+            K::Warps::hand_off(acc, smem.staging[warpgroup], smem.handoff[warpgroup], to,
+                               warpgroup);
             continue;
           }
         }
@@ -376,7 +372,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       }
     }
     if constexpr (K::kOffload) {
-      if (K::offload(fused.args)) K::Warps::close(handoff, smem.handoff[warpgroup]);
+      if (K::offload(fused.args)) K::Warps::close(smem.handoff[warpgroup], warpgroup);
     }
     if constexpr (K::kTmaStore) K::Epilogue::finish();
   }

@@ -13,7 +13,11 @@ enum class NamedBarrierId : uint32_t {
   kEpilogue0 = 1,  // consumer warpgroup 0's epilogue
   kEpilogue1 = 2,  // consumer warpgroup 1's epilogue
   kEpilogueWarps = 3,  // the epilogue warps (kernels/sm90_gemm.cuh)
-  kFirstFree = 4,  // first id no kernel reserves
+  kHandoffFull0 = 4,   // consumer warpgroup 0 -> the epilogue warps (pipeline/epilogue_handoff)
+  kHandoffFull1 = 5,
+  kHandoffEmpty0 = 6,  // the epilogue warps -> consumer warpgroup 0
+  kHandoffEmpty1 = 7,
+  kFirstFree = 8,  // first id no kernel reserves
 };
 
 struct NamedBarrier {
