@@ -90,8 +90,9 @@ struct EpilogueWarps {
   // at `to` (a block past D's rows is handed over as a skip, so both warpgroups hand over as
   // many blocks).
   __device__ static void hand_off(const float (&acc)[kBlockN / 2], SharedStorage& smem,
-                                  Handoff& handoff, typename Handoff::SharedStorage& slots,
-                                  const StorePlan& to) {
+                                  typename Handoff::SharedStorage& slot, const StorePlan& to,
+                                  int warpgroup) {
+    const Handoff handoff = staged_handoff(warpgroup, kThreads);
     const bool store = to.row < to.rows;
     handoff.acquire();
     if (store) {
@@ -99,16 +100,15 @@ struct EpilogueWarps {
           acc, smem, to, FusionArgs{}, std::make_integer_sequence<int, kChunks>{});
       ptx::fence_proxy_async_shared();  // the pre-activations may be stored as they are
     }
-    if (threadIdx.x % 128 == 0) {
-      handoff.slot(slots) = Slot{to, store ? Block::kStore : Block::kSkip};
-    }
+    if (threadIdx.x % 128 == 0) slot.slot = Slot{to, store ? Block::kStore : Block::kSkip};
     handoff.commit();
   }
 
   // Every thread of the warpgroup, after its last block: no more blocks.
-  __device__ static void close(Handoff& handoff, typename Handoff::SharedStorage& slots) {
+  __device__ static void close(typename Handoff::SharedStorage& slot, int warpgroup) {
+    const Handoff handoff = staged_handoff(warpgroup, kThreads);
     handoff.acquire();
-    if (threadIdx.x % 128 == 0) handoff.slot(slots) = Slot{StorePlan{}, Block::kEnd};
+    if (threadIdx.x % 128 == 0) slot.slot = Slot{StorePlan{}, Block::kEnd};
     handoff.commit();
   }
 
@@ -355,7 +355,7 @@ struct EpilogueWarps {
     const int t = static_cast<int>(threadIdx.x) - kFirstThread;
     const NamedBarrier barrier{static_cast<uint32_t>(NamedBarrierId::kEpilogueWarps), kThreads};
     AuxLoads loads{loaded};
-    Handoff handoff[2] = {staged_handoff(0, kThreads), staged_handoff(1, kThreads)};
+    const Handoff handoff[2] = {staged_handoff(0, kThreads), staged_handoff(1, kThreads)};
     handoff[0].release();  // the staging buffers start free
     handoff[1].release();
     bool open[2] = {true, true};
@@ -364,8 +364,7 @@ struct EpilogueWarps {
       for (int w = 0; w < 2; ++w) {
         if (!open[w]) continue;
         handoff[w].wait();
-        const Slot slot = handoff[w].slot(slots[w]);
-        handoff[w].advance();
+        const Slot slot = slots[w].slot;
         if (slot.kind == Block::kEnd) {
           open[w] = false;
           continue;

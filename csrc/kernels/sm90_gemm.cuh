@@ -274,7 +274,6 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       if constexpr (Tile::kPingPong) turns.arrive();
     };
     TensormapAcquirer acquire_d;
-    StagedHandoff handoff = staged_handoff(warpgroup, K::Warps::kThreads);
     EpilogueLoad aux_load{&smem.aux_load[warpgroup]};
     const FusedStore fused_store{&fused.aux, &fused.pre, &fused.pre2, fused.args, &aux_load};
     float acc[K::Mainloop::kAccRegs];
@@ -353,7 +352,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         if constexpr (F::kGated) to.cols /= 2;
         if constexpr (K::kOffload) {
           if (K::offload(fused.args)) {
-            K::Warps::hand_off(acc, smem.staging[warpgroup], handoff, smem.handoff[warpgroup], to);
+            K::Warps::hand_off(acc, smem.staging[warpgroup], smem.handoff[warpgroup], to,
+                               warpgroup);
             continue;
           }
         }
@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       }
     }
     if constexpr (K::kOffload) {
-      if (K::offload(fused.args)) K::Warps::close(handoff, smem.handoff[warpgroup]);
+      if (K::offload(fused.args)) K::Warps::close(smem.handoff[warpgroup], warpgroup);
     }
     if constexpr (K::kTmaStore) K::Epilogue::finish();
   }
