@@ -103,16 +103,25 @@ def test_fused_dense_kernels(kernels):
     """Fused epilogues (jax_tma.dense): per type 4 tiles x 11 fusions + the forward gelu-erf on
     2 narrow tiles; forward and gated read B N-major, the activation gradient K-major; the
     kernels that may read an [M, N] operand load it by TMA (rank 4, like D's stores) and read
-    it back with ldmatrix (16-bit), gated ones multiply two B maps' blocks."""
+    it back with ldmatrix (16-bit) in the consumers' epilogue, or 16 bytes at a time in the
+    epilogue warps' (forward fusions but erf-gelu on 128 x 256 tiles, whose shared memory holds
+    the residual's ring; csrc/epilogue/epilogue_warps.cuh); gated ones multiply two B maps'
+    blocks, on 128-row tiles in the epilogue warps too."""
     found = _gemm_kernels(kernels, ("DenseGemm",), fused=True)
     assert len(found) == 2 * (4 * 11 + 2)
     for name, body in found.items():
-        kind, _ = _fusion(name)
+        kind, act = _fusion(name)
+        block_m, block_n = _tile(name)[:2]
+        epilogue_warps = block_m == 128 and (kind == 3 or (kind == 1 and act != 3))
         assert re.search(r"\bHGMMA\b", body) and re.search(r"\bUTMASTG\.4D\b", body), name
         assert _layout(name) == ((0, 0) if kind == 2 else (0, 1)), name
         if kind in (1, 2):
             assert re.search(r"\bUTMALDG\.4D\b", body), f"no aux TMA load in {name}"
-            assert re.search(r"\bLDSM\b", body), f"no ldmatrix in {name}"
+            ring = epilogue_warps and block_n == 256
+            read = r"\bLDS\.128\b" if ring else r"\bLDSM\b"
+            assert re.search(read, body), f"no {read} in {name}"
+        if epilogue_warps:  # the staged block read and rewritten 16 bytes at a time
+            assert re.search(r"\bLDS\.128\b", body) and re.search(r"\bSTS\.128\b", body), name
         assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"
 
 
