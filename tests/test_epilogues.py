@@ -2,8 +2,9 @@
 gradients, vmap, sharding, the CUDA lowering, and the fused kernels on a Hopper GPU.
 
 The fused kernel applies the epilogue in fp32 and rounds where the unfused 16-bit expression
-rounds; the references are float64 of the same math, unrounded. Bounds (Frobenius-norm relative error): bf16 output 1e-2, fp16 2e-3; gradients
-twice that (two roundings: the saved pre-activation and the cotangent).
+rounds; the references are float64 of the same math, unrounded. Bounds (Frobenius-norm relative
+error): bf16 output 1e-2, fp16 2e-3; gradients twice that (two roundings: the saved
+pre-activation and the cotangent).
 """
 
 from __future__ import annotations

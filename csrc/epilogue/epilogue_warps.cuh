@@ -124,11 +124,6 @@ struct EpilogueWarps {
   };
   using AuxLoads = EpilogueLoadRing<kAuxSlots>;
 
-  // Byte offset of 16-byte unit `unit` of row `row` in a 128-byte-swizzled chunk.
-  __device__ static uint32_t swizzled(int row, int unit) {
-    return static_cast<uint32_t>(row * 128 + ((unit ^ (row & 7)) << 4));
-  }
-
   // The block's rows within D's (the stores clip the rest, so they are left as staged: a
   // decode product of 16 rows transforms 16 of 64).
   __device__ static int rows_within(const StorePlan& to) { return min(kRows, to.rows - to.row); }
@@ -185,7 +180,7 @@ struct EpilogueWarps {
       }
 #pragma unroll 1
       for (int row = t / kUnits; row < rows; row += kRowStep) {
-        const uint32_t offset = swizzled(row, unit);
+        const uint32_t offset = Stage::swizzled(row, unit);
         const uint4 v = ptx::ld_shared_v4_b32(base + offset);
         const uint32_t w[4] = {v.x, v.y, v.z, v.w};
         float z[8];
@@ -254,7 +249,7 @@ struct EpilogueWarps {
       const uint32_t up_base = ptx::smem_u32(smem.buffer[2 * j + 1]);
 #pragma unroll 1
       for (int row = t / kUnits; row < rows; row += kRowStep) {
-        const uint32_t offset = swizzled(row, unit);
+        const uint32_t offset = Stage::swizzled(row, unit);
         const uint4 g = ptx::ld_shared_v4_b32(gate_base + offset);
         const uint4 u = ptx::ld_shared_v4_b32(up_base + offset);
         const uint32_t gates[4] = {g.x, g.y, g.z, g.w};

@@ -5,8 +5,10 @@
 // block and the slot are written, the readers wait) and `empty` (the readers arrive once done
 // with the buffers, the writers wait). A named barrier has no phases to run ahead of: each
 // group arrives on one barrier only after waiting on the other, so arrivals and waits
-// alternate. (An mbarrier pair did the same, but compute-sanitizer's racecheck does not see the
-// order it gives to the slot's plain shared-memory accesses: 110 hazards reported.)
+// alternate. NOTE: compute-sanitizer's racecheck does not follow the order this (or the mbarrier
+// pair it replaced) gives to the slot's plain shared-memory accesses: it reports hazards
+// between a writer's slot write and the readers' earlier reads (88 here, 110 with the
+// mbarriers; docs/ragged-and-epilogues.md).
 //
 // Writer (per block):  acquire()  fill the buffers and the slot  commit()
 // Reader:              release() once at the start (the buffers start free), then per block
