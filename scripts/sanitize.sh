@@ -21,6 +21,7 @@
 #
 #   bash scripts/sanitize.sh                     # all four tools
 #   TOOLS="memcheck racecheck" bash scripts/sanitize.sh
+#   PRINT_LIMIT=1000 TOOLS=racecheck bash scripts/sanitize.sh   # every report, not the first 50
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR="${OUT:-sanitize_logs}"
@@ -71,7 +72,7 @@ for tool in ${TOOLS:-memcheck racecheck synccheck initcheck}; do
     [ "$ours" -eq 0 ] || rc=3
     self="$self | in jax_tma kernels: $ours"
   else
-    "$SANITIZER" --tool "$tool" "${FILTER[@]}" --print-limit 50 --error-exitcode 3 \
+    "$SANITIZER" --tool "$tool" "${FILTER[@]}" --print-limit "${PRINT_LIMIT:-50}" --error-exitcode 3 \
       "$PY" scripts/sanitize_cases.py >"$log" 2>&1
     rc=$?
   fi

@@ -341,8 +341,10 @@ struct EpilogueWarps {
     if (issuer) store(to.d, smem, to, 0, F::kGated ? 2 : 1);
   }
 
-  // Warps 1-3 of the producer warpgroup: finish the blocks of both consumer warpgroups, in the
-  // order each hands them over, until both have closed. `ring`: the residual's, with its slots'
+  // Warps 1-3 of the producer warpgroup: finish the blocks of both consumer warpgroups, a pair
+  // at a time (both hand over as many blocks), until both have closed. Both handoffs are
+  // released before either is waited on, so that neither warpgroup waits for the other's
+  // block to be staged, only for it to be handed over. `ring`: the residual's, with its slots'
   // barriers `loaded` (null where the kernel has none: no residual comes here then).
   __device__ static void run(SharedStorage (&staging)[2],
                              typename Handoff::SharedStorage (&slots)[2], const Operands& in,
@@ -351,23 +353,31 @@ struct EpilogueWarps {
     const NamedBarrier barrier{static_cast<uint32_t>(NamedBarrierId::kEpilogueWarps), kThreads};
     AuxLoads loads{loaded};
     const Handoff handoff[2] = {staged_handoff(0, kThreads), staged_handoff(1, kThreads)};
-    handoff[0].release();  // the staging buffers start free
-    handoff[1].release();
     bool open[2] = {true, true};
     while (open[0] || open[1]) {
+      // The last pair's stores have read the buffers (the issuer's wait comes before its part
+      // in the release, which the writer's acquire needs): each block's store overlapped the
+      // next block's work.
+      if (t == 0) StorePipeline::producer_tail();
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        if (open[w]) handoff[w].release();
+      }
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        if (open[w]) handoff[w].wait();
+      }
+      // The slots stay the epilogue warps' until the next release: read each where it is used
+      // (two held across a block's work would not fit in their registers).
 #pragma unroll
       for (int w = 0; w < 2; ++w) {
         if (!open[w]) continue;
-        handoff[w].wait();
         const Slot slot = slots[w].slot;
         if (slot.kind == Block::kEnd) {
           open[w] = false;
-          continue;
+        } else if (slot.kind == Block::kStore) {
+          finish(staging[w], slot.to, in, barrier, t, ring, loads);
         }
-        if (slot.kind == Block::kStore) finish(staging[w], slot.to, in, barrier, t, ring, loads);
-        if (t == 0) StorePipeline::producer_tail();  // the block's stores have read the buffers
-        barrier.sync();
-        handoff[w].release();
       }
     }
   }

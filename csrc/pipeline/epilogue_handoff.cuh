@@ -1,19 +1,25 @@
 // EpilogueHandoff: a one-slot handshake through which a consumer warpgroup (the writer) passes a
 // staged output block to the epilogue warps (the reader: kernels/sm90_gemm.cuh,
 // epilogue/epilogue_warps.cuh) and gets the staging buffers back once their stores have read
-// them. Two named barriers, each spanning both groups: `full` (the writers arrive once the
-// block and the slot are written, the readers wait) and `empty` (the readers arrive once done
-// with the buffers, the writers wait). A named barrier has no phases to run ahead of: each
-// group arrives on one barrier only after waiting on the other, so arrivals and waits
-// alternate. NOTE: compute-sanitizer's racecheck does not follow the order this (or the mbarrier
-// pair it replaced) gives to the slot's plain shared-memory accesses: it reports hazards
-// between a writer's slot write and the readers' earlier reads (88 here, 110 with the
-// mbarriers; docs/ragged-and-epilogues.md).
+// them. Two named barriers, each spanning both groups, and both groups sync on both (bar.sync,
+// no bar.arrive): every access of the buffers and the slot is separated from the other group's
+// next conflicting access by a barrier both groups passed in between, which is the order
+// compute-sanitizer's racecheck follows (it reported hazards on the slot when the groups only
+// arrived on one of the two: docs/ragged-and-epilogues.md).
+//   empty  the buffers and the slot are the writer's: the reader syncs there once done with the
+//          previous block (its stores have read the buffers), the writer before filling them;
+//   full   the block and the slot are the reader's: the writer syncs there once they are
+//          written, the reader before reading them.
+// A named barrier has no phases to run ahead of: each group passes the two in turn, and a
+// group reaches one only after passing the other, so the n-th passes of both groups meet.
+// The reader syncs `empty` lazily, just before it waits for the next block (it is idle then),
+// so the writer meets it there at once in steady state; the writer then waits on `full` only
+// for the reader to come from `empty` (kernels pairing two writers with one reader sync both
+// `empty`s before either `full`, so that neither writer waits for the other's block).
 //
 // Writer (per block):  acquire()  fill the buffers and the slot  commit()
-// Reader:              release() once at the start (the buffers start free), then per block
-//                      wait()  read the slot, transform, store  (stores read)  release()
-// After the writer's last block (an end marker in the slot), the reader does not release.
+// Reader (per block):  release()  wait()  read the slot, transform, store, (stores read)
+// The writer's last block is an end marker in the slot; the reader stops after reading it.
 #pragma once
 
 #include <cstdint>
@@ -28,18 +34,19 @@ struct EpilogueHandoff {
     Slot slot;
   };
 
-  NamedBarrier full;   // writers + readers
-  NamedBarrier empty;  // writers + readers
+  NamedBarrier full;   // writer + reader
+  NamedBarrier empty;  // writer + reader
 
-  // Writer, every thread: the reader has released the buffers and the slot.
+  // Writer, every thread: the reader is done with the buffers and the slot.
   __device__ void acquire() const { empty.sync(); }
   // Writer, every thread, after its writes: the block and the slot are the reader's.
-  __device__ void commit() const { full.arrive(); }
+  __device__ void commit() const { full.sync(); }
 
+  // Reader, every thread, after its last access of the buffers (and the stores' reads of them),
+  // and once at the start: the buffers and the slot are the writer's.
+  __device__ void release() const { empty.sync(); }
   // Reader, every thread: the writer has committed a block.
   __device__ void wait() const { full.sync(); }
-  // Reader, every thread, after its last access (and the stores' reads) of the buffers.
-  __device__ void release() const { empty.arrive(); }
 };
 
 }  // namespace jax_tma
