@@ -95,12 +95,12 @@ struct EpilogueWarps {
     const Handoff handoff = staged_handoff(warpgroup, kThreads);
     const bool store = to.row < to.rows;
     handoff.acquire();
+    if (threadIdx.x % 128 == 0) slot.slot = Slot{to, store ? Block::kStore : Block::kSkip};
     if (store) {
       Stage::template write_batch<0, Stage::Pass::kOut, false>(
           acc, smem, to, FusionArgs{}, std::make_integer_sequence<int, kChunks>{});
       ptx::fence_proxy_async_shared();  // the pre-activations may be stored as they are
     }
-    if (threadIdx.x % 128 == 0) slot.slot = Slot{to, store ? Block::kStore : Block::kSkip};
     handoff.commit();
   }
 

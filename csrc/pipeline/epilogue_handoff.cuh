@@ -1,11 +1,15 @@
 // EpilogueHandoff: a one-slot handshake through which a consumer warpgroup (the writer) passes a
 // staged output block to the epilogue warps (the reader: kernels/sm90_gemm.cuh,
 // epilogue/epilogue_warps.cuh) and gets the staging buffers back once their stores have read
-// them. Two named barriers, each spanning both groups, and both groups sync on both (bar.sync,
-// no bar.arrive): every access of the buffers and the slot is separated from the other group's
-// next conflicting access by a barrier both groups passed in between, which is the order
-// compute-sanitizer's racecheck follows (it reported hazards on the slot when the groups only
-// arrived on one of the two: docs/ragged-and-epilogues.md).
+// them. Two named barriers, each spanning both groups, and both groups sync on both (no
+// arrive-only side): every access of the buffers and the slot is separated from the other
+// group's next conflicting access by a barrier both groups passed in between, which is the
+// order compute-sanitizer's racecheck follows (it reported hazards on the slot while the groups
+// only arrived on one of the two: docs/ragged-and-epilogues.md).
+// The groups reach each barrier at different instructions, which an aligned bar.sync on both
+// sides does not allow (synccheck stopped the kernel): the reader's syncs and the writer's
+// `empty` are barrier.sync without .aligned; the writer's `full` stays bar.sync, as the
+// unaligned form there cost the consumers ten registers (spills in the fused kernels).
 //   empty  the buffers and the slot are the writer's: the reader syncs there once done with the
 //          previous block (its stores have read the buffers), the writer before filling them;
 //   full   the block and the slot are the reader's: the writer syncs there once they are
@@ -38,15 +42,15 @@ struct EpilogueHandoff {
   NamedBarrier empty;  // writer + reader
 
   // Writer, every thread: the reader is done with the buffers and the slot.
-  __device__ void acquire() const { empty.sync(); }
+  __device__ void acquire() const { empty.sync_unaligned(); }
   // Writer, every thread, after its writes: the block and the slot are the reader's.
   __device__ void commit() const { full.sync(); }
 
   // Reader, every thread, after its last access of the buffers (and the stores' reads of them),
   // and once at the start: the buffers and the slot are the writer's.
-  __device__ void release() const { empty.sync(); }
+  __device__ void release() const { empty.sync_unaligned(); }
   // Reader, every thread: the writer has committed a block.
-  __device__ void wait() const { full.sync(); }
+  __device__ void wait() const { full.sync_unaligned(); }
 };
 
 }  // namespace jax_tma

@@ -26,6 +26,8 @@ struct NamedBarrier {
 
   // Every participating thread waits until `threads` threads have arrived or synced.
   __device__ void sync() const { ptx::named_barrier_sync(id, threads); }
+  // sync() for a barrier that the participating warps reach from different places in the code.
+  __device__ void sync_unaligned() const { ptx::named_barrier_sync_unaligned(id, threads); }
   // Count this thread's arrival and go on (a producer signalling waiting consumers).
   __device__ void arrive() const { ptx::named_barrier_arrive(id, threads); }
 };

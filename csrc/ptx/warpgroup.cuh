@@ -22,6 +22,13 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
+// barrier.sync without .aligned: for a barrier whose participants reach it at different
+// instructions (bar.sync is barrier.sync.aligned, which requires one instruction for all of them;
+// compute-sanitizer's synccheck stops a kernel that breaks that).
+__device__ __forceinline__ void named_barrier_sync_unaligned(uint32_t id, uint32_t threads) {
+  asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 // bar.arrive on named barrier `id`: signal without waiting.
 __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
   asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
