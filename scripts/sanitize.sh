@@ -22,6 +22,7 @@
 #   bash scripts/sanitize.sh                     # all four tools
 #   TOOLS="memcheck racecheck" bash scripts/sanitize.sh
 #   PRINT_LIMIT=1000 TOOLS=racecheck bash scripts/sanitize.sh   # every report, not the first 50
+#   ONLY=dense,ragged TOOLS=racecheck bash scripts/sanitize.sh  # some case families only
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR="${OUT:-sanitize_logs}"
@@ -66,14 +67,14 @@ for tool in ${TOOLS:-memcheck racecheck synccheck initcheck}; do
   start=$(date +%s)
   if [ "$tool" = initcheck ]; then
     "$SANITIZER" --tool initcheck --check-api-memory-access no --print-limit 10000 \
-      "$PY" scripts/sanitize_cases.py >"$log" 2>&1
+      "$PY" scripts/sanitize_cases.py --only "${ONLY:-}" >"$log" 2>&1
     rc=$?
     ours=$(grep -A1 -E "^========= Uninitialized" "$log" | grep -cE "^=+ +at .*jax_tma")
     [ "$ours" -eq 0 ] || rc=3
     self="$self | in jax_tma kernels: $ours"
   else
     "$SANITIZER" --tool "$tool" "${FILTER[@]}" --print-limit "${PRINT_LIMIT:-50}" --error-exitcode 3 \
-      "$PY" scripts/sanitize_cases.py >"$log" 2>&1
+      "$PY" scripts/sanitize_cases.py --only "${ONLY:-}" >"$log" 2>&1
     rc=$?
   fi
   summary=$(grep -E "(ERROR|RACECHECK) SUMMARY" "$log" | tail -n 1)

@@ -198,7 +198,14 @@ def _fp8_cases(rng, m, n, k) -> list[Case]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--only", default="",
+                   help="comma-separated case families to run: gemm, dense, ragged, fp8 "
+                        "(default: all)")
     args = p.parse_args(argv)
+    families = {"gemm", "dense", "ragged", "fp8"}
+    only = {f for f in args.only.split(",") if f} or families
+    if only - families:
+        p.error(f"--only: unknown families {sorted(only - families)}; known: {sorted(families)}")
     status = jax_tma.kernel_status()
     if not status.available:
         print(f"jax_tma kernels unavailable here: {status.reason}")
@@ -206,6 +213,7 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(args.seed)
     cases = (_dense_cases(rng, 200, 320, 264) + _fused_cases(rng, 300, 328, 200)
              + _ragged_cases(rng, 500, 192, 136, 6) + _fp8_cases(rng, 260, 776, 520))
+    cases = [c for c in cases if c.name.split()[0] in only]
     outputs = jax.jit(lambda: [c.run() for c in cases])()
     failed = 0
     for case, out in zip(cases, outputs):
