@@ -304,6 +304,24 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           continue;
         }
       }
+      // A cooperative tile whose rows end within the first warpgroup's 64 (a group's last row
+      // block, the matrix's last): the second warpgroup's rows hold no output, so it passes over
+      // the tile's stages without issuing wgmma and the tensor core serves the first alone.
+      // With epilogue warps it still hands over a block to skip (both hand over as many).
+      // Not for a stream-K piece, whose partial sums other CTAs wait for.
+      if constexpr (!Tile::kPingPong && K::Mainloop::kWarpgroupsIndependent) {
+        const StorePlan to = P::store_plan(params, w, shape, &tmap_d, row0, col0);
+        if (to.row >= to.rows && !(K::kStreamK && w.piece >= 0)) {
+          K::Mainloop::skip(pipeline, read, count, hand_over);
+          if constexpr (K::kOffload) {
+            if (K::offload(fused.args)) {
+              K::Warps::hand_off(acc, smem.staging[warpgroup], smem.handoff[warpgroup], to,
+                                 warpgroup);
+            }
+          }
+          continue;
+        }
+      }
       // Fused epilogues that read an operand load its first batch while the mainloop runs
       // (not after storing a pre-activation through the same buffers, and not for a stream-K
       // piece, which may leave its sums to another CTA).

@@ -101,6 +101,10 @@ struct MainloopSm90TmaWgmma {
     return min(boxes, (extent - from - 1) / 64 + 1);
   }
 
+  // The consumer warpgroups of a cooperative tile run apart: one may skip() a tile whose rows
+  // it does not reach while the other runs mma() on it.
+  static constexpr bool kWarpgroupsIndependent = true;
+
   // The tensor maps a mainloop reads besides A's and B's (kernel parameter): none here.
   struct Params {};
   __device__ static void prefetch(const Params&) {}

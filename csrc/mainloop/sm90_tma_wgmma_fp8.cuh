@@ -83,6 +83,8 @@ struct MainloopSm90Fp8 {
   // (see promoted_in_parts; ping-pong consumers work on different tiles and need none).
   static constexpr bool kIssueTurns = kParts > 1 && !Tile::kPingPong;
   using IssueTurns = OrderedBarrier<2, 1>;
+  // Consumers that take issue turns wait on each other: neither may skip a tile alone.
+  static constexpr bool kWarpgroupsIndependent = !kIssueTurns;
   struct SharedStorage {
     typename Operands::SharedStorage operands;
     StageScales scales[kStages];
