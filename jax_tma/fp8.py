@@ -65,8 +65,8 @@ SCALE_BLOCK = 128
 BLOCKS = (None, (1, None), (None, 1), (1, 128), (128, 128))
 # (block_m, block_n, stages, cluster_m) of JAX_TMA_SM90_FP8_TILES (csrc/kernels/sm90_fp8.h), and
 # Fp8UnpromotedTile, compiled without promotion for e4m3 with fp32 output only.
-_FP8_TILES = ((128, 256, 3, 2), (128, 256, 3, 1), (128, 192, 4, 2), (128, 192, 4, 1),
-              (128, 128, 5, 2), (128, 128, 5, 1), (64, 256, 4, 1), (64, 128, 7, 1))
+_FP8_TILES = ((128, 256, 3, 2), (128, 256, 3, 1), (128, 128, 5, 2), (128, 128, 5, 1),
+              (64, 256, 4, 1), (64, 128, 7, 1))
 _UNPROMOTED_TILE = (128, 128, 5, 1)
 MAX_SPLIT_K = 8
 # Kernel limits: operand rows of 16 bytes (K), output rows of 16 bytes (N, bf16), scale rows of
@@ -123,8 +123,7 @@ class Fp8Config:
 FP8_CONFIGS: tuple[Fp8Config, ...] = tuple(Fp8Config(*t) for t in _FP8_TILES)
 
 # Cost model: relative wgmma throughput per tile (128 x 256 the best), the chip's FP8 rate.
-_TILE_EFFICIENCY = {(128, 256): 1.0, (128, 192): 0.97, (128, 128): 0.9, (64, 256): 0.8,
-                    (64, 128): 0.7}
+_TILE_EFFICIENCY = {(128, 256): 1.0, (128, 128): 0.9, (64, 256): 0.8, (64, 128): 0.7}
 _PEAK_FLOPS = 1.979e15
 
 

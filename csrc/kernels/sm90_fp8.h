@@ -36,11 +36,6 @@ using Fp8Tile =
 // parts (64 registers of partial sums beside 128 promoted ones); 64-row tiles are ping-pong.
 using Fp8Tile128x256C2 = Fp8Tile<128, 256, 3, 2>;
 using Fp8Tile128x256 = Fp8Tile<128, 256, 3, 1>;
-// NOTE: 192 columns run one wgmma group per K slice (96 partial sums beside 96 promoted) and
-// fill the last wave where 256 columns leave it part-empty (8192^3: 20.8 waves of pairs
-// against 15.5).
-using Fp8Tile128x192C2 = Fp8Tile<128, 192, 4, 2>;
-using Fp8Tile128x192 = Fp8Tile<128, 192, 4, 1>;
 using Fp8Tile128x128C2 = Fp8Tile<128, 128, 5, 2>;
 using Fp8Tile128x128 = Fp8Tile<128, 128, 5, 1>;
 using Fp8Tile64x256 = Fp8Tile<64, 256, 4, 1, 2>;
@@ -49,8 +44,6 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
 #define JAX_TMA_SM90_FP8_TILES(X, ARG) \
   X(ARG, Fp8Tile128x256C2)             \
   X(ARG, Fp8Tile128x256)               \
-  X(ARG, Fp8Tile128x192C2)             \
-  X(ARG, Fp8Tile128x192)               \
   X(ARG, Fp8Tile128x128C2)             \
   X(ARG, Fp8Tile128x128)               \
   X(ARG, Fp8Tile64x256)                \

@@ -71,10 +71,9 @@ struct TileConfig {
   static constexpr uint32_t kTileABytes = kBlockM * kBlockK * kElementBytes;
   static constexpr uint32_t kTileBBytes = kBlockK * kBColumnBlocks * 64 * kElementBytes;
   // FP8 K slices bring their scales: kBlockM fp32 of A's, and one box of B's, as short as TMA
-  // allows (16 bytes: B's scales of 4 column blocks of 128, from the 4-aligned block at or
-  // before the tile's first; 32 bytes where a tile of 192 columns may end in the fifth) in a
-  // slot of 128 bytes (TMA writes shared memory at 128-byte aligned addresses).
-  static constexpr int kBScaleBox = kBlockN <= 128 || kBlockN % 128 == 0 ? 4 : 8;
+  // allows (16 bytes: B's scales of 4 column blocks of 128, from the tile's first) in a slot of
+  // 128 bytes (TMA writes shared memory at 128-byte aligned addresses).
+  static constexpr int kBScaleBox = 4;
   static constexpr int kBScaleSlotBytes = 128;
   static constexpr uint32_t kTileScaleBytes =
       kElementBytes == 1 ? kBlockM * sizeof(float) + kBScaleSlotBytes : 0;

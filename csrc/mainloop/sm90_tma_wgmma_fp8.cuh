@@ -9,14 +9,14 @@
 // receives its K slice's scales, by TMA, on the stage's full barrier:
 //   A: kBlockM fp32 from a map over [batch, K / 128, M] (M contiguous): row m's scale of the
 //      slice; a warpgroup reads the two of its thread's rows.
-//   B: one 16- or 32-byte box from a map over [batch, K / 128, N / 128]: four (eight for
-//      192-wide tiles) column blocks' scales, from the 4-aligned block at or before the tile's
-//      first (a tile spans 1 or 2 of them, or half of one). NOTE: a TMA tile copy's innermost coordinate must fall on a 16-byte
+//   B: one 16-byte box from a map over [batch, K / 128, N / 128]: four column blocks' scales,
+//      from the 4-aligned block at or before the tile's first (a tile spans 1 or 2 of them, or
+//      half of one). NOTE: a TMA tile copy's innermost coordinate must fall on a 16-byte
 //      boundary of the global tensor; a box starting at the tile's own block (4 bytes a block)
 //      faulted with an illegal instruction on an H100. The consumer finds the tile's scales at
 //      (first block) % 4 in the box.
 //
-// Promotion: a slice's partial sums (one wgmma group per column part: kPartRegs registers,
+// Promotion: a slice's partial sums (one wgmma group per 128 columns: kPartRegs registers,
 // reused) are retired with wgmma.wait_group 0 and added into the fp32 accumulators times
 // sa[row] * sb[column block]. The tensor core keeps about 14 bits of its FP8 sums, so long
 // contractions accumulated inside it lose accuracy; promoted every 128 K they lose none that
@@ -54,10 +54,9 @@ struct MainloopSm90Fp8 {
   static constexpr int kWgmmaK = 32;
   static constexpr int kScaleBlock = 128;  // K and N indices per scale
   static constexpr int kMidwaySlice = Operands::kMidwaySlice;  // (the hook runs at the end)
-  // NOTE: one wgmma group spans the tile's columns where its partial sums and the promoted
-  // ones fit a consumer's 232 registers together with room to spare (128 x 192: 96 + 96);
-  // 256-wide tiles run two groups of 128 columns (64 + 128).
-  static constexpr int kPartN = kBlockN <= 192 ? kBlockN : 128;
+  // NOTE: one wgmma group spans at most 128 columns, so that its partial sums and the tile's
+  // promoted sums fit a consumer's 232 registers together (128 x 256 tiles: 64 + 128).
+  static constexpr int kPartN = kBlockN < 128 ? kBlockN : 128;
   static constexpr int kParts = kBlockN / kPartN;
   static constexpr int kAccRegs = kBlockN / 2;
   static constexpr int kPartRegs = kPartN / 2;
@@ -65,30 +64,24 @@ struct MainloopSm90Fp8 {
   static constexpr int kAWarpgroupBytes = 64 * kBlockK;
   static constexpr int kBPartBytes = kPartN * kBlockK;
   using Mma = ptx::WgmmaFp8SS<kPartN, TA, TB>;
-  // Two sets of partial sums (slice kb + 1's group issued before slice kb is promoted) where
-  // they fit beside the promoted sums: tiles of up to 128 columns (64 + 64 + 64 registers).
-  static constexpr bool kTwoPartialSets = kParts == 1 && kAccRegs + 2 * kPartRegs <= 192;
-  // B's scale blocks one column part reads: 2 where a 192-wide part crosses a block boundary.
-  static constexpr int kPartScaleBlocks = kPartN > kScaleBlock ? 2 : 1;
 
   static_assert(Tile::kElementBytes == 1 && sizeof(TA) == 1 && sizeof(TB) == 1, "FP8 operands");
   static_assert(!kPairedB, "gated products (two B maps) are 16-bit only");
   static_assert(Layout::kA == sm90_gemm::Major::kK && Layout::kB == sm90_gemm::Major::kK,
                 "wgmma reads FP8 operands K-major only");
   static_assert(kBlockK == kScaleBlock, "one K slice per scale");
-  static_assert(kBlockN == 64 || kBlockN % kScaleBlock == 0 || kBlockN == 192,
-                "a part's columns lie in one of B's scale blocks, or span two (192: the "
-                "boundary falls after 64 or 128 of them)");
+  static_assert(kBlockN == 64 || kBlockN % kScaleBlock == 0,
+                "every part's columns lie in one of B's scale blocks");
+  static_assert(kParts <= Tile::kBScaleBox, "one scale box spans the tile's column blocks");
 
   // One stage's scales; B's box fills the first kBScaleBox floats of its 128-byte slot.
   struct alignas(128) StageScales {
     float a[kBlockM];
     float b[Tile::kBScaleSlotBytes / sizeof(float)];
   };
-  // Cooperative tiles with one set of partial sums: the consumers take turns at issuing a
-  // part's group (see promoted_in_parts; ping-pong consumers work on different tiles and need
-  // none).
-  static constexpr bool kIssueTurns = !kTwoPartialSets && !Tile::kPingPong;
+  // Cooperative tiles of two column parts: the consumers take turns at issuing a part's group
+  // (see promoted_in_parts; ping-pong consumers work on different tiles and need none).
+  static constexpr bool kIssueTurns = kParts > 1 && !Tile::kPingPong;
   using IssueTurns = OrderedBarrier<2, 1>;
   // Consumers that take issue turns wait on each other: neither may skip a tile alone.
   static constexpr bool kWarpgroupsIndependent = !kIssueTurns;
@@ -161,10 +154,9 @@ struct MainloopSm90Fp8 {
   // the scales of a tile starting at column `n0` begin.
   __device__ static int b_scale_box_origin(int n0) { return (n0 / kScaleBlock) & ~3; }
   __device__ static int b_scale_offset(int n0) { return (n0 / kScaleBlock) & 3; }
-  static_assert(kBlockN <= kScaleBlock || (kBlockN == 2 * kScaleBlock && Tile::kBScaleBox >= 4) ||
-                    (kBlockN == 192 && Tile::kBScaleBox >= 5),
+  static_assert(Tile::kBScaleBox == 4 && (kParts == 1 || kBlockN == 2 * kScaleBlock),
                 "a tile's scale blocks lie in one aligned box (a 256-wide tile starts at an even "
-                "block; a 192-wide one may start at the box's fourth and end in its fifth)");
+                "block)");
 
   // Descriptors of k32 step `kk` of K-major tiles: 32 bytes along the swizzled rows.
   __device__ static uint64_t desc(const uint8_t* tile, int kk) {
@@ -204,67 +196,39 @@ struct MainloopSm90Fp8 {
   }
 
   // Where this thread reads a slice's scales: its first row of A's (the second is row + 8),
-  // the tile's first block in B's box, which operands have block scales, and (192-wide parts)
-  // how many of the part's 8-column groups lie in its first scale block (8 or 16).
+  // the tile's first block in B's box, and which operands have block scales.
   struct SliceReads {
     int row, sb0;
     bool has_sa, has_sb;
-    int first_block_groups;
   };
-  // One K slice's scales for this thread: A's of its two rows, B's of each column part (of
-  // both blocks a 192-wide part spans).
+  // One K slice's scales for this thread: A's of its two rows, B's of each column part.
   struct SliceScales {
     float a0, a1;
-    float b[kParts * kPartScaleBlocks];
-    int first_block_groups;
+    float b[kParts];
   };
   __device__ static SliceScales slice_scales(const StageScales& scales, const SliceReads& at) {
     SliceScales s;
     s.a0 = at.has_sa ? ptx::ld_shared_f32(ptx::smem_u32(scales.a + at.row)) : 1.0f;
     s.a1 = at.has_sa ? ptx::ld_shared_f32(ptx::smem_u32(scales.a + at.row + 8)) : 1.0f;
 #pragma unroll
-    for (int p = 0; p < kParts * kPartScaleBlocks; ++p) {
+    for (int p = 0; p < kParts; ++p) {
       s.b[p] = at.has_sb ? ptx::ld_shared_f32(ptx::smem_u32(scales.b + at.sb0 + p)) : 1.0f;
     }
-    s.first_block_groups = at.first_block_groups;
     return s;
   }
 
-  // acc[part p] += d * (row scale x column-block scale). Registers 4j .. 4j + 3 hold columns
-  // 8j .. 8j + 7 of the part (ptx/wgmma.cuh), so each group of four shares a column block: the
-  // first kFirstGroups groups B's first block of the part, the rest its second.
-  template <int kFirstGroups>
-  __device__ static void promote_groups(float (&acc)[kAccRegs], int p,
-                                        const float (&d)[kPartRegs], float lo0, float lo1,
-                                        float hi0, float hi1) {
+  // acc[part p] += d * (row scale x column-block scale).
+  __device__ static void promote(float (&acc)[kAccRegs], int p, const float (&d)[kPartRegs],
+                                 const SliceScales& s) {
+    const float s0 = s.a0 * s.b[p];
+    const float s1 = s.a1 * s.b[p];
 #pragma unroll
     for (int j = 0; j < kPartRegs / 4; ++j) {
-      const float s0 = j < kFirstGroups ? lo0 : hi0;
-      const float s1 = j < kFirstGroups ? lo1 : hi1;
       float* out = acc + p * kPartRegs + 4 * j;
       out[0] += d[4 * j] * s0;
       out[1] += d[4 * j + 1] * s0;
       out[2] += d[4 * j + 2] * s1;
       out[3] += d[4 * j + 3] * s1;
-    }
-  }
-  __device__ static void promote(float (&acc)[kAccRegs], int p, const float (&d)[kPartRegs],
-                                 const SliceScales& s) {
-    const float* b = s.b + p * kPartScaleBlocks;
-    const float lo0 = s.a0 * b[0];
-    const float lo1 = s.a1 * b[0];
-    if constexpr (kPartScaleBlocks == 1) {
-      promote_groups<kPartRegs / 4>(acc, p, d, lo0, lo1, lo0, lo1);
-    } else {
-      // A 192-wide part starts at a column block's first or 65th column.
-      static_assert(kPartN == 192);
-      const float hi0 = s.a0 * b[1];
-      const float hi1 = s.a1 * b[1];
-      if (s.first_block_groups == 16) {
-        promote_groups<16>(acc, p, d, lo0, lo1, hi0, hi1);
-      } else {
-        promote_groups<8>(acc, p, d, lo0, lo1, hi0, hi1);
-      }
     }
   }
 
@@ -274,11 +238,10 @@ struct MainloopSm90Fp8 {
                                   Waited&& waited, const Params& params) {
     // This thread's rows of the warpgroup's 64 (accumulator layout: ptx/wgmma.cuh): r, r + 8.
     const int row = a_block * 64 + 16 * ((threadIdx.x / 32) % 4) + (threadIdx.x % 32) / 4;
-    const SliceReads at{row, b_scale_offset(n0), params.has_sa, params.has_sb,
-                        (kScaleBlock - n0 % kScaleBlock) / 8};
+    const SliceReads at{row, b_scale_offset(n0), params.has_sa, params.has_sb};
 #pragma unroll
     for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
-    if constexpr (kTwoPartialSets) {
+    if constexpr (kParts == 1) {
       promoted_overlapped(pipeline, read, smem, a_block, at, k_blocks, acc, waited);
     } else {
       promoted_in_parts(pipeline, read, smem, a_block, at, k_blocks, acc, waited);
@@ -343,10 +306,9 @@ struct MainloopSm90Fp8 {
     }
   }
 
-  // Tiles with room for one set of partial sums (128 x 256: 128 promoted registers and one
-  // 128-column part's 64; 128 x 192: 96 and one 192-column group's 96): each group retires
-  // before the next is issued; the other consumer warpgroup's groups keep the tensor core busy
-  // meanwhile.
+  // Tiles of two column parts (128 x 256: 128 promoted registers leave room for one part's
+  // 64 partial sums only): each part's group retires before the next is issued; the other
+  // consumer warpgroup's groups keep the tensor core busy meanwhile.
   // NOTE: the cooperative consumers take turns at issuing their parts' groups (IssueTurns:
   // warpgroup 0's part, then 1's, then 0's next ...). Issued freely, both warpgroups met each
   // stage's full barrier together and interleaved their groups' wgmma, so both groups retired
@@ -358,8 +320,8 @@ struct MainloopSm90Fp8 {
   __device__ static void promoted_in_parts(Pipeline& pipeline, State& read, SharedStorage& smem,
                                            int a_block, const SliceReads& at, int k_blocks,
                                            float (&acc)[kAccRegs], Waited&& waited) {
-    // Each tile starts at the barriers' first phase: a tile of an odd number of turns takes
-    // one more, empty, at its end.
+    // A tile takes an even number of turns, so each tile starts at the barriers' first phase.
+    static_assert(kParts % 2 == 0);
     IssueTurns turns{smem.issue_turns, static_cast<uint32_t>(a_block)};
 #pragma unroll 1
     for (int kb = 0; kb < k_blocks; ++kb) {
@@ -380,12 +342,6 @@ struct MainloopSm90Fp8 {
         promote(acc, p, d, s);
       }
       ++read;
-    }
-    if constexpr (kIssueTurns && kParts % 2 == 1) {
-      if (k_blocks % 2 == 1) {
-        turns.wait();
-        turns.arrive();
-      }
     }
   }
 
