@@ -143,16 +143,24 @@ def bench(shape, args) -> list[Row]:
 
 
 def sweep(shape, args) -> list[Row]:
-    """jax_tma's block-scaled product on every compiled tile (no split) and on the heuristic's
-    choice, timed together: the data to tune the heuristic with."""
+    """jax_tma's product with per-tensor and with block scales on every compiled tile (no
+    split) and on the heuristic's choice, timed together: the data to tune the heuristic with."""
     sets = _operand_sets(shape, args.sets, args.seed)
     m, n, k = shape
-    contenders = {"default " + fp8.default_config(m, n, k).describe():
-                  lambda a, b, sa, sb, *rest: jax_tma.fp8_dot_general(a, b, sa, sb, NT)}
+    default = fp8.default_config(m, n, k).describe()
+    contenders = {
+        "default tensor " + default:
+            lambda a, b, sa, sb, s_a, s_b, *rest: jax_tma.fp8_dot_general(a, b, s_a, s_b, NT),
+        "default block " + default:
+            lambda a, b, sa, sb, *rest: jax_tma.fp8_dot_general(a, b, sa, sb, NT)}
     for cfg in fp8.FP8_CONFIGS:
         if cfg.cluster_m > 1 and -(-m // cfg.block_m) < 2:
             continue
-        contenders["x".join(map(str, cfg.tile))] = (
+        name = "x".join(map(str, cfg.tile))
+        contenders["tensor " + name] = (
+            lambda a, b, sa, sb, s_a, s_b, *rest, cfg=cfg: jax_tma.fp8_dot_general(
+                a, b, s_a, s_b, NT, config=cfg))
+        contenders["block " + name] = (
             lambda a, b, sa, sb, *rest, cfg=cfg: jax_tma.fp8_dot_general(a, b, sa, sb, NT,
                                                                          config=cfg))
     # The tensor core's own accumulation over all of K (no promotion; e4m3, per-tensor scales,
@@ -236,7 +244,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--sweep", action="store_true",
-                   help="time the block-scaled product on every compiled tile instead")
+                   help="time per-tensor and block-scaled products on every compiled tile instead")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--shapes", nargs="*", metavar="M,N,K")
     harness_arguments(p)
