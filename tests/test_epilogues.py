@@ -339,6 +339,64 @@ def test_kernel_activation_grad_matches_float64(rng, activation, config):
     assert rel_error(out, ref) <= TOL[BF16]
 
 
+def _stable_act(name, z):
+    """act(z) and act'(z) in float64, in forms without cancellation for negative z (GELU as
+    z sigmoid(2u) and 0.5 z erfc(-z / sqrt 2)): the references of the elementwise tests."""
+    from math import erfc
+    z = np.asarray(z, np.float64)
+    if name == "silu":
+        s = 1 / (1 + np.exp(-z))
+        return z * s, s * (1 + z * (1 - s))
+    if name == "gelu_tanh":
+        c = np.sqrt(2 / np.pi)
+        v = 2 * c * (z + 0.044715 * z ** 3)
+        s = 1 / (1 + np.exp(-v))
+        return z * s, s + z * s * (1 - s) * 2 * c * (1 + 3 * 0.044715 * z ** 2)
+    if name == "gelu_erf":
+        phi = 0.5 * np.vectorize(erfc)(-z / np.sqrt(2))
+        return z * phi, phi + z * np.exp(-0.5 * z ** 2) / np.sqrt(2 * np.pi)
+    raise ValueError(name)
+
+
+# z on a grid over [lo, 4] (bf16 values) with lo = -8: the negative tail, where tanh GELU's
+# textbook form 0.5 z (1 + tanh(u)) loses every bit to cancellation. The exact GELU keeps
+# 1 + erf(...) (csrc/epilogue/fusion.cuh), within a bf16 rounding down to z = -4.
+def _tail_z(lo):
+    return np.linspace(lo, 4.0, 256 * 192).astype(BF16).reshape(256, 192)
+
+
+TAIL_CASES = [("silu", None), ("gelu_tanh", None), ("gelu_tanh", jax_tma.GemmConfig(128, 256, 3, 1)),
+              ("gelu_tanh", jax_tma.GemmConfig(64, 128, 8, 1)), ("gelu_erf", None)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation,config", TAIL_CASES,
+                         ids=[a + ("-" + _config_ids([c])[0] if c else "") for a, c in TAIL_CASES])
+def test_kernel_activation_elementwise_in_the_tails(activation, config):
+    """Each output of act(x @ w) and of (dy @ w^T) * act'(z) within a bf16 rounding (plus 1e-6
+    absolute for act', which crosses zero) of the float64 value, for z over [-8, 4] ([-4, 4]
+    for the exact GELU): x @ w = z exactly (w the identity), dy @ w^T = 1 exactly."""
+    z = _tail_z(-4.0 if activation == "gelu_erf" else -8.0)
+    m, n = z.shape
+    want, want_grad = _stable_act(activation, z)
+    eye = np.eye(n, dtype=np.float32).astype(BF16)
+    out, = _poisoned(jnp.asarray(z), jnp.asarray(eye), kind=ep.FORWARD, activation=activation,
+                     out_dtype=BF16, config=config)
+    bad = np.abs(out - want) > 2.0 ** -8 * np.abs(want)
+    assert not bad.any(), (f"{bad.sum()} outputs off, e.g. z = {z.astype(np.float64)[bad][:4]}: "
+                           f"{out[bad][:4]} against {want[bad][:4]}")
+    ones = np.zeros((m, 64), np.float32)
+    ones[:, 0] = 1
+    w = np.zeros((n, 64), np.float32)
+    w[:, 0] = 1
+    grad, = _poisoned(jnp.asarray(ones.astype(BF16)), jnp.asarray(w.astype(BF16)), jnp.asarray(z),
+                      kind=ep.GRADIENT, activation=activation, has_aux=True, b_k_major=True,
+                      out_dtype=BF16, config=config)
+    bad = np.abs(grad - want_grad) > 2.0 ** -8 * np.abs(want_grad) + 1e-6
+    assert not bad.any(), (f"{bad.sum()} gradients off, e.g. z = {z.astype(np.float64)[bad][:4]}"
+                           f": {grad[bad][:4]} against {want_grad[bad][:4]}")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", ep.DENSE_CONFIGS, ids=_config_ids(ep.DENSE_CONFIGS))
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh", "gelu_erf"])

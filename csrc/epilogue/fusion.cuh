@@ -1,8 +1,9 @@
 // Device half of the fused GEMM epilogues (epilogue/fusion.h says what each computes): the
-// activations and their derivatives, in fp32. tanh, exp and the reciprocal run on the SFU
+// activations and their derivatives, in fp32. exp and the reciprocal run on the SFU
 // (ptx/math.cuh): their approximation error is below a 16-bit output's rounding, and the
-// library's accurate forms kept the epilogue of a 128 x 256 tile long enough to cost the
-// product ~10 % (gelu on 16384 x 14336 x 4096, H100).
+// library's accurate tanh kept the epilogue of a 128 x 256 tile long enough to cost the
+// product ~10 % (gelu on 16384 x 14336 x 4096, H100). The exact GELU's erf is the library's
+// (compiled for the narrow tiles only).
 #pragma once
 
 #include <cstdint>
@@ -12,21 +13,33 @@
 
 namespace jax_tma {
 
-// The logistic function 1 / (1 + e^-z) on the SFU: e^-z = 2^(-z log2 e).
+// The logistic function 1 / (1 + e^-z) on the SFU: e^-z = 2^(-z log2 e). Accurate to a few
+// ulp relative over the whole range (e^-z overflows to inf where the result is below fp32's
+// smallest normal, and the reciprocal gives 0).
 __device__ __forceinline__ float sigmoid(float z) {
   return ptx::rcp_approx(1.0f + ptx::exp2_approx(-1.4426950408889634f * z));
 }
 
+// tanh-approximated GELU's argument, doubled: 2 sqrt(2/pi) (z + 0.044715 z^3), and its
+// derivative in z.
+constexpr float kGeluTanhScale2 = 2.0f * 0.7978845608028654f;
+__device__ __forceinline__ float gelu_tanh_arg2(float z) {
+  return z * fmaf(kGeluTanhScale2 * 0.044715f, z * z, kGeluTanhScale2);
+}
+
+// NOTE: the tanh GELU is written without cancellation: 0.5 z (1 + tanh(u)) equals z sigmoid(2u).
+// Where z < -3, 1 + tanh(u) is a sum of nearly opposite terms, and tanh.approx's 2^-11 error
+// left less than one correct bit of GELU's value there (z = -4: -1.3e-4); the sigmoid form
+// computes it to a few ulp. The exact GELU keeps 1 + erf(z / sqrt 2), erff being accurate to
+// 2 ulp: within a bf16 rounding down to z = -4 (below, |GELU(z)| < 1.3e-4 and the relative
+// error grows). erfcf's form has no such limit but spilled registers on every exact-GELU
+// kernel (4-248 bytes a thread).
 template <Activation kAct>
 __device__ __forceinline__ float activate(float z) {
   if constexpr (kAct == Activation::kRelu) {
     return fmaxf(z, 0.0f);
   } else if constexpr (kAct == Activation::kGeluTanh) {
-    // 0.5 z (1 + tanh(sqrt(2/pi) (z + 0.044715 z^3))) = h + h tanh(z (c + c 0.044715 z^2)),
-    // h = z / 2: five FP32 operations beside the tanh.
-    const float h = 0.5f * z;
-    const float inner = z * fmaf(0.7978845608028654f * 0.044715f, z * z, 0.7978845608028654f);
-    return fmaf(h, ptx::tanh_approx(inner), h);
+    return z * sigmoid(gelu_tanh_arg2(z));
   } else if constexpr (kAct == Activation::kGeluErf) {
     return 0.5f * z * (1.0f + erff(z * 0.7071067811865476f));
   } else if constexpr (kAct == Activation::kSilu) {
@@ -42,10 +55,13 @@ __device__ __forceinline__ float activate_grad(float z) {
   if constexpr (kAct == Activation::kRelu) {
     return z > 0.0f ? 1.0f : 0.0f;
   } else if constexpr (kAct == Activation::kGeluTanh) {
-    const float z2 = z * z;
-    const float t = ptx::tanh_approx(0.7978845608028654f * fmaf(0.044715f * z, z2, z));
-    const float dinner = 0.7978845608028654f * fmaf(3.0f * 0.044715f, z2, 1.0f);
-    return 0.5f * (1.0f + t) + 0.5f * z * (1.0f - t * t) * dinner;
+    // d/dz z s(v) = s + z s (1 - s) v', v = 2u. 1 - s is e s with e = e^-v where s >= 1/2
+    // (e <= 1; 1 - s would cancel), else 1 - s (e may be inf there).
+    const float e = ptx::exp2_approx(-1.4426950408889634f * gelu_tanh_arg2(z));
+    const float s = ptx::rcp_approx(1.0f + e);
+    const float rest = s >= 0.5f ? e * s : 1.0f - s;
+    const float dv = fmaf(kGeluTanhScale2 * 3.0f * 0.044715f, z * z, kGeluTanhScale2);
+    return s * fmaf(z * rest, dv, 1.0f);
   } else if constexpr (kAct == Activation::kGeluErf) {
     // Phi(z) + z phi(z)
     return 0.5f * (1.0f + erff(z * 0.7071067811865476f)) +

@@ -1,16 +1,9 @@
 // Fast approximate math instructions for the fused epilogues (MUFU on the SFU): one wrapper per
-// instruction. Their error (tanh.approx.f32: about 2^-11 relative; ex2.approx: 2 ulp) is below
-// the rounding of a 16-bit output.
+// instruction. Their error (ex2.approx: 2 ulp; rcp.approx: 1 ulp) is below the rounding of a
+// 16-bit output.
 #pragma once
 
 namespace jax_tma::ptx {
-
-// tanh.approx.f32
-__device__ __forceinline__ float tanh_approx(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // ex2.approx.ftz.f32: 2^x
 __device__ __forceinline__ float exp2_approx(float x) {
