@@ -12,10 +12,14 @@ the unfused 16-bit expression ``act(x @ w + b) + r`` rounds: after the product, 
 after the activation and after the sum (gated: ``act(x @ wg)``, ``x @ wu`` and their product),
 each operation itself in fp32. So the forward output is the activation of the saved
 pre-activation, and the results differ from the unfused expression only by the activation's
-fp32 arithmetic (SFU approximations of tanh and exp). On 128-row tiles the consumer warps round
-the product into shared memory and three otherwise idle warps of the producer warpgroup apply
-the rest while the next tile's product runs (csrc/epilogue/epilogue_warps.cuh). The XLA path of
-these functions (other dtypes, other devices) rounds at the same places.
+fp32 arithmetic (SFU approximations of exp and the reciprocal). The tanh GELU is computed as
+``z * sigmoid(2u)``, equal to ``0.5 z (1 + tanh(u))`` but free of its cancellation for z < -3,
+where ``jax.nn.gelu``'s fp32 form loses its low bits (and, below z = -5, all of them); the
+kernel's values there are within a bf16 rounding of the exact ones. On 128-row tiles the
+consumer warps round the product into shared memory and three otherwise idle warps of the
+producer warpgroup apply the rest while the next tile's product runs
+(csrc/epilogue/epilogue_warps.cuh). The XLA path of these functions (other dtypes, other
+devices) rounds at the same places.
 
 Gradients (``jax.custom_vjp``): the forward pass also stores the pre-activation when
 differentiated (a second output of the same kernel); the backward pass multiplies by the

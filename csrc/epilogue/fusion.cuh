@@ -29,7 +29,7 @@ __device__ __forceinline__ float gelu_tanh_arg2(float z) {
 
 // NOTE: the tanh GELU is written without cancellation: 0.5 z (1 + tanh(u)) equals z sigmoid(2u).
 // Where z < -3, 1 + tanh(u) is a sum of nearly opposite terms, and tanh.approx's 2^-11 error
-// left less than one correct bit of GELU's value there (z = -4: -1.3e-4); the sigmoid form
+// left less than one correct bit of GELU's value there (z = -4: -7.0e-5); the sigmoid form
 // computes it to a few ulp. The exact GELU keeps 1 + erf(z / sqrt 2), erff being accurate to
 // 2 ulp: within a bf16 rounding down to z = -4 (below, |GELU(z)| < 1.3e-4 and the relative
 // error grows). erfcf's form has no such limit but spilled registers on every exact-GELU
