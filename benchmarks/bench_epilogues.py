@@ -15,7 +15,8 @@ decode rows M = 16, 64 against 14336x4096.
 
     python benchmarks/bench_epilogues.py             # the suite
     python benchmarks/bench_epilogues.py --quick     # two shapes
-    python benchmarks/bench_epilogues.py --sweep     # jax_tma on every compiled configuration,
+    python benchmarks/bench_epilogues.py --sweep     # jax_tma on every compiled configuration
+                                                     # (and stream-K), its plain product,
                                                      # beside XLA's forms and its dot
     python benchmarks/bench_epilogues.py --dry-run   # tiny shapes; runs without a GPU (CI)
 
@@ -73,10 +74,31 @@ def fused(pattern, config=None):
     return lambda x, w, b, r, w2, wc: jax_tma.gated_dense(x, w, w2, "silu", config=config)
 
 
+def swept_configs() -> list:
+    """Every compiled configuration of the fused kernels, and stream-K on those that take it."""
+    return [*jax_tma.DENSE_CONFIGS, *(dataclasses.replace(c, stream_k=True)
+                                      for c in jax_tma.DENSE_CONFIGS if c.takes_stream_k)]
+
+
+def swept_label(config) -> str:
+    """A forced configuration's contender name: sweep_label's, " sk" added for stream-K."""
+    return sweep_label(config) + (" sk" if config.stream_k else "")
+
+
+# The sweep's plain product: jax_tma's own GEMM of the same operands, nothing fused (swiglu:
+# of the concatenated weights), to tell the fusion's cost from the product's.
+PLAIN = "jax_tma_dot"
+
+
 def _swept(pattern) -> dict:
     """jax_tma's fused op on every compiled configuration (forced through config=), keyed by
-    sweep_label."""
-    return {sweep_label(cfg): fused(pattern, cfg) for cfg in jax_tma.DENSE_CONFIGS}
+    swept_label, and jax_tma's plain product."""
+    found = {swept_label(cfg): fused(pattern, cfg) for cfg in swept_configs()}
+    if pattern == "swiglu":
+        found[PLAIN] = lambda x, w, b, r, w2, wc: jax_tma.matmul(x, wc)
+    else:
+        found[PLAIN] = lambda x, w, b, r, w2, wc: jax_tma.matmul(x, w)
+    return found
 
 
 def _contenders(pattern, sweep: bool = False):
@@ -134,10 +156,12 @@ def bench(pattern, shape, args) -> list[Row]:
     xla = np.asarray(jax.jit(contenders["xla"])(*sets[0]), np.float32)
     notes = {}
     for name, fn in contenders.items():
-        if name.startswith("jax_tma"):  # the default and each swept configuration
+        if name.startswith("jax_tma"):  # the default, each forced config, the plain product
+            ref, against = (xla, "XLA") if name != PLAIN else (
+                np.asarray(jax.jit(contenders["xla_dot"])(*sets[0]), np.float32), "XLA's dot")
             ours = np.asarray(jax.jit(fn)(*sets[0]), np.float32)
-            err = float(np.linalg.norm(ours - xla) / max(np.linalg.norm(xla), 1e-30))
-            notes[name] = f"rel. difference from XLA {err:.1e}"
+            err = float(np.linalg.norm(ours - ref) / max(np.linalg.norm(ref), 1e-30))
+            notes[name] = f"rel. difference from {against} {err:.1e}"
     timings = _timing.compare(contenders, sets, rounds=args.rounds, iterations=args.iterations)
     rows = [Row(pattern, shape, name, t.median_s, t.spread_s, notes.get(name, ""))
             for name, t in timings.items()]
@@ -170,10 +194,11 @@ def _table(rows: list[Row], env: dict) -> str:
                      f"{dot.seconds * 1e6:.1f} | {xla.seconds / ours.seconds:.3f} | "
                      f"{dot.seconds / ours.seconds:.3f} |")
     timed = {r.contender for r in rows}
-    swept = [label for label in map(sweep_label, jax_tma.DENSE_CONFIGS) if label in timed]
+    swept = [label for label in [*map(swept_label, swept_configs()), PLAIN] if label in timed]
     if swept:
-        lines += ["", "Every compiled configuration (`--sweep`), µs; the default's pick is the "
-                  "jax_tma column above:", "",
+        lines += ["", "Every compiled configuration (`--sweep`; sk: stream-K), and jax_tma's plain "
+                  "product of the same operands (jax_tma_dot; swiglu: of the concatenated "
+                  "weights), µs; the default's pick is the jax_tma column above:", "",
                   "| pattern | M×N×K | " + " | ".join(swept) + " |",
                   "|---|---|" + "---|" * len(swept)]
         for (pattern, shape), found in groups.items():

@@ -790,15 +790,17 @@ def test_bench_epilogues_dry_run(tmp_path, sweep):
     for pattern in ("gelu", "residual", "swiglu"):
         assert {(pattern, "jax_tma"), (pattern, "xla"), (pattern, "xla_dot")} <= names
     assert ("swiglu", "xla_concat") in names
-    swept = {name for _, name in names if name.startswith("jax_tma ")}
+    swept = {name for _, name in names if name.startswith("jax_tma ") or name == "jax_tma_dot"}
     import jax_tma
     expected = {"jax_tma " + "x".join(map(str, c.tile)) for c in jax_tma.DENSE_CONFIGS}
+    expected |= {"jax_tma " + "x".join(map(str, c.tile)) + " sk" for c in jax_tma.DENSE_CONFIGS
+                 if c.takes_stream_k} | {"jax_tma_dot"}
     assert swept == (expected if sweep else set())
     assert all(r["seconds"] > 0 for r in report["rows"])
     assert ("Every compiled configuration" in result.stdout) == sweep
     for r in report["rows"]:  # each jax_tma form checked against XLA's before timing
         if r["contender"].startswith("jax_tma"):
-            assert r["note"].startswith("rel. difference from XLA "), r
+            assert r["note"].startswith("rel. difference from XLA"), r
 
 
 @pytest.mark.parametrize("sweep", [False, True])
