@@ -42,14 +42,6 @@ struct StagedSlot {
   StorePlan to;
   StagedBlock kind;
 };
-
-// D in memory, for the epilogue warps' stores: its base and element strides (rows, batch
-// entries, splits; its N stride is 1). A kernel parameter, read where used (held in registers,
-// it spilled the epilogue warps').
-struct OutputRef {
-  void* d;
-  int64_t m_stride, batch_stride, split_stride;
-};
 using StagedHandoff = EpilogueHandoff<StagedSlot>;
 
 // The handoff between consumer warpgroup `warpgroup` (128 threads) and the epilogue warps.
@@ -92,23 +84,6 @@ struct EpilogueWarps {
   using Slot = StagedSlot;
   using Handoff = StagedHandoff;
 
-  // Where a pass writes the output: straight to D from registers, `block` being the block's
-  // first element (row to.row, column to.col) and `ld` D's row stride. The pre-activations go
-  // back into the staging chunk, for a TMA store (kToD = false).
-  // NOTE: the output goes to D by st.global, not back through shared memory and a TMA store:
-  // the write-back and the store's read doubled the epilogue's shared-memory traffic beside the
-  // next tile's mainloop, and the fused kernels ran 1.4-3.2 % slower than the plain product on
-  // the same tile (H100; with the transform pass left out they ran as fast as it).
-  struct Dest {
-    Out* block;
-    int64_t ld;
-  };
-  __device__ static Dest block_of(const OutputRef& out, const StorePlan& to) {
-    return Dest{static_cast<Out*>(out.d) + to.split * out.split_stride +
-                    to.batch * out.batch_stride + to.row * out.m_stride + to.col,
-                out.m_stride};
-  }
-
   // ---------------------------------------------------------------- consumer warpgroup
 
   // Every thread of consumer warpgroup `warpgroup`: stage `acc` and hand it over to be stored
@@ -146,13 +121,7 @@ struct EpilogueWarps {
     const CUtensorMap* aux;
     const CUtensorMap* pre;
     const CUtensorMap* pre2;
-    const OutputRef& out;
   };
-  // This thread's first 16 bytes of chunk `c` in D (row t / kUnits, column unit `unit`); the
-  // next rows it writes lie kRowStep * ld elements on.
-  __device__ static Out* first_in_d(const Dest& dest, int t, int c, int unit) {
-    return dest.block + (t / kUnits) * dest.ld + 64 * c + 8 * unit;  // (64-bit: N up to 2^30)
-  }
   using AuxLoads = EpilogueLoadRing<kAuxSlots>;
 
   // The block's rows within D's (the stores clip the rest, so they are left as staged: a
@@ -188,13 +157,13 @@ struct EpilogueWarps {
                   ptx::TmaCoord<4>{{to.col + 64 * c, to.row, to.batch, to.split}});
   }
 
-  // BiasActivation over the chunks of D's columns: z = round(staged + bias) where kBias (of
-  // type T), then act(z) where kAct, then + the residual where kAux (its first chunks loading
-  // already; each slot refilled once read), written to D at `dest` (kToD) or back in place.
-  template <bool kBias, bool kAct, bool kAux, class T = float, bool kToD = true>
+  // BiasActivation, in place over the chunks of D's columns: z = round(staged + bias) where
+  // kBias (of type T), then act(z) where kAct, then + the residual where kAux (its first
+  // chunks loading already; each slot refilled once read).
+  template <bool kBias, bool kAct, bool kAux, class T = float>
   __device__ static void bias_activation(SharedStorage& smem, const StorePlan& to,
                                          const Operands& in, int t, const NamedBarrier& barrier,
-                                         AuxRing* ring, AuxLoads& loads, const Dest& dest) {
+                                         AuxRing* ring, AuxLoads& loads) {
     const int unit = t % kUnits;
     const int rows = rows_within(to);
     const T* bias = static_cast<const T*>(in.args.bias);
@@ -202,10 +171,8 @@ struct EpilogueWarps {
     for (int c = 0; c < kChunks; ++c) {
       if (64 * c >= to.cols - to.col) break;
       const int col = to.col + 64 * c + 8 * unit;
-      const bool within = col < to.cols;  // the unit lies in D's columns or past them (N % 8 == 0)
-      const bool biased = kBias && within;
+      const bool biased = kBias && col < to.cols;  // none past D's columns (N % 8 == 0)
       const uint32_t base = ptx::smem_u32(smem.buffer[c]);
-      Out* dst = kToD ? first_in_d(dest, t, c, unit) : nullptr;
       uint32_t aux_base = 0;
       if constexpr (kAux) {
         loads.wait(c % kAuxSlots);
@@ -242,13 +209,7 @@ struct EpilogueWarps {
           }
           out[i] = pack_pair<Out>(x.x, x.y);
         }
-        const uint4 result = make_uint4(out[0], out[1], out[2], out[3]);
-        if constexpr (kToD) {
-          if (within) *reinterpret_cast<uint4*>(dst) = result;
-          dst += kRowStep * dest.ld;
-        } else {
-          ptx::st_shared_v4_b32(base + offset, result);
-        }
+        ptx::st_shared_v4_b32(base + offset, make_uint4(out[0], out[1], out[2], out[3]));
       }
       if constexpr (kAux) {
         // Every thread has read the slot: refill it (the reads ordered before the async write).
@@ -260,26 +221,25 @@ struct EpilogueWarps {
   }
 
   // As above, for the bias's run-time type.
-  template <bool kAct, bool kAux, bool kToD = true>
+  template <bool kAct, bool kAux>
   __device__ static void bias_activation_any(SharedStorage& smem, const StorePlan& to,
                                              const Operands& in, int t,
                                              const NamedBarrier& barrier, AuxRing* ring,
-                                             AuxLoads& loads, const Dest& dest) {
+                                             AuxLoads& loads) {
     switch (in.args.bias_type) {
       case VectorType::kBF16:
-        return bias_activation<true, kAct, kAux, __nv_bfloat16, kToD>(smem, to, in, t, barrier,
-                                                                       ring, loads, dest);
+        return bias_activation<true, kAct, kAux, __nv_bfloat16>(smem, to, in, t, barrier, ring,
+                                                                 loads);
       case VectorType::kF16:
-        return bias_activation<true, kAct, kAux, __half, kToD>(smem, to, in, t, barrier, ring,
-                                                                loads, dest);
+        return bias_activation<true, kAct, kAux, __half>(smem, to, in, t, barrier, ring, loads);
       default:
-        return bias_activation<true, kAct, kAux, float, kToD>(smem, to, in, t, barrier, ring,
-                                                               loads, dest);
+        return bias_activation<true, kAct, kAux, float>(smem, to, in, t, barrier, ring, loads);
     }
   }
 
-  // Gated: output chunk j = round(act(gate chunk 2j)) * up chunk 2j + 1, written to D.
-  __device__ static void gate(SharedStorage& smem, const StorePlan& to, int t, const Dest& dest) {
+  // Gated, in place: output chunk j = round(act(gate chunk 2j)) * up chunk 2j + 1, written over
+  // the gate chunk.
+  __device__ static void gate(SharedStorage& smem, const StorePlan& to, int t) {
     const int unit = t % kUnits;
     const int rows = rows_within(to);
 #pragma unroll 1
@@ -287,8 +247,6 @@ struct EpilogueWarps {
       if (64 * j >= to.cols - to.col) break;
       const uint32_t gate_base = ptx::smem_u32(smem.buffer[2 * j]);
       const uint32_t up_base = ptx::smem_u32(smem.buffer[2 * j + 1]);
-      const bool within = to.col + 64 * j + 8 * unit < to.cols;
-      Out* dst = first_in_d(dest, t, j, unit);
 #pragma unroll 1
       for (int row = t / kUnits; row < rows; row += kRowStep) {
         const uint32_t offset = Stage::swizzled(row, unit);
@@ -305,8 +263,7 @@ struct EpilogueWarps {
           const float2 y = unpack_pair<Out>(ups[i]);
           out[i] = pack_pair<Out>(a.x * y.x, a.y * y.y);
         }
-        if (within) *reinterpret_cast<uint4*>(dst) = make_uint4(out[0], out[1], out[2], out[3]);
-        dst += kRowStep * dest.ld;
+        ptx::st_shared_v4_b32(gate_base + offset, make_uint4(out[0], out[1], out[2], out[3]));
       }
     }
   }
@@ -330,15 +287,12 @@ struct EpilogueWarps {
     barrier.sync();
   }
 
-  // One staged block: the fusion, the pre-activations first where asked for, then the output
-  // (to D from the last transform pass; by a TMA store of the staged block where no pass runs).
+  // One staged block: the fusion, the pre-activations first where asked for, then the output.
   __device__ static void finish(SharedStorage& smem, const StorePlan& to, const Operands& in,
                                 const NamedBarrier& barrier, int t, AuxRing* ring,
                                 AuxLoads& loads) {
     const bool issuer = t == 0;
     const FusionArgs& args = in.args;
-    const Dest out = block_of(in.out, to);
-    bool written = true;  // the output reached D from a transform pass
     if constexpr (F::kGated) {
       if (args.store_pre) {  // the staged gate and up chunks as they are
         if (issuer) {
@@ -346,9 +300,9 @@ struct EpilogueWarps {
           store(in.pre2, smem, to, 1, 2);
           StorePipeline::producer_tail();
         }
-        barrier.sync();  // their stores have read the chunks about to be read
+        barrier.sync();  // their stores have read the chunks about to be rewritten
       }
-      gate(smem, to, t, out);
+      gate(smem, to, t);
     } else {
       constexpr bool kAct = F::kAct != Activation::kNone;
       const bool bias = args.bias != nullptr;
@@ -358,7 +312,7 @@ struct EpilogueWarps {
       }
       if (args.store_pre) {
         if (bias) {
-          bias_activation_any<false, false, false>(smem, to, in, t, barrier, ring, loads, out);
+          bias_activation_any<false, false>(smem, to, in, t, barrier, ring, loads);
           publish(barrier);
         }
         if (issuer) {
@@ -367,30 +321,24 @@ struct EpilogueWarps {
         }
         barrier.sync();  // the pre-activations' stores have read the chunks
         if (aux) {
-          bias_activation<false, kAct, true>(smem, to, in, t, barrier, ring, loads, out);
+          bias_activation<false, kAct, true>(smem, to, in, t, barrier, ring, loads);
         } else if constexpr (kAct) {
-          bias_activation<false, true, false>(smem, to, in, t, barrier, ring, loads, out);
-        } else {
-          written = false;  // the output is the pre-activation, staged
+          bias_activation<false, true, false>(smem, to, in, t, barrier, ring, loads);
         }
       } else if (aux) {
         if (bias) {
-          bias_activation_any<kAct, true>(smem, to, in, t, barrier, ring, loads, out);
+          bias_activation_any<kAct, true>(smem, to, in, t, barrier, ring, loads);
         } else {
-          bias_activation<false, kAct, true>(smem, to, in, t, barrier, ring, loads, out);
+          bias_activation<false, kAct, true>(smem, to, in, t, barrier, ring, loads);
         }
       } else if (bias) {
-        bias_activation_any<kAct, false>(smem, to, in, t, barrier, ring, loads, out);
+        bias_activation_any<kAct, false>(smem, to, in, t, barrier, ring, loads);
       } else if constexpr (kAct) {
-        bias_activation<false, true, false>(smem, to, in, t, barrier, ring, loads, out);
-      } else {
-        written = false;  // nothing to apply: the staged product is the output
+        bias_activation<false, true, false>(smem, to, in, t, barrier, ring, loads);
       }
     }
-    if (!written) {
-      publish(barrier);
-      if (issuer) store(to.d, smem, to, 0, 1);
-    }
+    publish(barrier);
+    if (issuer) store(to.d, smem, to, 0, F::kGated ? 2 : 1);
   }
 
   // Warps 1-3 of the producer warpgroup: finish the blocks of both consumer warpgroups, a pair

@@ -59,26 +59,21 @@ namespace jax_tma::sm90_gemm {
 enum class WarpGroupRole { Producer = 0, Consumer0 = 1, Consumer1 = 2 };
 
 // NOTE: 40 + 2 * 232 registers per thread-slot fit the 64K register file at 384 threads; where
-// the producer warpgroup's warps 1-3 are epilogue warps (Kernel::kOffload), 56 + 2 * 224 for
-// gated products and 64 + 2 * 216 for bias + activation (at 48 the epilogue warps' code and the
-// producer's scheduler spilled: bf16 bias + silu on 128 x 256 tiles; at 56, since the output
-// goes to D from their registers, fp32 bias + silu did; at 216 the gated consumers did). Each
-// leaves at least 8 registers per slot free, as a sum of 512 hung the consumers' setmaxnreg.
+// the producer warpgroup's warps 1-3 are epilogue warps (Kernel::kOffload), 56 + 2 * 224 (at 48
+// the epilogue warps' code and the producer's scheduler spilled: bf16 bias + silu on 128 x 256
+// tiles). Both leave 8 registers per slot free, as a sum of 512 hung the consumers' setmaxnreg.
 inline constexpr int kProducerRegs = 40;
 inline constexpr int kConsumerRegs = 232;
-inline constexpr int kEpilogueWarpsProducerRegs = 64;
-inline constexpr int kEpilogueWarpsConsumerRegs = 216;
-inline constexpr int kGatedEpilogueWarpsProducerRegs = 56;
-inline constexpr int kGatedEpilogueWarpsConsumerRegs = 224;
+inline constexpr int kEpilogueWarpsProducerRegs = 56;
+inline constexpr int kEpilogueWarpsConsumerRegs = 224;
 
 // The maps and arguments of a fused epilogue (epilogue/fusion.h), one kernel parameter: gated
 // products read B from `b` (gate) and `b2` (up); `aux` is the [M, N] operand the epilogue reads,
 // `pre` its second output (gated: `pre` the gate's pre-activations, `pre2` the up's); all unused
-// by PlainFusion. `out`: D for the epilogue warps' stores (launch_dense fills it).
+// by PlainFusion.
 struct FusedParams {
   CUtensorMap b2, aux, pre, pre2;
   FusionArgs args;
-  OutputRef out;
 };
 
 template <class In, class Out, class Tile, class Layout, template <class> class ProblemT,
@@ -121,11 +116,9 @@ struct Kernel {
   }
   static_assert(!kOffload || Tile::kConsumerWarpgroups == 2);
   static constexpr int kProducerRegs =
-      !kOffload ? sm90_gemm::kProducerRegs
-      : Fusion::kGated ? kGatedEpilogueWarpsProducerRegs : kEpilogueWarpsProducerRegs;
+      kOffload ? kEpilogueWarpsProducerRegs : sm90_gemm::kProducerRegs;
   static constexpr int kConsumerRegs =
-      !kOffload ? sm90_gemm::kConsumerRegs
-      : Fusion::kGated ? kGatedEpilogueWarpsConsumerRegs : kEpilogueWarpsConsumerRegs;
+      kOffload ? kEpilogueWarpsConsumerRegs : sm90_gemm::kConsumerRegs;
 
   struct Empty {};
   struct SharedStorage {
@@ -262,8 +255,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         typename K::Warps::AuxRing* ring = nullptr;
         if constexpr (K::kAuxRing) ring = &smem.aux_ring;
         K::Warps::run(smem.staging, smem.handoff,
-                      {fused.args, &fused.aux, &fused.pre, &fused.pre2, fused.out}, ring,
-                      smem.aux_loaded);
+                      {fused.args, &fused.aux, &fused.pre, &fused.pre2}, ring, smem.aux_loaded);
       }
     }
   } else {
@@ -512,10 +504,7 @@ cudaError_t launch_dense(const LaunchArgs& args, const FusedParams& fused,
     err = cudaMemsetAsync(base, 0, stream_k_flag_bytes(stream_k_ctas), args.stream);
     if (err != cudaSuccess) return err;
   }
-  FusedParams with_out = fused;
-  with_out.out = OutputRef{args.d, args.shape.d_m_stride, args.shape.d_batch_stride,
-                           args.shape.d_split_stride};
-  return launcher.launch(clusters, args, tiles, partials, with_out, mainloop);
+  return launcher.launch(clusters, args, tiles, partials, fused, mainloop);
 }
 
 template <class In, class Out, class Tile, class Layout>

@@ -274,7 +274,7 @@ struct LaunchArgs {
   const CUtensorMap* tmap_a;  // {inner, outer, batch}: see inner_outer and OperandBoxes
   const CUtensorMap* tmap_b;
   const CUtensorMap* tmap_d;  // {N, M, batch, splits}, box: one epilogue chunk (kTmaStore only)
-  void* d;                    // base of D (kDirect, and the epilogue warps' stores)
+  void* d;                    // base of D (kDirect only)
   // Stream-K: deal the last wave's K slices out to every CTA (Tile::kStreamK only), with
   // this workspace (stream_k_workspace_bytes; its flags are zeroed on the stream first).
   bool stream_k;
