@@ -13,15 +13,18 @@
 
 namespace jax_tma {
 
-// The logistic function 1 / (1 + e^-z) on the SFU: e^-z = 2^(-z log2 e). Accurate to a few
-// ulp relative over the whole range (e^-z overflows to inf where the result is below fp32's
-// smallest normal, and the reciprocal gives 0).
-__device__ __forceinline__ float sigmoid(float z) {
-  return ptx::rcp_approx(1.0f + ptx::exp2_approx(-1.4426950408889634f * z));
+// e^-z on the SFU: 2^(-z log2 e).
+__device__ __forceinline__ float exp_neg(float z) {
+  return ptx::exp2_approx(-1.4426950408889634f * z);
 }
 
-// tanh-approximated GELU's argument, doubled: 2 sqrt(2/pi) (z + 0.044715 z^3), and its
-// derivative in z.
+// The logistic function 1 / (1 + e^-z). Accurate to a few ulp relative over the whole range
+// (e^-z overflows to inf where the result is below fp32's smallest normal, and the reciprocal
+// gives 0).
+__device__ __forceinline__ float sigmoid(float z) { return ptx::rcp_approx(1.0f + exp_neg(z)); }
+
+// tanh-approximated GELU's argument, doubled: v = 2 sqrt(2/pi) (z + 0.044715 z^3) (its
+// derivative in z: activate_grad).
 constexpr float kGeluTanhScale2 = 2.0f * 0.7978845608028654f;
 __device__ __forceinline__ float gelu_tanh_arg2(float z) {
   return z * fmaf(kGeluTanhScale2 * 0.044715f, z * z, kGeluTanhScale2);
@@ -57,7 +60,7 @@ __device__ __forceinline__ float activate_grad(float z) {
   } else if constexpr (kAct == Activation::kGeluTanh) {
     // d/dz z s(v) = s + z s (1 - s) v', v = 2u. 1 - s is e s with e = e^-v where s >= 1/2
     // (e <= 1; 1 - s would cancel), else 1 - s (e may be inf there).
-    const float e = ptx::exp2_approx(-1.4426950408889634f * gelu_tanh_arg2(z));
+    const float e = exp_neg(gelu_tanh_arg2(z));
     const float s = ptx::rcp_approx(1.0f + e);
     const float rest = s >= 0.5f ? e * s : 1.0f - s;
     const float dv = fmaf(kGeluTanhScale2 * 3.0f * 0.044715f, z * z, kGeluTanhScale2);
