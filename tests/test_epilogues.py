@@ -412,28 +412,44 @@ def test_kernel_gated_matches_float64(rng, activation, config):
     assert rel_error(pre[1], x64 @ np.asarray(wu, np.float64)) <= TOL[BF16]
 
 
+# (kind, activation, residual): the warps' fusions of the forward kernels (a residual through
+# their ring: bias + silu + residual, whose last tile they keep) and of the gated ones.
+SEVERAL_TILE_CASES = [("forward", "gelu_tanh", False), ("forward", "relu", False),
+                      ("forward", "silu", True), ("gated", "silu", False),
+                      ("gated", "gelu_tanh", False)]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("k", [64, 1024])
-@pytest.mark.parametrize("kind", ["forward", "gated"])
-def test_kernel_several_tiles_per_cta(rng, kind, k):
+@pytest.mark.parametrize("kind,activation,residual", SEVERAL_TILE_CASES,
+                         ids=[f"{k}-{a}" + ("-residual" if r else "")
+                              for k, a, r in SEVERAL_TILE_CASES])
+def test_kernel_several_tiles_per_cta(rng, kind, activation, residual, k):
     """Products of two or more tiles per CTA with the pre-activations saved, on every compiled
     tile: each block's epilogue (and its pre-activation's stores) through the staging buffers
-    while the previous block's stores may still read them; K = 64: one K slice per tile."""
+    while the previous block's stores may still read them; on the offloading tiles, the
+    epilogue warps' fusion of every block but a CTA's last, which the consumers store
+    themselves. K = 64: one K slice per tile."""
     m, n = 4096, 2304 if kind == "forward" else 1152
     x, w = _operands(rng, m, k, n, BF16)
     x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
     if kind == "forward":
         bias = rng.standard_normal(n).astype(F32)
         z = x64 @ w64 + bias
-        operands, params = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias)), dict(
-            kind=ep.FORWARD, activation="gelu_tanh", has_bias=True)
-        want, want_pre = f64_act("gelu", z), [z]
+        operands = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias))
+        want = f64_act(activation, z)
+        if residual:
+            r = random_array(rng, (m, n), BF16)
+            operands += (jnp.asarray(r),)
+            want = want + np.asarray(r, np.float64)
+        params = dict(kind=ep.FORWARD, activation=activation, has_bias=True, has_aux=residual)
+        want_pre = [z]
     else:
         wu = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(BF16)
         up = x64 @ np.asarray(wu, np.float64)
         operands, params = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(wu)), dict(
-            kind=ep.GATED, activation="silu")
-        want, want_pre = f64_act("silu", x64 @ w64) * up, [x64 @ w64, up]
+            kind=ep.GATED, activation=activation)
+        want, want_pre = f64_act(activation, x64 @ w64) * up, [x64 @ w64, up]
     for config in ep.DENSE_CONFIGS:
         out, pre = _poisoned(*operands, save_pre=True, out_dtype=BF16, config=config, **params)
         assert rel_error(out, want) <= TOL[BF16], config
@@ -441,6 +457,9 @@ def test_kernel_several_tiles_per_cta(rng, kind, k):
             assert rel_error(got, ref) <= TOL[BF16], config
         again, _ = _poisoned(*operands, save_pre=True, out_dtype=BF16, config=config, **params)
         np.testing.assert_array_equal(out, again)
+        if not residual:  # without the pre-activations: the fused pass alone
+            alone, = _poisoned(*operands, out_dtype=BF16, config=config, **params)
+            np.testing.assert_array_equal(alone, out)
 
 
 @pytest.mark.gpu

@@ -426,7 +426,9 @@ struct TmaStoreEpilogue {
   // Stores the warpgroup's block at `to` (the caller skips blocks past to.rows). `barrier`
   // spans the warpgroup; thread 0 of the warpgroup issues (and owns) every store. A fused
   // epilogue may change `acc` (the bias is added in place).
-  // `prefetched`: prefetch_aux has loaded the first batch's aux chunks.
+  // `prefetched`: prefetch_aux has loaded the first batch's aux chunks. kReadsAux = false: the
+  // caller never passes an aux operand (its pass is not compiled).
+  template <bool kReadsAux = F::kMayReadAux>
   __device__ static void store(float (&acc)[kBlockN / 2], SharedStorage& smem,
                                const StorePlan& to, const NamedBarrier& barrier,
                                const FusedStore& fused = {}, bool prefetched = false) {
@@ -436,7 +438,7 @@ struct TmaStoreEpilogue {
     if constexpr (F::kKind == FusionKind::kBiasActivation || F::kKind == FusionKind::kScaled) {
       if (fused.args.bias != nullptr) add_bias(acc, to, fused.args);
     }
-    if constexpr (F::kMayReadAux) {
+    if constexpr (F::kMayReadAux && kReadsAux) {
       if (fused.args.aux) {
         store_batch<0, true>(acc, smem, to, barrier, fused, prefetched);
         return;

@@ -115,6 +115,15 @@ struct Kernel {
     return kOffloadAlways || (kOffload && !args.aux);
   }
   static_assert(!kOffload || Tile::kConsumerWarpgroups == 2);
+  // Whether the consumers store a CTA's last tile themselves (kOffload): the epilogue warps'
+  // pass over it would run with every tensor core idle. Not a residual the warps read through
+  // their ring (the consumers' own residual pass spilled at their 224 registers: bias + silu +
+  // residual on 128 x 256 tiles); so the consumers' epilogue here reads an [M, N] operand only
+  // where the kernel may not offload (kStoreReadsAux).
+  __device__ static bool stores_last_tile(const FusionArgs& args) {
+    return !(kAuxRing && args.aux);
+  }
+  static constexpr bool kStoreReadsAux = Fusion::kMayReadAux && !kOffloadAlways;
   static constexpr int kProducerRegs =
       kOffload ? kEpilogueWarpsProducerRegs : sm90_gemm::kProducerRegs;
   static constexpr int kConsumerRegs =
@@ -146,6 +155,15 @@ struct Kernel {
                     (kAuxRing ? sizeof(SharedStorage::aux_ring) : 0) + 1023 <=
                 kSmemBytes);
   static_assert(kSmemBytes <= kMaxSmemBytes);
+
+  // Warpgroup `w`'s staging area as its own epilogue uses it: with epilogue warps, the first
+  // of the chunks it hands them (a gated block stores half as many; the warpgroup stores a
+  // CTA's last tile itself).
+  using EpilogueStaging = typename Epilogue::SharedStorage;
+  __device__ static EpilogueStaging& staging(SharedStorage& smem, int w) {
+    static_assert(!kTmaStore || sizeof(EpilogueStaging) <= sizeof(smem.staging[0]));
+    return *reinterpret_cast<EpilogueStaging*>(&smem.staging[w]);
+  }
   static_assert(!kTmaStore || sizeof(SharedStorage::staging) <= Tile::kEpilogueBytes);
   static_assert(kTmaStore || std::is_same_v<Fusion, PlainFusion>, "fusion needs TMA stores");
   static_assert(Epilogue::kChunkBytes == Tile::kEpilogueChunkBytes);
@@ -277,6 +295,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     EpilogueLoad aux_load{&smem.aux_load[warpgroup]};
     const FusedStore fused_store{&fused.aux, &fused.pre, &fused.pre2, fused.args, &aux_load};
     float acc[K::Mainloop::kAccRegs];
+    bool closed = false;  // kOffload: this warpgroup has no more blocks for the epilogue warps
     for (auto w = scheduler.first(); scheduler.valid(w); w = scheduler.next(w), ++turn) {
       const int count = w.k_end - w.k_begin;
       if (Tile::kPingPong && turn % 2 != warpgroup) {
@@ -314,7 +333,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         if (to.row >= to.rows && !(K::kStreamK && w.piece >= 0)) {
           K::Mainloop::skip(pipeline, read, count, hand_over);
           if constexpr (K::kOffload) {
-            if (K::offload(fused.args)) {
+            if (K::offload(fused.args) && !scheduler.last(w)) {
               K::Warps::hand_off(acc, smem.staging[warpgroup], smem.handoff[warpgroup], to,
                                  warpgroup);
             }
@@ -370,19 +389,29 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         if constexpr (F::kGated) to.cols /= 2;
         if constexpr (K::kOffload) {
           if (K::offload(fused.args)) {
-            K::Warps::hand_off(acc, smem.staging[warpgroup], smem.handoff[warpgroup], to,
-                               warpgroup);
-            continue;
+            if (!scheduler.last(w) || !K::stores_last_tile(fused.args)) {
+              K::Warps::hand_off(acc, smem.staging[warpgroup], smem.handoff[warpgroup], to,
+                                 warpgroup);
+              continue;
+            }
+            // The CTA's last tile: the epilogue warps' pass over it would run with every
+            // tensor core idle, so the warpgroup (idle too now) stores it itself, fused, in
+            // the staging buffers the warps give back on closing.
+            K::Warps::close(smem.handoff[warpgroup], warpgroup);
+            closed = true;
           }
         }
-        if constexpr (!K::kOffloadAlways) {
-          if (to.row >= to.rows) continue;  // this warpgroup's rows lie past D's
+        if (to.row < to.rows) {  // else this warpgroup's rows lie past D's
           if constexpr (P::kGlobalStoreMaps) {
             if (threadIdx.x % 128 == 0) acquire_d(to.d);
           }
-          K::Epilogue::store(acc, smem.staging[warpgroup], to, epilogue_barrier, fused_store,
-                             prefetched);
+          K::Epilogue::template store<K::kStoreReadsAux>(acc, K::staging(smem, warpgroup), to,
+                                                          epilogue_barrier, fused_store,
+                                                          prefetched);
         }
+        // Closed: the last unit (and nothing held across the store, where the consumers'
+        // registers are 224).
+        if (closed) break;
       } else {
         Out* d_matrix = d + w.split * shape.d_split_stride + w.batch * shape.d_batch_stride;
         DirectStoreEpilogue<Out, Tile::kBlockN>::store(acc, d_matrix, shape.m, shape.n,
@@ -390,7 +419,7 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       }
     }
     if constexpr (K::kOffload) {
-      if (K::offload(fused.args)) K::Warps::close(smem.handoff[warpgroup], warpgroup);
+      if (K::offload(fused.args) && !closed) K::Warps::close(smem.handoff[warpgroup], warpgroup);
     }
     if constexpr (K::kTmaStore) K::Epilogue::finish();
   }

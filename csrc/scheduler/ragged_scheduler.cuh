@@ -161,6 +161,9 @@ struct RaggedRowScheduler {
 
   __device__ RaggedWorkTile first() const { return unit(cluster); }
   __device__ bool valid(const RaggedWorkTile& w) const { return w.linear < num_units; }
+  __device__ bool last(const RaggedWorkTile& w) const {
+    return w.linear + num_clusters >= num_units;
+  }
   __device__ RaggedWorkTile next(const RaggedWorkTile& w) const {
     return unit(w.linear + num_clusters);
   }
@@ -201,6 +204,7 @@ struct RaggedKScheduler {
 
   __device__ RaggedWorkTile first() const { return with_segment(dense.first()); }
   __device__ bool valid(const RaggedWorkTile& w) const { return dense.valid(w); }
+  __device__ bool last(const RaggedWorkTile& w) const { return dense.last(w); }
   __device__ RaggedWorkTile next(const RaggedWorkTile& w) const {
     return with_segment(dense.next(w));
   }

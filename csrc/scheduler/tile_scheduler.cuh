@@ -179,6 +179,12 @@ struct TileScheduler {
     return cluster < p.dp_units ? unit(cluster) : piece(range_begin(cluster));
   }
   __device__ bool valid(const WorkTile& w) const { return w.linear < p.num_units; }
+  // Whether `w` is this CTA's last unit (next(w) is not valid), without decomposing the next.
+  __device__ bool last(const WorkTile& w) const {
+    if (w.piece >= 0) return w.piece + (w.k_end - w.k_begin) >= range_begin(cluster + 1);
+    return w.linear + num_clusters >= p.dp_units &&
+           (cluster >= p.sk_ctas || range_length(cluster) <= 0);
+  }
   __device__ WorkTile next(const WorkTile& w) const {
     if (w.piece >= 0) return piece(w.piece + (w.k_end - w.k_begin));
     const int linear = w.linear + num_clusters;
