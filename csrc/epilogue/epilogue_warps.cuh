@@ -57,12 +57,15 @@ template <class Out, int kBlockN, class FusionT>
 struct EpilogueWarps {
   using F = FusionT;
   // Fusions finished here: 16-bit outputs of whole 64-column chunks; BiasActivation with a
-  // residual only where the kernel gives the warps an AuxRing.
-  // NOTE: not bias + gelu with erf (compiled on 128 x 128 tiles only), whose erff spilled in the
-  // producer warpgroup's registers here.
+  // residual, and ActivationGrad (which reads the pre-activation), only where the kernel gives
+  // the warps an AuxRing.
+  // NOTE: not the exact GELU (bias + gelu with erf is compiled on 128 x 128 tiles only), whose
+  // erff spilled in the producer warpgroup's registers here.
   static constexpr bool kApplies =
       sizeof(Out) == 2 && kBlockN % 64 == 0 &&
-      ((F::kKind == FusionKind::kBiasActivation && F::kAct != Activation::kGeluErf) || F::kGated);
+      (((F::kKind == FusionKind::kBiasActivation || F::kKind == FusionKind::kActivationGrad) &&
+        F::kAct != Activation::kGeluErf) ||
+       F::kGated);
   static constexpr int kWarps = 3;  // warps 1-3 of the producer warpgroup
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kFirstThread = 32;
@@ -159,7 +162,8 @@ struct EpilogueWarps {
 
   // BiasActivation, in place over the chunks of D's columns: z = round(staged + bias) where
   // kBias (of type T), then act(z) where kAct, then + the residual where kAux (its first
-  // chunks loading already; each slot refilled once read).
+  // chunks loading already; each slot refilled once read). ActivationGrad (kAux): staged *
+  // act'(pre-activation), the aux operand being the pre-activation.
   template <bool kBias, bool kAct, bool kAux, class T = float>
   __device__ static void bias_activation(SharedStorage& smem, const StorePlan& to,
                                          const Operands& in, int t, const NamedBarrier& barrier,
@@ -200,12 +204,18 @@ struct EpilogueWarps {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           float2 x = make_float2(z[2 * i], z[2 * i + 1]);
-          if constexpr (kBias) x = round_pair<Out>(x);
-          if constexpr (kAct) x = make_float2(activate<F::kAct>(x.x), activate<F::kAct>(x.y));
-          if constexpr (kAux) {
-            if constexpr (kAct) x = round_pair<Out>(x);
-            const float2 y = unpack_pair<Out>(res[i]);
-            x = make_float2(x.x + y.x, x.y + y.y);
+          if constexpr (F::kKind == FusionKind::kActivationGrad) {
+            const float2 pre = unpack_pair<Out>(res[i]);
+            x = make_float2(x.x * activate_grad<F::kAct>(pre.x),
+                            x.y * activate_grad<F::kAct>(pre.y));
+          } else {
+            if constexpr (kBias) x = round_pair<Out>(x);
+            if constexpr (kAct) x = make_float2(activate<F::kAct>(x.x), activate<F::kAct>(x.y));
+            if constexpr (kAux) {
+              if constexpr (kAct) x = round_pair<Out>(x);
+              const float2 y = unpack_pair<Out>(res[i]);
+              x = make_float2(x.x + y.x, x.y + y.y);
+            }
           }
           out[i] = pack_pair<Out>(x.x, x.y);
         }
@@ -303,6 +313,12 @@ struct EpilogueWarps {
         barrier.sync();  // their stores have read the chunks about to be rewritten
       }
       gate(smem, to, t);
+    } else if constexpr (F::kKind == FusionKind::kActivationGrad) {
+      // Handed over only with the pre-activation's ring (Kernel::offload).
+      if (issuer) {
+        for (int c = 0; c < kAuxSlots; ++c) load_aux(*ring, loads, c, to, in.aux);
+      }
+      bias_activation<false, false, true>(smem, to, in, t, barrier, ring, loads);
     } else {
       constexpr bool kAct = F::kAct != Activation::kNone;
       const bool bias = args.bias != nullptr;

@@ -150,6 +150,7 @@ struct TmaStoreEpilogue {
           make_float2(activate<F::kAct>(x.x), activate<F::kAct>(x.y)));
       return make_float2(a.x * up.x, a.y * up.y);
     } else if constexpr (F::kKind == FusionKind::kActivationGrad) {
+      x = round_pair<Out>(x);  // the product's rounding, as unfused
       return make_float2(x.x * activate_grad<F::kAct>(aux.x),
                          x.y * activate_grad<F::kAct>(aux.y));
     } else if constexpr (F::kKind == FusionKind::kBiasActivation) {
