@@ -413,10 +413,11 @@ def test_kernel_gated_matches_float64(rng, activation, config):
 
 
 # (kind, activation, residual): the warps' fusions of the forward kernels (a residual through
-# their ring: bias + silu + residual, whose last tile they keep) and of the gated ones.
+# their ring: bias + silu + residual, whose last tile they keep), of the gated ones and of the
+# activation gradient (its pre-activation through their ring).
 SEVERAL_TILE_CASES = [("forward", "gelu_tanh", False), ("forward", "relu", False),
                       ("forward", "silu", True), ("gated", "silu", False),
-                      ("gated", "gelu_tanh", False)]
+                      ("gated", "gelu_tanh", False), ("gradient", "gelu_tanh", True)]
 
 
 @pytest.mark.gpu
@@ -430,9 +431,19 @@ def test_kernel_several_tiles_per_cta(rng, kind, activation, residual, k):
     while the previous block's stores may still read them; on the offloading tiles, the
     epilogue warps' fusion of every block but a CTA's last, which the consumers store
     themselves. K = 64: one K slice per tile."""
-    m, n = 4096, 2304 if kind == "forward" else 1152
+    m, n = 4096, 1152 if kind == "gated" else 2304
     x, w = _operands(rng, m, k, n, BF16)
     x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    if kind == "gradient":  # out [m, n] = (x [m, k] @ w[n, k]^T) * act'(z [m, n])
+        wt = np.ascontiguousarray(w.T)
+        z = random_array(rng, (m, n), BF16)
+        slope = np.asarray(ep.activation_grad(activation, jnp.asarray(z, F32)), np.float64)
+        for config in ep.DENSE_CONFIGS:
+            out, = _poisoned(jnp.asarray(x), jnp.asarray(wt), jnp.asarray(z), kind=ep.GRADIENT,
+                             activation=activation, has_aux=True, b_k_major=True,
+                             out_dtype=BF16, config=config)
+            assert rel_error(out, (x64 @ w64) * slope) <= TOL[BF16], config
+        return
     if kind == "forward":
         bias = rng.standard_normal(n).astype(F32)
         z = x64 @ w64 + bias
