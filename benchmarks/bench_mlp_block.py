@@ -18,6 +18,7 @@ Before timing, the losses and gradients of the two are compared.
     python benchmarks/bench_mlp_block.py --quick     # the gelu block only, fewer rounds
     python benchmarks/bench_mlp_block.py --block swiglu --tokens 16384 --d-model 4096 --d-ff 14336
     python benchmarks/bench_mlp_block.py --dry-run   # tiny sizes; runs without a GPU (CI)
+    python benchmarks/bench_mlp_block.py --breakdown # also each step's kernels (CUPTI)
 
 Reports ms/step, TFLOP/s of the matmuls (6 * tokens * Dense parameters per step) and the ratio
 of the two times; writes bench_mlp_block[_fp16] .json, .md and .png under
@@ -50,6 +51,8 @@ from bench_gemm import banner, environment, pyplot, save_figure, write_report  #
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 CHECK_TOLERANCE = 2e-2  # relative loss and gradient difference between the two steps
 _CALL_TARGET = re.compile(r'custom_call_target="(jax_tma_[^"]*)"')
+# Kernel names of the products (cuBLAS's and jax_tma's) in a CUPTI breakdown.
+_PRODUCT_KERNEL = re.compile(r"nvjet|gemm|xmma|cutlass", re.IGNORECASE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +174,30 @@ def _tree_rel_error(a, b) -> float:
     return math.sqrt(num / max(den, 1e-300))
 
 
+def breakdown(step: Callable, operands) -> dict | None:
+    """One step's kernels (CUPTI medians, launch order), its products' total and the rest's;
+    None where CUPTI timing is unavailable."""
+    kernels = _timing.kernel_breakdown(step, operands)
+    if kernels is None:
+        return None
+    products = sum(s for name, s in kernels if _PRODUCT_KERNEL.search(name))
+    total = sum(s for _, s in kernels)
+    return {"total_ms": total * 1e3, "products_ms": products * 1e3,
+            "rest_ms": (total - products) * 1e3,
+            "kernels": [[name, s * 1e6] for name, s in kernels]}
+
+
+def _print_breakdown(cfg: BlockConfig, name: str, found: dict | None) -> None:
+    if found is None:
+        print(f"{cfg.block} {name}: no kernel breakdown (CUPTI unavailable)")
+        return
+    print(f"{cfg.block} {name}: {found['total_ms']:.3f} ms, products {found['products_ms']:.3f}, "
+          f"the rest {found['rest_ms']:.3f} ({len(found['kernels'])} kernels)")
+    for kernel, us in found["kernels"]:
+        mark = "P" if _PRODUCT_KERNEL.search(kernel) else " "
+        print(f"  {us:9.1f} us {mark} {kernel}")
+
+
 def bench_block(cfg: BlockConfig, dtype, args) -> dict:
     """Times one training step of both contenders on ``cfg``; returns a JSON-ready row."""
     optimizer = optax.adamw(1e-4, weight_decay=0.1)
@@ -210,6 +237,11 @@ def bench_block(cfg: BlockConfig, dtype, args) -> dict:
                      "samples": t.samples, "matmul_tflops": cfg.matmul_flops / t.median_s / 1e12}
     row["ratio"] = timings["xla"].median_s / timings["jax_tma"].median_s
     row["ratio_fused"] = timings["xla"].median_s / timings["jax_tma_fused"].median_s
+    if args.breakdown:
+        row["breakdown"] = {}
+        for name, step in (("xla", step_xla), ("jax_tma_fused", step_fused)):
+            row["breakdown"][name] = breakdown(step, sets[0])
+            _print_breakdown(cfg, name, row["breakdown"][name])
     return row
 
 
@@ -275,6 +307,9 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--commit", help="commit to record instead of `git rev-parse HEAD`")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny sizes, 1 round; files only with --out; runs without a GPU")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also list the kernels of XLA's and the fused step (CUPTI), their "
+                        "products' time and the rest's")
     args = p.parse_args(argv)
     if args.block:
         d_ff = args.d_ff or (4 * args.d_model if args.block == "gelu"

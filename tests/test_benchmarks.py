@@ -616,6 +616,31 @@ def test_bench_mlp_block_dry_run(tmp_path):
             assert r[name]["ms_per_step"] > 0 and r[name]["matmul_tflops"] > 0
 
 
+def test_bench_mlp_block_breakdown_dry_run(tmp_path):
+    # Without CUPTI (no GPU) the breakdown is said to be unavailable, and recorded as such.
+    result = _run("bench_mlp_block.py", "--out", str(tmp_path), "--commit", "0123abc",
+                  "--breakdown")
+    assert result.returncode == 0, result.stderr
+    assert "gelu xla: no kernel breakdown (CUPTI unavailable)" in result.stdout
+    for r in _written(tmp_path, "bench_mlp_block")["rows"]:
+        assert r["breakdown"] == {"xla": None, "jax_tma_fused": None}
+
+
+def test_bench_mlp_block_breakdown_splits_products_from_the_rest(monkeypatch):
+    module = _bench_module("bench_mlp_block")
+    kernels = [("nvjet_sm90_tst_128x160_64x5_2x1_v_bz_NNT", 1.0e-3), ("loop_add_fusion", 5e-4),
+               ("_ZN7jax_tma9sm90_gemm16sm90_gemm_kernelI13__nv_bfloat16", 2.0e-3),
+               ("input_reduce_fusion", 2.5e-4)]
+    monkeypatch.setattr(module._timing, "kernel_breakdown", lambda step, operands: kernels)
+    found = module.breakdown(None, ())
+    assert found["products_ms"] == pytest.approx(3.0)
+    assert found["rest_ms"] == pytest.approx(0.75)
+    assert found["total_ms"] == pytest.approx(3.75)
+    assert [k for k, _ in found["kernels"]] == [k for k, _ in kernels]
+    monkeypatch.setattr(module._timing, "kernel_breakdown", lambda step, operands: None)
+    assert module.breakdown(None, ()) is None
+
+
 def test_bench_mlp_block_rejects_bad_sizes():
     result = _run("bench_mlp_block.py", "--block", "gelu", "--tokens", "100", "--seq", "64")
     assert result.returncode == 2 and "multiple of --seq" in result.stderr
