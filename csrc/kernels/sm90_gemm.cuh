@@ -99,17 +99,20 @@ struct Kernel {
   // Cooperative tiles hand a fused block to the epilogue warps (epilogue/epilogue_warps.cuh):
   // always, where the fusion reads no [M, N] operand (gated) or where the shared memory holds
   // a ring for the residual's chunks besides the tile's (kAuxRing); else only without a
-  // residual (a run-time choice, offload()). Ping-pong tiles hide their epilogue under the other
+  // residual (a run-time choice, offload()). An activation gradient, which always reads its
+  // pre-activation, only with the ring. Ping-pong tiles hide their epilogue under the other
   // consumer's mainloop already.
   using Warps = EpilogueWarps<Out, Tile::kBlockN, Fusion>;
-  static constexpr bool kOffload = kTmaStore && !Tile::kPingPong && Warps::kApplies &&
-                                   Tile::kEpilogueBuffers == Warps::kChunks;
   // (The ring follows the staging, the barriers and the handoff slots: 1024 bytes at most.)
   static constexpr uint32_t kMaxSmemBytes = 227 * 1024;
-  static constexpr bool kAuxRing =
-      kOffload && Fusion::kMayReadAux &&
+  static constexpr bool kAuxRingFits =
       Tile::kRingBytes + Tile::kEpilogueBytes + 1024 + sizeof(typename Warps::AuxRing) + 1023 <=
-          kMaxSmemBytes;
+      kMaxSmemBytes;
+  static constexpr bool kOffload =
+      kTmaStore && !Tile::kPingPong && Warps::kApplies &&
+      Tile::kEpilogueBuffers == Warps::kChunks &&
+      (Fusion::kKind != FusionKind::kActivationGrad || kAuxRingFits);
+  static constexpr bool kAuxRing = kOffload && Fusion::kMayReadAux && kAuxRingFits;
   static constexpr bool kOffloadAlways = kOffload && (!Fusion::kMayReadAux || kAuxRing);
   __device__ static bool offload(const FusionArgs& args) {
     return kOffloadAlways || (kOffload && !args.aux);
