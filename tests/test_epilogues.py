@@ -430,7 +430,9 @@ def test_kernel_several_tiles_per_cta(rng, kind, activation, residual, k):
     tile: each block's epilogue (and its pre-activation's stores) through the staging buffers
     while the previous block's stores may still read them; on the offloading tiles, the
     epilogue warps' fusion of every block but a CTA's last, which the consumers store
-    themselves. K = 64: one K slice per tile."""
+    themselves (with stream-K, the last is a piece). K = 64: one K slice per tile."""
+    # Every compiled tile, and 128 x 256 with stream-K: two whole tiles a CTA, then a piece.
+    configs = (*ep.DENSE_CONFIGS, jax_tma.GemmConfig(128, 256, 3, 1, stream_k=True))
     m, n = 4096, 1152 if kind == "gated" else 2304
     x, w = _operands(rng, m, k, n, BF16)
     x64, w64 = np.asarray(x, np.float64), np.asarray(w, np.float64)
@@ -438,7 +440,7 @@ def test_kernel_several_tiles_per_cta(rng, kind, activation, residual, k):
         wt = np.ascontiguousarray(w.T)
         z = random_array(rng, (m, n), BF16)
         slope = np.asarray(ep.activation_grad(activation, jnp.asarray(z, F32)), np.float64)
-        for config in ep.DENSE_CONFIGS:
+        for config in configs:
             out, = _poisoned(jnp.asarray(x), jnp.asarray(wt), jnp.asarray(z), kind=ep.GRADIENT,
                              activation=activation, has_aux=True, b_k_major=True,
                              out_dtype=BF16, config=config)
@@ -461,7 +463,7 @@ def test_kernel_several_tiles_per_cta(rng, kind, activation, residual, k):
         operands, params = (jnp.asarray(x), jnp.asarray(w), jnp.asarray(wu)), dict(
             kind=ep.GATED, activation=activation)
         want, want_pre = f64_act(activation, x64 @ w64) * up, [x64 @ w64, up]
-    for config in ep.DENSE_CONFIGS:
+    for config in configs:
         out, pre = _poisoned(*operands, save_pre=True, out_dtype=BF16, config=config, **params)
         assert rel_error(out, want) <= TOL[BF16], config
         for got, ref in zip([pre] if kind == "forward" else list(pre), want_pre, strict=True):

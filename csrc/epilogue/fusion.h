@@ -6,7 +6,8 @@
 //                    the residual, optional); the pre-activation z may be stored as a second
 //                    output (for the backward pass)
 //   ActivationGrad   out = acc * act'(aux[row, col]): the cotangent of a pre-activation, where
-//                    acc = dy @ w^T and aux = the saved pre-activation z
+//                    acc = dy @ w^T (rounded to the output type first, as unfused) and aux = the
+//                    saved pre-activation z
 //   Gated            the accumulator's 64-column blocks alternate gate and up columns of the same
 //                    output columns: out = act(gate) * up (one output block per two accumulator
 //                    blocks); gate and up may be stored as two more outputs (backward pass)
