@@ -36,7 +36,8 @@
 namespace jax_tma {
 
 // What a consumer warpgroup hands over: a staged block to store at `to`, a block past D's rows
-// (nothing to store: handed over so that both warpgroups hand over as many), or the end.
+// (nothing to store: handed over so that both warpgroups hand over as many, but on a CTA's last
+// tile, where it is not), or the end.
 enum class StagedBlock : int { kStore, kSkip, kEnd };
 struct StagedSlot {
   StorePlan to;
@@ -160,14 +161,15 @@ struct EpilogueWarps {
                   ptx::TmaCoord<4>{{to.col + 64 * c, to.row, to.batch, to.split}});
   }
 
-  // BiasActivation, in place over the chunks of D's columns: z = round(staged + bias) where
-  // kBias (of type T), then act(z) where kAct, then + the residual where kAux (its first
-  // chunks loading already; each slot refilled once read). ActivationGrad (kAux): staged *
-  // act'(pre-activation), the aux operand being the pre-activation.
+  // The elementwise pass, in place over the chunks of D's columns. BiasActivation: z =
+  // round(staged + bias) where kBias (of type T), then act(z) where kAct, then + the residual
+  // where kAux (its first chunks loading already; each slot refilled once read).
+  // ActivationGrad (kAux): staged * act'(pre-activation), the aux operand being the
+  // pre-activation.
   template <bool kBias, bool kAct, bool kAux, class T = float>
-  __device__ static void bias_activation(SharedStorage& smem, const StorePlan& to,
-                                         const Operands& in, int t, const NamedBarrier& barrier,
-                                         AuxRing* ring, AuxLoads& loads) {
+  __device__ static void transform(SharedStorage& smem, const StorePlan& to, const Operands& in,
+                                   int t, const NamedBarrier& barrier, AuxRing* ring,
+                                   AuxLoads& loads) {
     const int unit = t % kUnits;
     const int rows = rows_within(to);
     const T* bias = static_cast<const T*>(in.args.bias);
@@ -230,20 +232,18 @@ struct EpilogueWarps {
     }
   }
 
-  // As above, for the bias's run-time type.
+  // As above with a bias, for its run-time type.
   template <bool kAct, bool kAux>
-  __device__ static void bias_activation_any(SharedStorage& smem, const StorePlan& to,
-                                             const Operands& in, int t,
-                                             const NamedBarrier& barrier, AuxRing* ring,
-                                             AuxLoads& loads) {
+  __device__ static void transform_biased(SharedStorage& smem, const StorePlan& to,
+                                          const Operands& in, int t, const NamedBarrier& barrier,
+                                          AuxRing* ring, AuxLoads& loads) {
     switch (in.args.bias_type) {
       case VectorType::kBF16:
-        return bias_activation<true, kAct, kAux, __nv_bfloat16>(smem, to, in, t, barrier, ring,
-                                                                 loads);
+        return transform<true, kAct, kAux, __nv_bfloat16>(smem, to, in, t, barrier, ring, loads);
       case VectorType::kF16:
-        return bias_activation<true, kAct, kAux, __half>(smem, to, in, t, barrier, ring, loads);
+        return transform<true, kAct, kAux, __half>(smem, to, in, t, barrier, ring, loads);
       default:
-        return bias_activation<true, kAct, kAux, float>(smem, to, in, t, barrier, ring, loads);
+        return transform<true, kAct, kAux, float>(smem, to, in, t, barrier, ring, loads);
     }
   }
 
@@ -318,7 +318,7 @@ struct EpilogueWarps {
       if (issuer) {
         for (int c = 0; c < kAuxSlots; ++c) load_aux(*ring, loads, c, to, in.aux);
       }
-      bias_activation<false, false, true>(smem, to, in, t, barrier, ring, loads);
+      transform<false, false, true>(smem, to, in, t, barrier, ring, loads);
     } else {
       constexpr bool kAct = F::kAct != Activation::kNone;
       const bool bias = args.bias != nullptr;
@@ -328,7 +328,7 @@ struct EpilogueWarps {
       }
       if (args.store_pre) {
         if (bias) {
-          bias_activation_any<false, false>(smem, to, in, t, barrier, ring, loads);
+          transform_biased<false, false>(smem, to, in, t, barrier, ring, loads);
           publish(barrier);
         }
         if (issuer) {
@@ -337,20 +337,20 @@ struct EpilogueWarps {
         }
         barrier.sync();  // the pre-activations' stores have read the chunks
         if (aux) {
-          bias_activation<false, kAct, true>(smem, to, in, t, barrier, ring, loads);
+          transform<false, kAct, true>(smem, to, in, t, barrier, ring, loads);
         } else if constexpr (kAct) {
-          bias_activation<false, true, false>(smem, to, in, t, barrier, ring, loads);
+          transform<false, true, false>(smem, to, in, t, barrier, ring, loads);
         }
       } else if (aux) {
         if (bias) {
-          bias_activation_any<kAct, true>(smem, to, in, t, barrier, ring, loads);
+          transform_biased<kAct, true>(smem, to, in, t, barrier, ring, loads);
         } else {
-          bias_activation<false, kAct, true>(smem, to, in, t, barrier, ring, loads);
+          transform<false, kAct, true>(smem, to, in, t, barrier, ring, loads);
         }
       } else if (bias) {
-        bias_activation_any<kAct, false>(smem, to, in, t, barrier, ring, loads);
+        transform_biased<kAct, false>(smem, to, in, t, barrier, ring, loads);
       } else if constexpr (kAct) {
-        bias_activation<false, true, false>(smem, to, in, t, barrier, ring, loads);
+        transform<false, true, false>(smem, to, in, t, barrier, ring, loads);
       }
     }
     publish(barrier);
@@ -358,7 +358,8 @@ struct EpilogueWarps {
   }
 
   // Warps 1-3 of the producer warpgroup: finish the blocks of both consumer warpgroups, a pair
-  // at a time (both hand over as many blocks), until both have closed. Both handoffs are
+  // at a time while both are open (they hand over as many blocks, but on a CTA's last tile),
+  // then the open one's alone, until both have closed. Both handoffs are
   // released before either is waited on, so that neither warpgroup waits for the other's
   // block to be staged, only for it to be handed over. `ring`: the residual's, with its slots'
   // barriers `loaded` (null where the kernel has none: no residual comes here then).

@@ -329,7 +329,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       // A cooperative tile whose rows end within the first warpgroup's 64 (a group's last row
       // block, the matrix's last): the second warpgroup's rows hold no output, so it passes over
       // the tile's stages without issuing wgmma and the tensor core serves the first alone.
-      // With epilogue warps it still hands over a block to skip (both hand over as many).
+      // With epilogue warps it still hands over a block to skip (both hand over as many), but
+      // on the CTA's last tile (the warps take each warpgroup's blocks until it closes).
       // Not for a stream-K piece, whose partial sums other CTAs wait for.
       if constexpr (!Tile::kPingPong && K::Mainloop::kWarpgroupsIndependent) {
         const StorePlan to = P::store_plan(params, w, shape, &tmap_d, row0, col0);
