@@ -18,7 +18,6 @@ Writes bench_autotune.json and .md under benchmarks/results/<device>/.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import pathlib

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import math
 import pathlib
 import sys
 

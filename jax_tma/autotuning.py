@@ -159,17 +159,26 @@ def _valid_entry(plan: GemmPlan, in_dtype, out_dtype) -> tuple[GemmConfig, dict]
     return (cfg, entry) if cfg in legal else None
 
 
+def cached(plan: GemmPlan, in_dtype, out_dtype
+           ) -> tuple[GemmConfig, tuple[float, float] | None] | None:
+    """(the cached configuration of this product, (its seconds, XLA's dot's seconds) per
+    product as autotune measured them or None where the entry lacks either), from one read of
+    the cache; None without a valid entry (_valid_entry)."""
+    found = _valid_entry(plan, in_dtype, out_dtype)
+    return None if found is None else (found[0], _entry_times(*found))
+
+
 def lookup(plan: GemmPlan, in_dtype, out_dtype) -> GemmConfig | None:
     """The cached configuration of this product (_valid_entry), or None."""
-    found = _valid_entry(plan, in_dtype, out_dtype)
+    found = cached(plan, in_dtype, out_dtype)
     return None if found is None else found[0]
 
 
 def measured_against_xla(plan: GemmPlan, in_dtype, out_dtype) -> tuple[float, float] | None:
     """(the cached configuration's seconds, XLA's dot's seconds) per product as autotune
     measured them, or None without a valid entry that timed both."""
-    found = _valid_entry(plan, in_dtype, out_dtype)
-    return None if found is None else _entry_times(*found)
+    found = cached(plan, in_dtype, out_dtype)
+    return None if found is None else found[1]
 
 
 def _entry_times(cfg: GemmConfig, entry: dict) -> tuple[float, float] | None:

@@ -15,7 +15,6 @@ import functools
 import math
 from typing import Callable
 
-import jax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 

@@ -441,7 +441,6 @@ def _kernel_call(a, b, *rest, has_sa, has_sb, row_scale, col_scale, has_bias, ou
         cs = _pad_to(cs, 0, _N_MULTIPLE)
     if bias is not None:
         bias = _pad_to(bias, 0, _N_MULTIPLE)
-    kb = -(-k // SCALE_BLOCK)
     nb = -(-n_pad // SCALE_BLOCK)
     f32 = jnp.float32
     placeholder = jnp.zeros((1,), f32)

@@ -311,14 +311,20 @@ def ranked_for(plan: GemmPlan, out_dtype) -> list[GemmConfig]:
                           dram_bytes_per_s=_dram_bytes_per_s(), l2_bytes=_l2_bytes())
 
 
-def why_xla(route: KernelRoute, cfg: GemmConfig, lhs_aval, rhs_aval, out_dtype) -> str | None:
+_READ_CACHE = object()  # why_xla's `measured` default: read the autotuning cache
+
+
+def why_xla(route: KernelRoute, cfg: GemmConfig, lhs_aval, rhs_aval, out_dtype,
+            measured=_READ_CACHE) -> str | None:
     """Why XLA's dot is faster than the kernel (configuration `cfg`, reached by `route`) on this
     product, or None. Measured where jax_tma.autotune timed both on this device (the cache's
-    verdict, either way); otherwise gemm_config.xla_reason on the plan's sizes, the copies the
-    route makes (transposes, pads of rows that are not 16-byte multiples) and the kernel's
-    estimate."""
+    verdict, either way; `measured`: the (kernel, XLA) seconds the caller already read from the
+    cache, or None where it has none); otherwise gemm_config.xla_reason on the plan's sizes, the
+    copies the route makes (transposes, pads of rows that are not 16-byte multiples) and the
+    kernel's estimate."""
     plan = route.plan
-    measured = autotuning.measured_against_xla(plan, lhs_aval.dtype, out_dtype)
+    if measured is _READ_CACHE:
+        measured = autotuning.measured_against_xla(plan, lhs_aval.dtype, out_dtype)
     if measured is not None:
         kernel_s, xla_s = measured
         return (f"jax_tma.autotune measured XLA's dot at {xla_s * 1e6:.1f} us against "
@@ -344,12 +350,16 @@ def kernel_choice(lhs_aval, rhs_aval, dimension_numbers: DimensionNumbers, out_d
     route = kernel_route(lhs_aval, rhs_aval, dimension_numbers, out_dtype, precision)
     if route is None:
         return None
-    cfg = config_for(route.plan, out_dtype, config, in_dtype=lhs_aval.dtype)
+    # One read of the autotuning cache gives both the configuration and XLA's time against it.
+    tuned = (autotuning.cached(route.plan, lhs_aval.dtype, out_dtype) if config is None
+             else None)
+    cfg = tuned[0] if tuned else config_for(route.plan, out_dtype, config, use_cache=False)
     if cfg is None:
         return None
     if xla_when_faster is None:
         xla_when_faster = not _ext.kernel_always()
-    if config is None and xla_when_faster and why_xla(route, cfg, lhs_aval, rhs_aval, out_dtype):
+    if config is None and xla_when_faster and why_xla(route, cfg, lhs_aval, rhs_aval, out_dtype,
+                                                      tuned[1] if tuned else None):
         return None
     return route, cfg
 

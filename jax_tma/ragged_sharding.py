@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_tma.gemm_sharding import _axes, _spec_of
+from jax_tma.gemm_sharding import _spec_of
 
 Axes = tuple[str, ...]
 
@@ -42,7 +42,7 @@ def _spec(dims) -> PartitionSpec:
 def _choose(mesh, mode, w_k_major, shapes, specs):
     """Mesh axes per factor (b, m, k, n) from the operands' shardings, and the shardings of
     every operand and of the output that follow."""
-    (x_shape, w_shape, gs_shape), (x_spec, w_spec, gs_spec) = shapes, specs
+    (x_shape, w_shape, gs_shape), (x_spec, w_spec, _) = shapes, specs
     used: set[str] = set()
 
     def claim(candidates: Axes, size: int) -> Axes:

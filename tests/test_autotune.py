@@ -199,6 +199,26 @@ def test_xla_measured_faster_takes_the_product(fake_device, monkeypatch):
                               config=cfg)[1] == cfg
 
 
+def test_kernel_choice_reads_the_cache_once(fake_device, monkeypatch):
+    """The configuration and XLA's time against it come from one read of the entry: a cache
+    rewritten between two reads cannot pair one entry's tile with another's verdict."""
+    monkeypatch.delenv("JAX_TMA_KERNEL_ALWAYS", raising=False)
+    fake_device.xla_s = 0.5e-3
+    result = jax_tma.autotune(spec((512, 4096)), spec((4096, 1024)))
+    reads = []
+    real = autotuning._valid_entry
+    monkeypatch.setattr(autotuning, "_valid_entry",
+                        lambda *a: reads.append(a) or real(*a))
+    assert _choice(512, 1024, 4096) is None  # measured: XLA's dot
+    assert len(reads) == 1
+    monkeypatch.setenv("JAX_TMA_KERNEL_ALWAYS", "1")
+    assert _choice(512, 1024, 4096)[1] == result.best and len(reads) == 2
+    # A named configuration reads no cache.
+    cfg = gemm.default_config(512, 1024, 4096)
+    assert gemm.kernel_choice(spec((512, 4096)), spec((4096, 1024)), MATMUL, BF16,
+                              config=cfg)[1] == cfg and len(reads) == 2
+
+
 def test_kernel_measured_faster_overrides_the_rule(fake_device, monkeypatch):
     monkeypatch.delenv("JAX_TMA_KERNEL_ALWAYS", raising=False)
     assert _choice(4096, 4096, 32) is None  # the rule: K shorter than one K block

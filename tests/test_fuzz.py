@@ -39,7 +39,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import jax_tma  # noqa: E402
 from jax_tma import _testing, gemm, gemm_plan  # noqa: E402
-from conftest import cuda_hlo, needs_extension, rel_error  # noqa: E402
+from conftest import cuda_hlo, needs_extension  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)

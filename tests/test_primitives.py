@@ -9,7 +9,6 @@ mask, transaction count or phase shows up as a failure rather than a hang.
 from __future__ import annotations
 
 import itertools
-import math
 
 import jax
 import jax.numpy as jnp

@@ -33,7 +33,14 @@ def cuda_objects(name, srcs, hdrs, nvcc, include_dir, deps = [], **kwargs):
             name = "%s_%s" % (name, stem),
             srcs = [src] + hdrs,
             outs = [out],
-            cmd = " ".join([nvcc] + _BUILD_FLAGS + NVCC_FLAGS + [
+            # nvcc names its intermediate files after its process id, and every action in
+            # Bazel's sandbox runs as the same pid of its own namespace while /tmp is shared:
+            # two compiles at once overwrite or delete each other's .ptx. Each compile gets
+            # its own temporary directory.
+            cmd = " ".join([
+                "tmp=$$(mktemp -d) && trap 'rm -rf \"$$tmp\"' EXIT && TMPDIR=$$tmp",
+                nvcc,
+            ] + _BUILD_FLAGS + NVCC_FLAGS + [
                 "-I" + include_dir,
                 "-x cu -c $(location %s)" % src,
                 "-o $@",
