@@ -329,8 +329,11 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       // A cooperative tile whose rows end within the first warpgroup's 64 (a group's last row
       // block, the matrix's last): the second warpgroup's rows hold no output, so it passes over
       // the tile's stages without issuing wgmma and the tensor core serves the first alone.
-      // With epilogue warps it still hands over a block to skip (both hand over as many), but
-      // on the CTA's last tile (the warps take each warpgroup's blocks until it closes).
+      // With epilogue warps it hands over a block to skip, except on the CTA's last tile. There
+      // it hands over nothing even where the other warpgroup hands its rows to the warps (a
+      // residual through their ring, !stores_last_tile): a skip block stores nothing, and the
+      // warps take each warpgroup's blocks until that warpgroup closes, so the two counts
+      // need not match.
       // Not for a stream-K piece, whose partial sums other CTAs wait for.
       if constexpr (!Tile::kPingPong && K::Mainloop::kWarpgroupsIndependent) {
         const StorePlan to = P::store_plan(params, w, shape, &tmap_d, row0, col0);
