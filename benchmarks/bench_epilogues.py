@@ -10,6 +10,10 @@ Patterns, bf16 in and out, bias bf16:
                                              concatenated weights made once, outside the timing),
                                              the faster taken as XLA's best; the floor is the
                                              dot of twice the width
+  swiglu_grad                                the SwiGLU block's backward product and gated
+            h = dy @ wd^T;                   gradient (gated_mlp's backward): dy [M, K], wd
+            (h * u * silu'(g), h * silu(g))  [N, K], g and u the saved [M, N] pre-activations;
+                                             XLA: the dot, then one fusion writing both
 Shapes M x N x K: 16384x14336x4096, 8192x4096x4096, 4096x11008x4096, 8192x28672x8192, and
 decode rows M = 16, 64 against 14336x4096.
 
@@ -37,6 +41,7 @@ import numpy as np
 
 import jax_tma
 from jax_tma import _timing
+from jax_tma import epilogues as ep
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from bench_gemm import (  # noqa: E402
@@ -46,7 +51,7 @@ from bench_gemm import (  # noqa: E402
 SHAPES = [(16384, 14336, 4096), (8192, 4096, 4096), (4096, 11008, 4096), (8192, 28672, 8192),
           (16, 14336, 4096), (64, 14336, 4096)]
 DRY_RUN = [(64, 128, 64)]
-PATTERNS = ("gelu", "residual", "swiglu")
+PATTERNS = ("gelu", "residual", "swiglu", "swiglu_grad")
 
 
 @dataclasses.dataclass
@@ -67,6 +72,8 @@ class Row:
 def fused(pattern, config=None):
     """jax_tma's fused op for `pattern` on `config` (None: the default's pick); for swiglu the
     config's block_n counts the gate's and the up's columns."""
+    if pattern == "swiglu_grad":  # gated_mlp's backward product (operands: _grad_operands)
+        return lambda dy, wd, pre: ep._gated_grad_product(dy, wd, pre, "silu", config)
     if pattern == "gelu":
         return lambda x, w, b, r, w2, wc: jax_tma.dense(x, w, b, "gelu", config=config)
     if pattern == "residual":
@@ -74,10 +81,13 @@ def fused(pattern, config=None):
     return lambda x, w, b, r, w2, wc: jax_tma.gated_dense(x, w, w2, "silu", config=config)
 
 
-def swept_configs() -> list:
-    """Every compiled configuration of the fused kernels, and stream-K on those that take it."""
-    return [*jax_tma.DENSE_CONFIGS, *(dataclasses.replace(c, stream_k=True)
-                                      for c in jax_tma.DENSE_CONFIGS if c.takes_stream_k)]
+def swept_configs(pattern: str = "gelu") -> list:
+    """Every compiled configuration of `pattern`'s fused kernel, and stream-K on those that
+    take it."""
+    compiled = ep._configs_for(ep.GATED_GRADIENT if pattern == "swiglu_grad" else ep.FORWARD,
+                               "silu")
+    return [*compiled, *(dataclasses.replace(c, stream_k=True)
+                         for c in compiled if c.takes_stream_k)]
 
 
 def swept_label(config) -> str:
@@ -93,8 +103,10 @@ PLAIN = "jax_tma_dot"
 def _swept(pattern) -> dict:
     """jax_tma's fused op on every compiled configuration (forced through config=), keyed by
     swept_label, and jax_tma's plain product."""
-    found = {swept_label(cfg): fused(pattern, cfg) for cfg in swept_configs()}
-    if pattern == "swiglu":
+    found = {swept_label(cfg): fused(pattern, cfg) for cfg in swept_configs(pattern)}
+    if pattern == "swiglu_grad":
+        found[PLAIN] = lambda dy, wd, pre: jax_tma.dot_general(dy, wd, _NT)
+    elif pattern == "swiglu":
         found[PLAIN] = lambda x, w, b, r, w2, wc: jax_tma.matmul(x, wc)
     else:
         found[PLAIN] = lambda x, w, b, r, w2, wc: jax_tma.matmul(x, w)
@@ -108,8 +120,26 @@ def _contenders(pattern, sweep: bool = False):
     return found
 
 
+_NT = (((1,), (1,)), ((), ()))  # dy [M, K] @ wd [N, K]^T
+
+
+def _gated_grad_xla(dy, wd, pre):
+    """XLA's form of the gated gradient: the product, then one fusion writing both
+    cotangents (fp32 math, as gated_mlp's XLA path)."""
+    h = jax.lax.dot_general(dy, wd, _NT).astype(jnp.float32)
+    g, u = pre[0].astype(jnp.float32), pre[1].astype(jnp.float32)
+    s = jax.nn.sigmoid(g)
+    return ((h * u * (s * (1 + g * (1 - s)))).astype(dy.dtype), (h * g * s).astype(dy.dtype))
+
+
 def _forms(pattern):
     dot = lambda a, b: a @ b  # noqa: E731 - XLA's plain bf16 product: the floor
+    if pattern == "swiglu_grad":
+        return {
+            "jax_tma": fused("swiglu_grad"),
+            "xla": _gated_grad_xla,
+            "xla_dot": lambda dy, wd, pre: jax.lax.dot_general(dy, wd, _NT),
+        }
     if pattern == "gelu":
         return {
             "jax_tma": fused("gelu"),
@@ -135,6 +165,20 @@ def _forms(pattern):
     }
 
 
+def _grad_operands(shape, count, seed):
+    """(dy [M, K], wd [N, K], pre [2, M, N]) sets for swiglu_grad."""
+    m, n, k = shape
+    keys = jax.random.split(jax.random.key(seed), 3 * count)
+    sets = []
+    for i in range(count):
+        kk = keys[3 * i: 3 * i + 3]
+        dy = jax.random.normal(kk[0], (m, k), jnp.float32).astype(jnp.bfloat16)
+        wd = (jax.random.normal(kk[1], (n, k), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
+        pre = (2 * jax.random.normal(kk[2], (2, m, n), jnp.float32)).astype(jnp.bfloat16)
+        sets.append((dy, wd, pre))
+    return sets
+
+
 def _operand_sets(shape, count, seed):
     m, n, k = shape
     keys = jax.random.split(jax.random.key(seed), 5 * count)
@@ -150,16 +194,22 @@ def _operand_sets(shape, count, seed):
     return sets
 
 
+def _flat(result) -> np.ndarray:
+    """A contender's result (one array or a tuple of them) as one float32 vector."""
+    return np.concatenate([np.asarray(r, np.float32).ravel() for r in jax.tree.leaves(result)])
+
+
 def bench(pattern, shape, args) -> list[Row]:
-    sets = _operand_sets(shape, args.sets, args.seed)
+    make = _grad_operands if pattern == "swiglu_grad" else _operand_sets
+    sets = make(shape, args.sets, args.seed)
     contenders = _contenders(pattern, args.sweep)
-    xla = np.asarray(jax.jit(contenders["xla"])(*sets[0]), np.float32)
+    xla = _flat(jax.jit(contenders["xla"])(*sets[0]))
     notes = {}
     for name, fn in contenders.items():
         if name.startswith("jax_tma"):  # the default, each forced config, the plain product
             ref, against = (xla, "XLA") if name != PLAIN else (
-                np.asarray(jax.jit(contenders["xla_dot"])(*sets[0]), np.float32), "XLA's dot")
-            ours = np.asarray(jax.jit(fn)(*sets[0]), np.float32)
+                _flat(jax.jit(contenders["xla_dot"])(*sets[0])), "XLA's dot")
+            ours = _flat(jax.jit(fn)(*sets[0]))
             err = float(np.linalg.norm(ours - ref) / max(np.linalg.norm(ref), 1e-30))
             notes[name] = f"rel. difference from {against} {err:.1e}"
     timings = _timing.compare(contenders, sets, rounds=args.rounds, iterations=args.iterations)
@@ -194,7 +244,8 @@ def _table(rows: list[Row], env: dict) -> str:
                      f"{dot.seconds * 1e6:.1f} | {xla.seconds / ours.seconds:.3f} | "
                      f"{dot.seconds / ours.seconds:.3f} |")
     timed = {r.contender for r in rows}
-    swept = [label for label in [*map(swept_label, swept_configs()), PLAIN] if label in timed]
+    labels = dict.fromkeys(swept_label(c) for p in PATTERNS for c in swept_configs(p))
+    swept = [label for label in [*labels, PLAIN] if label in timed]
     if swept:
         lines += ["", "Every compiled configuration (`--sweep`; sk: stream-K), and jax_tma's plain "
                   "product of the same operands (jax_tma_dot; swiglu: of the concatenated "

@@ -1,6 +1,6 @@
 """One training step of a transformer MLP block in Flax, with every Dense on
 ``jax_tma.dot_general``, and the same block on jax_tma's fused layers (``jax_tma.mlp``,
-``gated_dense``, ``dense``: FusedMLPBlock), against the block on the default ``lax.dot_general``.
+``gated_mlp``: FusedMLPBlock), against the block on the default ``lax.dot_general``.
 
 The block: LayerNorm -> Dense d->f -> gelu -> Dense f->d, plus the residual (``gelu``); or
 LayerNorm -> silu(Dense d->f) * Dense d->f -> Dense f->d, plus the residual (``swiglu``). Dense
@@ -120,8 +120,9 @@ class _Kernel(nn.Module):
 
 class FusedMLPBlock(nn.Module):
     """MLPBlock's parameters and math on jax_tma's fused layers: gelu through jax_tma.mlp (bias-
-    free; the backward product applies gelu' in its epilogue), SwiGLU through gated_dense (gate,
-    up and their combination in one kernel) and dense (down projection plus the residual)."""
+    free; the backward product applies gelu' in its epilogue), SwiGLU through gated_mlp (gate,
+    up and their combination in one kernel, the down projection plus the residual in another;
+    the backward product writes the gate's and up's cotangents from its epilogue)."""
 
     d_model: int
     d_ff: int
@@ -138,7 +139,7 @@ class FusedMLPBlock(nn.Module):
         if self.swiglu:
             gate = _Kernel((d, f), name="gate")().astype(self.dtype)
             up = _Kernel((d, f), name="up")().astype(self.dtype)
-            y = jax_tma.dense(jax_tma.gated_dense(h2, gate, up, "silu"), down, residual=x2)
+            y = jax_tma.gated_mlp(h2, gate, up, down, "silu", residual=x2)
         else:
             up = _Kernel((d, f), name="up")().astype(self.dtype)
             y = jax_tma.mlp(h2, up, None, down, None, "gelu", residual=x2)

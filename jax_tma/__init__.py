@@ -9,8 +9,9 @@ Public API:
   matmul(a, b, *, precision=None, preferred_element_type=None, out_sharding=None,
     out_dtype=None, config=None): ``jnp.matmul`` on the same kernel.
   dense(x, w, bias, activation, residual), gated_dense(x, w_gate, w_up, activation),
-    mlp(x, w1, b1, w2, b2, activation, residual): dense layers with the bias, activation,
-    residual or gating fused into the GEMM epilogue, with their gradients.
+    mlp(x, w1, b1, w2, b2, activation, residual), gated_mlp(x, w_gate, w_up, w_down,
+    activation, residual): dense layers and MLP blocks with the bias, activation, residual or
+    gating fused into the GEMM epilogue, with their gradients (also fused).
   ragged_dot(lhs, rhs, group_sizes, ...), ragged_dot_general(...): ``lax.ragged_dot`` and
     ``lax.ragged_dot_general`` on the grouped (MoE) kernel, group sizes read on the device.
   quantize_fp8(x, block, dtype), fp8_matmul(a, b, a_scale, b_scale),
@@ -26,7 +27,7 @@ Public API:
 from jax_tma._export import export_disabled_checks
 from jax_tma._ext import KernelStatus, kernel_status
 from jax_tma.autotuning import TuneResult, autotune
-from jax_tma.epilogues import DENSE_CONFIGS, dense, gated_dense, mlp
+from jax_tma.epilogues import DENSE_CONFIGS, dense, gated_dense, gated_mlp, mlp
 from jax_tma.fp8 import FP8_CONFIGS, Fp8Config, fp8_dot_general, fp8_matmul, quantize_fp8
 from jax_tma.gemm import COMPILED_CONFIGS, GemmConfig, default_config, dot_general, matmul
 from jax_tma.ragged import RAGGED_CONFIGS, ragged_dot, ragged_dot_general
@@ -49,6 +50,7 @@ __all__ = [
     "fp8_dot_general",
     "fp8_matmul",
     "gated_dense",
+    "gated_mlp",
     "kernel_status",
     "matmul",
     "mlp",

@@ -5,6 +5,8 @@
   gated_dense(x, w_gate, w_up, activation)  act(x @ w_gate) * (x @ w_up)
   mlp(x, w1, b1, w2, b2, activation, residual)
                                             act(x @ w1 + b1) @ w2 + b2 + residual
+  gated_mlp(x, w_gate, w_up, w_down, activation, residual)
+                                            (act(x @ w_gate) * (x @ w_up)) @ w_down + residual
 
 On Hopper, bf16 or fp16 operands of one type run the sm90 GEMM kernel with the elementwise work
 in its epilogue (csrc/epilogue/fusion.h), rounding to the output type (the operands' type) where
@@ -26,8 +28,10 @@ differentiated (a second output of the same kernel); the backward pass multiplie
 activation's derivative, then runs the products of ``jax_tma.dot_general``, and reduces the bias
 gradient with one XLA reduction. ``mlp`` fuses across its two layers: the product
 ``dy @ w2^T`` applies the hidden activation's derivative in its epilogue (the saved
-pre-activation read by TMA), so the hidden gradient never round-trips through memory unscaled.
-Backward functions are differentiable again (second order).
+pre-activation read by TMA), so the hidden gradient never round-trips through memory unscaled;
+``gated_mlp`` likewise: the product ``dy @ w_down^T`` writes the gate's and the up's cotangents
+from its epilogue (both saved pre-activations read by TMA). Backward functions are
+differentiable again (second order).
 
 Activations: None, "relu", "gelu" (tanh approximation, ``jax.nn.gelu``'s default), "gelu_tanh",
 "gelu_erf" (exact), "silu". Gated: "silu" (SwiGLU), "gelu", "gelu_tanh", "gelu_erf" (GeGLU).
@@ -56,13 +60,17 @@ from jax_tma.gemm_config import KERNEL_INPUT_DTYPES, GemmConfig, estimate_second
 KERNEL_TARGET = "jax_tma_dense_sm90"
 # Fusion kinds and activations of csrc/epilogue/fusion.h.
 FORWARD, GRADIENT, GATED = "forward", "gradient", "gated"
-_KIND = {FORWARD: 1, GRADIENT: 2, GATED: 3}
+GATED_GRADIENT = "gated_gradient"
+_KIND = {FORWARD: 1, GRADIENT: 2, GATED: 3, GATED_GRADIENT: 5}
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 2, "gelu_erf": 3, "silu": 4}
 GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "gelu_erf")
 # (block_m, block_n, stages, cluster_m) of JAX_TMA_SM90_DENSE_TILES; the forward gelu with erf
 # is compiled on JAX_TMA_SM90_DENSE_NARROW_TILES only (csrc/kernels/sm90_dense.h).
 _DENSE_TILES = ((128, 256, 3, 2), (128, 256, 3, 1), (128, 128, 6, 1), (64, 128, 8, 1))
 _NARROW_TILES = ((128, 128, 6, 1), (64, 128, 8, 1))
+# The gated gradient: JAX_TMA_SM90_DENSE_RING_TILES (the epilogue warps' ring holds its two
+# pre-activations).
+_RING_TILES = ((128, 256, 3, 2), (128, 256, 3, 1))
 DENSE_CONFIGS: tuple[GemmConfig, ...] = tuple(GemmConfig(*t) for t in _DENSE_TILES)
 _STRIDE = 8  # k and n multiples of 8: 16-byte rows
 
@@ -103,6 +111,9 @@ def _activation_second(name: str, z):
 
 
 def _configs_for(kind: str, activation: str | None) -> tuple[GemmConfig, ...]:
+    if kind == GATED_GRADIENT:  # not with the exact GELU (its erff spilled there): XLA's
+        return () if activation == "gelu_erf" else tuple(
+            c for c in DENSE_CONFIGS if c.tile in _RING_TILES)
     narrow_only = kind == FORWARD and activation == "gelu_erf"
     return tuple(c for c in DENSE_CONFIGS if not narrow_only or c.tile in _NARROW_TILES)
 
@@ -127,29 +138,39 @@ def default_config(kind: str, activation, m: int, n: int, k: int,
     return best
 
 
+_OP_OF_KIND = {FORWARD: "dense", GRADIENT: "dense", GATED: "gated_dense",
+               GATED_GRADIENT: "gated_mlp"}
+
+
 def _check_config(config: GemmConfig, kind: str, activation) -> GemmConfig:
-    config = _as_config(config, f"jax_tma.{'gated_dense' if kind == GATED else 'dense'}")
+    config = _as_config(config, f"jax_tma.{_OP_OF_KIND[kind]}")
     tiles = {c.tile for c in _configs_for(kind, activation)}
     if config.tile not in tiles or config.split_k != 1:
         choices = "; ".join(c.describe() for c in _configs_for(kind, activation))
-        raise ValueError(f"jax_tma.dense: GemmConfig({config.describe()}) is not compiled for the "
+        raise ValueError(f"jax_tma.{_OP_OF_KIND[kind]}: GemmConfig({config.describe()}) is not "
+                         f"compiled for the "
                          f"{kind} fusion with activation {activation!r}; choose one of: {choices}")
     return config
 
 
 # --------------------------------------------------------------------------------------
 # The primitive: a = [M, K]; b = [K, N] (or [N, K] with b_k_major: the gradient reads w as
-# stored); then b2 (gated), bias (fp32 [N]) and aux ([M, N]) where present. Results: out
-# [M, N], and with save_pre the pre-activation(s): [M, N], gated [2, M, N].
+# stored); then b2 (gated), bias (fp32 [N]) and aux ([M, N]; gated gradient: the gate's and
+# the up's pre-activations, [2, M, N]) where present. Results: out [M, N], and with save_pre
+# the pre-activation(s): [M, N], gated [2, M, N]; the gated gradient's are the gate's and the
+# up's cotangents, [M, N] each (always both).
 
 dense_p = _aval.Primitive("jax_tma_dense")
 dense_p.multiple_results = True
 
 
 def _shapes(a, b, *, kind, b_k_major, save_pre):
+    """The results' shapes: (out, the second result's or None)."""
     m, _ = a.shape
     n = b.shape[0] if b_k_major else b.shape[1]
     out = (m, n)
+    if kind == GATED_GRADIENT:
+        return out, out
     if not save_pre:
         return out, None
     return out, ((2, m, n) if kind == GATED else (m, n))
@@ -197,13 +218,18 @@ def _reference(a, b, *rest, kind, activation, has_bias, has_aux, save_pre, b_k_m
             out = rounded(out) + aux.astype(jnp.float32)
     elif kind == GRADIENT:
         out = acc * activation_grad(activation, aux.astype(jnp.float32))
+    elif kind == GATED_GRADIENT:
+        acc = rounded(acc)
+        gate, up = aux[0].astype(jnp.float32), aux[1].astype(jnp.float32)
+        out = acc * up * activation_grad(activation, gate)
+        pre = [acc * activate(activation, gate)]
     else:
         acc = rounded(acc)
         up = rounded(lax.dot_general(a, b2, dims, preferred_element_type=jnp.float32))
         pre = [jnp.stack([acc, up])]
         out = rounded(activate(activation, acc)) * up
     results = [out.astype(out_dtype)]
-    if save_pre:
+    if save_pre or kind == GATED_GRADIENT:
         results.append(pre[0].astype(out_dtype))
     return results
 
@@ -269,13 +295,14 @@ def _kernel_call(a, b, *rest, kind, activation, has_bias, has_aux, save_pre, b_k
     operands = (a, b, b2 if b2 is not None else placeholder,
                 bias if bias is not None else jnp.zeros((1,), jnp.float32),
                 aux if aux is not None else placeholder)
-    if poison:
+    if poison:  # both outputs written over NaNs
         out, pre, _ = jax.ffi.ffi_call(KERNEL_TARGET + "_into", out_types,
-                                       input_output_aliases={5: 0})(
-            *operands, jnp.full(out_shape, jnp.nan, dtype), **attrs)
+                                       input_output_aliases={5: 0, 6: 1})(
+            *operands, jnp.full(out_shape, jnp.nan, dtype),
+            jnp.full(pre_shape or (1,), jnp.nan, dtype), **attrs)
     else:
         out, pre, _ = jax.ffi.ffi_call(KERNEL_TARGET, out_types)(*operands, **attrs)
-    return [out, pre] if save_pre else [out]
+    return [out, pre] if pre_shape is not None else [out]
 
 
 def _local_lowering(ctx, *args, platform: str, **params):
@@ -327,10 +354,13 @@ def _batch_rule(args, dims, **params):
         aux_dim = dims[len(args) - 1]
         aux = jnp.moveaxis(aux, aux_dim, 0) if aux_dim is not None else jnp.broadcast_to(
             aux, (size, *aux.shape))
-        flat[i] = aux.reshape(size * m, -1)
+        if params["kind"] == GATED_GRADIENT:  # [size, 2, m, n] -> [2, size * m, n]
+            flat[i] = jnp.moveaxis(aux, 0, 1).reshape(2, size * m, -1)
+        else:
+            flat[i] = aux.reshape(size * m, -1)
     outs = dense_p.bind(*flat, **params)
     result, result_dims = [outs[0].reshape(size, m, -1)], [0]
-    if params["save_pre"]:
+    if len(outs) > 1:
         if params["kind"] == GATED:  # [2, size * m, n]: the batch is dim 1
             result.append(outs[1].reshape(2, size, m, -1))
             result_dims.append(1)
@@ -627,3 +657,110 @@ def mlp(x: Any, w1: Any, b1: Any, w2: Any, b2: Any, activation: str | None = "ge
         residual = jnp.asarray(residual, dtype).reshape(-1, w2.shape[1])
     _ext.warn_if_unavailable()
     return _mlp(x2, w1, b1, w2, b2, residual, activation, None).reshape(*lead, w2.shape[1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gated_grad_product(g, w, pre, activation, config):
+    """The gate's and the up's cotangents of ``act(gate) * up`` from the down projection's:
+    with h = g @ w^T (g [M, N] the output's cotangent, w [K, N] the down weights, pre [2, M, K]
+    the saved gate and up pre-activations), (h * up * act'(gate), h * act(gate)), both from
+    the product's epilogue."""
+    dg, du = _bind(g, w, pre, kind=GATED_GRADIENT, activation=activation, has_aux=True,
+                   b_k_major=True, out_dtype=g.dtype, config=config)
+    return dg, du
+
+
+def _ggp_fwd(g, w, pre, activation, config):
+    return _gated_grad_product(g, w, pre, activation, config), (g, w, pre)
+
+
+def _ggp_bwd(activation, config, saved, cts):
+    del config
+    g, w, pre = saved
+    c_gate, c_up = (c.astype(jnp.float32) for c in cts)
+    gate, up = pre[0].astype(jnp.float32), pre[1].astype(jnp.float32)
+    slope = activation_grad(activation, gate)
+    # The outputs are h * up * act'(gate) and h * act(gate), h = g @ w^T.
+    c_h = (c_gate * up * slope + c_up * activate(activation, gate)).astype(g.dtype)
+    dg = _dot_general(c_h, w, _MATMUL)
+    dw = _dot_general(c_h, g, (((0,), (0,)), ((), ())))
+    h = _dot_general(g, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    d_gate = h * (c_gate * up * _activation_second(activation, gate) + c_up * slope)
+    d_up = h * c_gate * slope
+    dpre = jnp.stack([d_gate, d_up]).astype(pre.dtype)
+    return tuple(_aval.sum_to_varying(c, p) for c, p in zip((dg, dw, dpre), saved))
+
+
+_gated_grad_product.defvjp(_ggp_fwd, _ggp_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _gated_mlp(x, wg, wu, wd, residual, activation, config):
+    return _gated_mlp_fwd(x, wg, wu, wd, residual, activation, config)[0]
+
+
+def _gated_mlp_fwd(x, wg, wu, wd, residual, activation, config):
+    h, pre = _bind(x, wg, wu, kind=GATED, activation=activation, save_pre=True,
+                   out_dtype=x.dtype, config=config)
+    y, = _bind(h, wd, *([residual] if residual is not None else []), kind=FORWARD,
+               has_aux=residual is not None, out_dtype=x.dtype)
+    probe = None if residual is None else residual.reshape(-1)[:0]
+    return y, (x, wg, wu, wd, h, pre, probe)
+
+
+def _gated_mlp_bwd(activation, config, saved, dy):
+    del config
+    x, wg, wu, wd, h, pre, residual = saved
+    tn, nt = (((0,), (0,)), ((), ())), (((1,), (1,)), ((), ()))
+    # The gate's and the up's cotangents straight from the product's epilogue.
+    d_gate, d_up = _gated_grad_product(dy, wd, pre, activation, None)
+    dwd = _dot_general(h, dy, tn)
+    dx = _dot_general(d_gate, wg, nt) + _dot_general(d_up, wu, nt)
+    dwg = _dot_general(x, d_gate, tn)
+    dwu = _dot_general(x, d_up, tn)
+    cts = (dx, dwg, dwu, dwd, dy if residual is not None else None)
+    return tuple(None if c is None else _aval.sum_to_varying(c, p)
+                 for c, p in zip(cts, (x, wg, wu, wd, residual)))
+
+
+_gated_mlp.defvjp(_gated_mlp_fwd, _gated_mlp_bwd)
+
+
+def gated_mlp(x: Any, w_gate: Any, w_up: Any, w_down: Any, activation: str = "silu",
+              residual: Any = None, *, config: GemmConfig | None = None) -> jax.Array:
+    """``(act(x @ w_gate) * (x @ w_up)) @ w_down + residual``: a SwiGLU ("silu") or GeGLU
+    ("gelu") transformer MLP block.
+
+    Forward: ``gated_dense``'s kernel (which also saves the gate and up pre-activations when
+    differentiated), then the down projection with the residual in its epilogue. Backward: the
+    product ``dy @ w_down^T`` writes the gate's and the up's cotangents from its epilogue
+    (``dy @ w_down^T * up * act'(gate)`` and ``dy @ w_down^T * act(gate)``, fp32, each rounded
+    once), so neither that product nor the cotangents make an extra pass over memory; then the
+    five weight and input products.
+
+    Args:
+      x: [..., D]. w_gate, w_up: [D, F]. w_down: [F, D']. activation: "silu", "gelu",
+      "gelu_tanh", "gelu_erf". residual: [..., D'] or None.
+      config: the gated forward kernel's ``GemmConfig`` (as for ``gated_dense``).
+    """
+    activation = _canonical(activation, GATED_ACTIVATIONS, "gated_mlp")
+    dtype = _prepare("gated_mlp", x, {"w_gate": w_gate, "w_up": w_up}, {"residual": residual},
+                     activation)
+    if jnp.shape(w_gate) != jnp.shape(w_up):
+        raise ValueError(f"jax_tma.gated_mlp: w_gate and w_up must have one shape, got "
+                         f"{jnp.shape(w_gate)} and {jnp.shape(w_up)}")
+    if jnp.ndim(w_down) != 2 or jnp.shape(w_down)[0] != jnp.shape(w_gate)[1]:
+        raise ValueError(f"jax_tma.gated_mlp: w_down must be [F, D'] with F = w_gate.shape[1] = "
+                         f"{jnp.shape(w_gate)[1]}, got shape {jnp.shape(w_down)}")
+    x, wg, wu, wd = (jnp.asarray(v, dtype) for v in (x, w_gate, w_up, w_down))
+    if config is not None:
+        config = _check_config(config, GATED, activation)
+    x2, lead = _as_2d(x)
+    n_out = wd.shape[1]
+    if residual is not None:
+        if jnp.shape(residual) != (*lead, n_out):
+            raise ValueError(f"jax_tma.gated_mlp: residual must have shape {(*lead, n_out)}, "
+                             f"got {jnp.shape(residual)}")
+        residual = jnp.asarray(residual, dtype).reshape(-1, n_out)
+    _ext.warn_if_unavailable()
+    return _gated_mlp(x2, wg, wu, wd, residual, activation, config).reshape(*lead, n_out)

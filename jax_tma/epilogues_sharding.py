@@ -1,10 +1,11 @@
 """Sharding of the fused dense primitive (jax_tma/epilogues.py): ``custom_partitioning`` with a
 Shardy rule.
 
-Operands a [M, K], b [K, N] (or [N, K]), then b2 [K, N] (gated), bias [N], aux [M, N] where
-present; results out [M, N] and pre [M, N] (gated: [2, M, N]). M and N keep the operands'
-sharding (rows of a and aux, columns of b, b2, bias and aux) and every device runs the fused
-kernel on its block, with no communication. K is never split: the activation of a partial sum
+Operands a [M, K], b [K, N] (or [N, K]), then b2 [K, N] (gated), bias [N], aux [M, N] (gated
+gradient: [2, M, N]) where present; results out [M, N] and pre [M, N] (gated: [2, M, N]; gated
+gradient: the second cotangent, [M, N]). M and N keep the operands' sharding (rows of a and aux,
+columns of b, b2, bias and aux) and every device runs the fused kernel on its block, with no
+communication. K is never split: the activation of a partial sum
 is not the partial sum of the activation, so a sharded K is gathered (a Shardy "need
 replication" factor) before the kernel runs.
 """
@@ -34,8 +35,13 @@ def _layout(params):
     if params["has_bias"]:
         names.append("bias")
     if params["has_aux"]:
-        names.append("aux")
+        names.append("aux2" if params["kind"] == "gated_gradient" else "aux")
     return n_dim, names
+
+
+def _results(params) -> int:
+    """How many results the primitive has: out, and the second where there is one."""
+    return 2 if params["save_pre"] or params["kind"] == "gated_gradient" else 1
 
 
 def _choose(mesh, params, arg_shapes):
@@ -58,6 +64,8 @@ def _choose(mesh, params, arg_shapes):
             spec[n_dim if name == "b" else 1] = n
         elif name == "bias":
             spec = (n,)
+        elif name == "aux2":  # the gated gradient's two pre-activations
+            spec = ((), m, n)
         else:  # aux
             spec = (m, n)
         shardings.append(NamedSharding(mesh, PartitionSpec(*map(_one, spec))))
@@ -70,7 +78,7 @@ def _choose(mesh, params, arg_shapes):
 def _infer(local_op, reference, params, mesh, arg_shapes, result_shape):
     del local_op, reference, result_shape
     _, out, pre = _choose(mesh, params, arg_shapes)
-    return [out, pre] if params["save_pre"] else [out]
+    return [out, pre][: _results(params)]
 
 
 def _partition(local_op, reference, params, mesh, arg_shapes, result_shape):
@@ -82,7 +90,7 @@ def _partition(local_op, reference, params, mesh, arg_shapes, result_shape):
     def per_device(*operands):
         return local_op(*operands, **local_params)
 
-    results = [out, pre] if params["save_pre"] else [out]
+    results = [out, pre][: _results(params)]
     return mesh, per_device, results, tuple(args)
 
 
@@ -90,10 +98,9 @@ def _sharding_rule(local_op, reference, params, mesh, operand_types, result_type
     del local_op, reference, mesh, result_types
     n_dim, names = _layout(params)
     b = "n k" if n_dim == 0 else "k n"
-    parts = {"a": "m k", "b": b, "b2": "k n", "bias": "n", "aux": "m n"}
+    parts = {"a": "m k", "b": b, "b2": "k n", "bias": "n", "aux": "m n", "aux2": "p m n"}
     rule = ", ".join(parts[name] for name in names[: len(operand_types)])
-    outs = ["m n"] + (["p m n" if params["kind"] == "gated" else "m n"]
-                      if params["save_pre"] else [])
+    outs = ["m n", "p m n" if params["kind"] == "gated" else "m n"][: _results(params)]
     return f"{rule} -> {', '.join(outs)}", dict(need_replication_factors=("k",))
 
 

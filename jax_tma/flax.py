@@ -2,8 +2,10 @@
 
 linen:  ``Dense`` (nn.Dense with an activation and an optional residual in the epilogue),
         ``MLP`` (act(x @ w1 + b1) @ w2 + b2 [+ residual], jax_tma.mlp: the backward pass fuses
-        the activation's derivative into a product), ``GatedMLP`` (SwiGLU / GeGLU: the gate
-        and up products and their combination in one kernel, then the down projection).
+        the activation's derivative into a product), ``GatedMLP`` (SwiGLU / GeGLU,
+        jax_tma.gated_mlp: the gate and up products and their combination in one kernel, then
+        the down projection; the backward pass writes the gate's and up's cotangents from the
+        epilogue of one product).
 nnx:    ``NnxDense``, ``NnxMLP``, ``NnxGatedMLP``, the same layers as nnx modules.
 
 Parameters have nn.Dense's names and layouts (``kernel`` [in, out], ``bias`` [out]; MLP:
@@ -103,8 +105,7 @@ class GatedMLP(nn.Module):
         wd = self.param("down_kernel", self.kernel_init, (self.d_ff, d), self.param_dtype)
         dtype = self.dtype or jnp.result_type(x, wg)
         x, wg, wu, wd, residual = _cast(dtype, x, wg, wu, wd, residual)
-        h = epilogues.gated_dense(x, wg, wu, self.activation)
-        return epilogues.dense(h, wd, residual=residual)
+        return epilogues.gated_mlp(x, wg, wu, wd, self.activation, residual)
 
 
 def _nnx_param(init, rngs: nnx.Rngs, shape, dtype):
@@ -165,5 +166,4 @@ class NnxGatedMLP(nnx.Module):
         wg, wu, wd = self.gate[...], self.up[...], self.down[...]
         dtype = self.dtype or jnp.result_type(x, wg)
         x, wg, wu, wd, residual = _cast(dtype, x, wg, wu, wd, residual)
-        return epilogues.dense(epilogues.gated_dense(x, wg, wu, self.activation), wd,
-                               residual=residual)
+        return epilogues.gated_mlp(x, wg, wu, wd, self.activation, residual)

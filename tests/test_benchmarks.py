@@ -812,7 +812,7 @@ def test_bench_epilogues_dry_run(tmp_path, sweep):
     report = _written(tmp_path, "bench_epilogues" + ("_sweep" if sweep else ""))
     assert report["environment"]["commit"] == "0123abc"
     names = {(r["pattern"], r["contender"]) for r in report["rows"]}
-    for pattern in ("gelu", "residual", "swiglu"):
+    for pattern in ("gelu", "residual", "swiglu", "swiglu_grad"):
         assert {(pattern, "jax_tma"), (pattern, "xla"), (pattern, "xla_dot")} <= names
     assert ("swiglu", "xla_concat") in names
     swept = {name for _, name in names if name.startswith("jax_tma ") or name == "jax_tma_dot"}

@@ -1,4 +1,4 @@
-"""jax_tma.dense / gated_dense / mlp: fused epilogues against float64 references, their
+"""jax_tma.dense / gated_dense / mlp / gated_mlp: fused epilogues against float64 references, their
 gradients, vmap, sharding, the CUDA lowering, and the fused kernels on a Hopper GPU.
 
 The fused kernel applies the epilogue in fp32 and rounds where the unfused 16-bit expression
@@ -124,6 +124,51 @@ def test_mlp_matches_float64(rng, activation):
     assert rel_error(out, f64_dense(h, w2, b2, residual=x)) <= 2 * TOL[BF16]
 
 
+def f64_gated_grads(dy, wd, gate, up, activation):
+    """The gated product's gate and up cotangents from the down projection's cotangent dy:
+    (dy @ wd^T * up * act'(gate), dy @ wd^T * act(gate)), float64."""
+    h = np.asarray(dy, np.float64) @ np.asarray(wd, np.float64).T
+    gate64 = np.asarray(gate, np.float64)
+    slope = np.asarray(ep.activation_grad(activation, jnp.asarray(gate64)), np.float64)
+    return h * np.asarray(up, np.float64) * slope, h * f64_act(activation, gate64)
+
+
+def test_gated_mlp_matches_float64(rng):
+    x, wg = _operands(rng, 20, 24, 32, BF16)
+    wu = (rng.standard_normal((24, 32)) / 5).astype(BF16)
+    wd = (rng.standard_normal((32, 24)) / 6).astype(BF16)
+    out = jax_tma.gated_mlp(x.reshape(4, 5, 24), wg, wu, wd, "silu", residual=x.reshape(4, 5, 24))
+    h = np.asarray(jnp.asarray(f64_gated(x, wg, wu, "silu"), BF16), np.float64)
+    want = h @ np.asarray(wd, np.float64) + np.asarray(x, np.float64)
+    assert out.shape == (4, 5, 24)
+    assert rel_error(out.reshape(20, 24), want) <= 2 * TOL[BF16]
+    with pytest.raises(ValueError, match="w_down must be"):
+        jax_tma.gated_mlp(x, wg, wu, wd[:16])
+    with pytest.raises(ValueError, match="residual must have shape"):
+        jax_tma.gated_mlp(x, wg, wu, wd, residual=x[:4])
+    with pytest.raises(ValueError, match="activation must be one of"):
+        jax_tma.gated_mlp(x, wg, wu, wd, "relu")
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_erf"])
+def test_gated_mlp_bf16_gradients_match_float64(rng, activation):
+    x, wg = _operands(rng, 32, 16, 40, BF16)
+    wu = (rng.standard_normal((16, 40)) / 4).astype(BF16)
+    wd = (rng.standard_normal((40, 16)) / 6).astype(BF16)
+    dy = random_array(rng, (32, 16), BF16)
+    _, vjp = jax.vjp(lambda x, a, b, c: jax_tma.gated_mlp(x, a, b, c, activation), x, wg, wu, wd)
+    dx, dwg, dwu, dwd = vjp(jnp.asarray(dy))
+    x64 = np.asarray(x, np.float64)
+    gate, up = x64 @ np.asarray(wg, np.float64), x64 @ np.asarray(wu, np.float64)
+    d_gate, d_up = f64_gated_grads(dy, wd, gate, up, ep._canonical(activation, ep.GATED_ACTIVATIONS, ""))
+    h = f64_act(ep._canonical(activation, ep.GATED_ACTIVATIONS, ""), gate) * up
+    assert rel_error(dwd, h.T @ np.asarray(dy, np.float64)) <= 2 * TOL[BF16]
+    assert rel_error(dwg, x64.T @ d_gate) <= 2 * TOL[BF16]
+    assert rel_error(dwu, x64.T @ d_up) <= 2 * TOL[BF16]
+    want_dx = d_gate @ np.asarray(wg, np.float64).T + d_up @ np.asarray(wu, np.float64).T
+    assert rel_error(dx, want_dx) <= 2 * TOL[BF16]
+
+
 # ---------------------------------------------------------------- gradients, vmap (CPU)
 
 
@@ -153,6 +198,17 @@ def test_gated_and_mlp_check_grads(rng, activation, exact_f32):
                 (x, wg, b1, wu, b2), order=2, modes=("rev",), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+def test_gated_mlp_check_grads(rng, activation, exact_f32):
+    # A custom_vjp (its backward fuses the gated gradient into a product): reverse mode only,
+    # second order through the gated-gradient product's own backward.
+    x, wg = _operands(rng, 6, 8, 8, F32)
+    wu = rng.standard_normal((8, 8)).astype(F32) / 3
+    wd = rng.standard_normal((8, 8)).astype(F32) / 3
+    check_grads(lambda x, a, b, c: jax_tma.gated_mlp(x, a, b, c, activation, x),
+                (x, wg, wu, wd), order=2, modes=("rev",), atol=1e-2, rtol=1e-2)
+
+
 def test_bf16_gradients_match_float64(rng):
     x, w = _operands(rng, 32, 16, 24, BF16)
     b = rng.standard_normal(24).astype(BF16)
@@ -175,6 +231,28 @@ def test_vmap_matches_unbatched(rng):
     ws = np.stack([w, w * 2])
     out = jax.vmap(lambda w: jax_tma.dense(x[0], w, activation="relu"))(ws)  # mapped weights
     assert rel_error(out[1], f64_dense(x[0], ws[1], activation="relu")) <= TOL[BF16]
+
+
+def test_vmap_of_the_gated_gradient(rng):
+    # The gated-gradient primitive batched: its [2, M, N] pre-activations carry the batch in
+    # dim 1 once folded.
+    x = random_array(rng, (3, 8, 16), BF16)
+    wg, wu = ((rng.standard_normal((16, 24)) / 4).astype(BF16) for _ in range(2))
+    wd = (rng.standard_normal((24, 16)) / 5).astype(BF16)
+
+    def loss(x):
+        return jnp.sum(jax_tma.gated_mlp(x, wg, wu, wd).astype(F32) ** 2)
+
+    got = jax.vmap(jax.grad(loss))(x)
+    for i in range(3):
+        assert rel_error(got[i], jax.grad(loss)(x[i])) <= TOL[BF16]
+    pre = jnp.asarray(random_array(rng, (3, 2, 8, 24), BF16))
+    dy = jnp.asarray(random_array(rng, (3, 8, 16), BF16))
+    dg, du = jax.vmap(lambda g, p: ep._gated_grad_product(g, wd, p, "silu", None))(dy, pre)
+    for i in range(3):
+        want = f64_gated_grads(dy[i], wd, pre[i, 0], pre[i, 1], "silu")
+        assert rel_error(dg[i], want[0]) <= TOL[BF16]
+        assert rel_error(du[i], want[1]) <= TOL[BF16]
 
 
 # ---------------------------------------------------------------- sharding (8 CPU devices)
@@ -203,6 +281,25 @@ def test_sharded_matches_unsharded(rng, x_spec, w_spec):
         jnp.asarray(x), jnp.asarray(w))
     for a, r in zip(grads, ref):
         assert rel_error(a, r) <= 2 * TOL[BF16]
+
+
+@pytest.mark.parametrize("x_spec,f_axis", [(P("x", None), None), (P(), "y"), (P("x", None), "y")])
+def test_sharded_gated_mlp_gradients(rng, x_spec, f_axis):
+    mesh = _mesh((4, 2), ("x", "y"))
+    x, wg = _operands(rng, 32, 16, 48, BF16)
+    wu = (rng.standard_normal((16, 48)) / 4).astype(BF16)
+    wd = (rng.standard_normal((48, 16)) / 7).astype(BF16)
+    put = lambda v, spec: jax.device_put(jnp.asarray(v), NamedSharding(mesh, spec))  # noqa: E731
+    w_spec, down_spec = P(None, f_axis), P(f_axis, None)  # F sharded alike in all three
+
+    def loss(x, a, b, c):
+        return jnp.sum(jax_tma.gated_mlp(x, a, b, c, "silu", x).astype(F32) ** 2)
+
+    got = jax.jit(jax.grad(loss, (0, 1, 2, 3)))(put(x, x_spec), put(wg, w_spec), put(wu, w_spec),
+                                                put(wd, down_spec))
+    want = jax.grad(loss, (0, 1, 2, 3))(*(jnp.asarray(v) for v in (x, wg, wu, wd)))
+    for a, b in zip(got, want):
+        assert rel_error(a, b) <= 2 * TOL[BF16]
 
 
 # ---------------------------------------------------------------- CUDA lowering (no GPU)
@@ -250,13 +347,21 @@ def test_cuda_lowering_of_the_gradients():
                             (0, 1, 2)), x, w1, w2)
     assert _calls(hlo) == {ep.KERNEL_TARGET: 2, "jax_tma_gemm_sm90": 3}
     assert "stablehlo.transpose" not in hlo
+    # gated_mlp backward: one fused product writes both cotangents; no elementwise pass over
+    # them (the forward's gated kernel, the gated gradient and five products; the down
+    # projection's forward is not needed).
+    hlo = cuda_hlo(jax.grad(lambda x, a, b, c: jnp.sum(jax_tma.gated_mlp(x, a, b, c)),
+                            (0, 1, 2, 3)), x, w1, w1, w2)
+    assert _calls(hlo) == {ep.KERNEL_TARGET: 2, "jax_tma_gemm_sm90": 5}
+    assert "stablehlo.transpose" not in hlo
+    assert "stablehlo.logistic" not in hlo and "stablehlo.exponential" not in hlo
 
 
 # ---------------------------------------------------------------- the fused kernels (GPU)
 
 
 def _poisoned(a, b, *rest, **params):
-    """The kernel's outputs, the main one written over a NaN-poisoned buffer."""
+    """The kernel's outputs, each written over a NaN-poisoned buffer."""
     params = dict(dict(activation=None, has_bias=False, has_aux=False, save_pre=False,
                        b_k_major=False, config=None), **params)
     assert ep.kernel_applies(a, b, rest, kind=params["kind"], activation=params["activation"],
@@ -264,7 +369,8 @@ def _poisoned(a, b, *rest, **params):
                              b_k_major=params["b_k_major"], out_dtype=params["out_dtype"])
     fn = jax.jit(functools.partial(ep._kernel_call, poison=True, **params))
     outs = [np.asarray(o, np.float64) for o in fn(a, b, *rest)]
-    assert not np.isnan(outs[0]).any(), "kernel left poisoned (unwritten) outputs"
+    for i, out in enumerate(outs):
+        assert not np.isnan(out).any(), f"kernel left poisoned (unwritten) values in output {i}"
     return outs
 
 
@@ -410,6 +516,56 @@ def test_kernel_gated_matches_float64(rng, activation, config):
     x64 = np.asarray(x, np.float64)
     assert rel_error(pre[0], x64 @ np.asarray(wg, np.float64)) <= TOL[BF16]
     assert rel_error(pre[1], x64 @ np.asarray(wu, np.float64)) <= TOL[BF16]
+
+
+GATED_GRAD_CONFIGS = [*ep._configs_for(ep.GATED_GRADIENT, "silu"),
+                      jax_tma.GemmConfig(128, 256, 3, 1, stream_k=True)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", GATED_GRAD_CONFIGS, ids=_config_ids(GATED_GRAD_CONFIGS))
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("dtype", [BF16, F16])
+@pytest.mark.parametrize("m,k,n", [(1000, 640, 456), (4096, 64, 2304), (4096, 1024, 2304)])
+def test_kernel_gated_grad_matches_float64(rng, dtype, activation, config, m, k, n):
+    """Both cotangents of the gated product from the epilogue warps, on the ring tiles (one
+    K slice a tile and several tiles a CTA; rows and columns past the blocks' edges), each
+    output written over a poisoned buffer; a second run is bit-identical."""
+    dy = random_array(rng, (m, k), dtype)  # [m, n] = dy [m, k] @ wd[n, k]^T, then the epilogue
+    wd = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(dtype)
+    pre = random_array(rng, (2, m, n), dtype) * np.asarray(2, dtype)
+    params = dict(kind=ep.GATED_GRADIENT, activation=activation, has_aux=True, b_k_major=True,
+                  out_dtype=dtype, config=config)
+    d_gate, d_up = _poisoned(jnp.asarray(dy), jnp.asarray(wd), jnp.asarray(pre), **params)
+    want = f64_gated_grads(dy, wd, pre[0], pre[1], activation)
+    assert rel_error(d_gate, want[0]) <= TOL[dtype], config
+    assert rel_error(d_up, want[1]) <= TOL[dtype], config
+    again = _poisoned(jnp.asarray(dy), jnp.asarray(wd), jnp.asarray(pre), **params)
+    np.testing.assert_array_equal(again[0], d_gate)
+    np.testing.assert_array_equal(again[1], d_up)
+
+
+@pytest.mark.gpu
+def test_kernel_gated_mlp_training_step_matches_xla(rng):
+    """gated_mlp's gradients on the kernels against the same block built from lax ops."""
+    x, wg = _operands(rng, 1024, 512, 1536, BF16)
+    wu = (rng.standard_normal((512, 1536)) / 20).astype(BF16)
+    wd = (rng.standard_normal((1536, 512)) / 40).astype(BF16)
+
+    def ours(x, wg, wu, wd):
+        return jnp.sum(jax_tma.gated_mlp(x, wg, wu, wd, "silu", x).astype(F32) ** 2)
+
+    def ref(x, wg, wu, wd):
+        gate = jnp.dot(x, wg, preferred_element_type=F32).astype(BF16).astype(F32)
+        up = jnp.dot(x, wu, preferred_element_type=F32).astype(BF16).astype(F32)
+        h = (jax.nn.silu(gate) * up).astype(BF16)
+        y = jnp.dot(h, wd, preferred_element_type=F32) + x.astype(F32)
+        return jnp.sum(y.astype(BF16).astype(F32) ** 2)
+
+    got = jax.jit(jax.grad(ours, (0, 1, 2, 3)))(x, wg, wu, wd)
+    want = jax.jit(jax.grad(ref, (0, 1, 2, 3)))(x, wg, wu, wd)
+    for a, b in zip(got, want):
+        assert rel_error(a, b) <= 3e-2
 
 
 # (kind, activation, residual): the warps' fusions of the forward kernels (a residual through

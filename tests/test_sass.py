@@ -101,23 +101,26 @@ def _gemm_kernels(kernels: dict[str, str], problems=PROBLEMS, fused=False) -> di
 
 def test_fused_dense_kernels(kernels):
     """Fused epilogues (jax_tma.dense): per type 4 tiles x 11 fusions + the forward gelu-erf on
-    2 narrow tiles; forward and gated read B N-major, the activation gradient K-major; the
-    kernels that may read an [M, N] operand load it by TMA (rank 4, like D's stores) and read
-    it back with ldmatrix (16-bit) in the consumers' epilogue, or 16 bytes at a time in the
-    epilogue warps' (forward fusions and activation gradients but erf-gelu on 128 x 256 tiles,
-    whose shared memory holds the ring; csrc/epilogue/epilogue_warps.cuh); gated ones multiply
-    two B maps' blocks, on 128-row tiles in the epilogue warps too."""
+    2 narrow tiles + the gated gradient (silu, tanh gelu) on the 2 tiles of 128 x 256; forward
+    and gated read B N-major, the gradients K-major; the kernels that may read an [M, N]
+    operand load it by TMA (rank 4, like D's stores) and read it back with ldmatrix (16-bit) in
+    the consumers' epilogue, or 16 bytes at a time in the epilogue warps' (forward fusions and
+    activation gradients but erf-gelu on 128 x 256 tiles, whose shared memory holds the ring,
+    and every gated gradient; csrc/epilogue/epilogue_warps.cuh); gated ones multiply two B
+    maps' blocks, on 128-row tiles in the epilogue warps too."""
     found = _gemm_kernels(kernels, ("DenseGemm",), fused=True)
-    assert len(found) == 2 * (4 * 11 + 2)
+    assert len(found) == 2 * (4 * 11 + 2 + 2 * 2)
     for name, body in found.items():
         kind, act = _fusion(name)
         block_m, block_n = _tile(name)[:2]
         # (the activation gradient only where the pre-activation's ring fits: 128 x 256)
         epilogue_warps = block_m == 128 and (
-            kind == 3 or (act != 3 and (kind == 1 or (kind == 2 and block_n == 256))))
+            kind in (3, 5) or (act != 3 and (kind == 1 or (kind == 2 and block_n == 256))))
+        if kind == 5:
+            assert (block_m, block_n) == (128, 256) and act in (2, 4), name
         assert re.search(r"\bHGMMA\b", body) and re.search(r"\bUTMASTG\.4D\b", body), name
-        assert _layout(name) == ((0, 0) if kind == 2 else (0, 1)), name
-        if kind in (1, 2):
+        assert _layout(name) == ((0, 0) if kind in (2, 5) else (0, 1)), name
+        if kind in (1, 2, 5):
             assert re.search(r"\bUTMALDG\.4D\b", body), f"no aux TMA load in {name}"
             ring = epilogue_warps and block_n == 256
             read = r"\bLDS\.128\b" if ring else r"\bLDSM\b"

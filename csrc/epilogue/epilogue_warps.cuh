@@ -13,9 +13,10 @@
 // sum and the activation each round to the output type (gated: the activation, then the
 // product with up), the activation itself computed in fp32 (epilogue/fusion.cuh).
 // A residual arrives by TMA, chunk by chunk, in a ring of two more chunks (AuxRing) where the
-// kernel has the shared memory for it (kernels/sm90_gemm.cuh); elsewhere, and for the gradient
-// fusion (which reads the saved pre-activation), the consumers' epilogue reads it into their
-// staging buffers (epilogue/tma_store.cuh).
+// kernel has the shared memory for it (kernels/sm90_gemm.cuh); elsewhere the consumers' epilogue
+// reads it into their staging buffers (epilogue/tma_store.cuh). The gradient fusions read their
+// saved pre-activations through the ring too (they are offloaded only where it fits); the gated
+// gradient's pair of them fills both slots, and its second output leaves from the up's slot.
 #pragma once
 
 #include <cuda.h>
@@ -66,7 +67,7 @@ struct EpilogueWarps {
       sizeof(Out) == 2 && kBlockN % 64 == 0 &&
       (((F::kKind == FusionKind::kBiasActivation || F::kKind == FusionKind::kActivationGrad) &&
         F::kAct != Activation::kGeluErf) ||
-       F::kGated);
+       F::kGated || F::kKind == FusionKind::kGatedGrad);
   static constexpr int kWarps = 3;  // warps 1-3 of the producer warpgroup
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kFirstThread = 32;
@@ -123,7 +124,8 @@ struct EpilogueWarps {
   struct Operands {
     const FusionArgs& args;
     const CUtensorMap* aux;
-    const CUtensorMap* pre;
+    const CUtensorMap* aux2;  // gated gradient: the up's pre-activations (aux: the gate's)
+    const CUtensorMap* pre;   // gated gradient: the up's cotangent
     const CUtensorMap* pre2;
   };
   using AuxLoads = EpilogueLoadRing<kAuxSlots>;
@@ -152,13 +154,24 @@ struct EpilogueWarps {
     }
   }
 
+  // Whether chunk `c` of the block at `to` holds columns of D (the rest are neither loaded nor
+  // stored).
+  __device__ static bool chunk_within(int c, const StorePlan& to) {
+    return c < kChunks && 64 * c < to.cols - to.col;
+  }
+
+  // Issuer: chunk `c` of `map`'s [M, N] operand at the block `to` into ring slot `slot`.
+  __device__ static void load_chunk(AuxRing& ring, AuxLoads& loads, int slot, int c,
+                                    const StorePlan& to, const CUtensorMap* map) {
+    uint64_t* bar = loads.arm(slot, Stage::kChunkBytes);
+    ptx::tma_load(ring.buffer[slot], map, bar,
+                  ptx::TmaCoord<4>{{to.col + 64 * c, to.row, to.batch, to.split}});
+  }
+
   // Issuer: the residual's chunk `c` of the block at `to` into slot c % kAuxSlots.
   __device__ static void load_aux(AuxRing& ring, AuxLoads& loads, int c, const StorePlan& to,
                                   const CUtensorMap* aux) {
-    if (c >= kChunks || 64 * c >= to.cols - to.col) return;
-    uint64_t* bar = loads.arm(c % kAuxSlots, Stage::kChunkBytes);
-    ptx::tma_load(ring.buffer[c % kAuxSlots], aux, bar,
-                  ptx::TmaCoord<4>{{to.col + 64 * c, to.row, to.batch, to.split}});
+    if (chunk_within(c, to)) load_chunk(ring, loads, c % kAuxSlots, c, to, aux);
   }
 
   // The elementwise pass, in place over the chunks of D's columns. BiasActivation: z =
@@ -278,6 +291,67 @@ struct EpilogueWarps {
     }
   }
 
+  // GatedGrad, chunk by chunk: the gate's pre-activations g in ring slot 0 and the up's u in
+  // slot 1; the gate's cotangent dh * u * act'(g) written over the staged dh (the block's
+  // output, stored to D), the up's dh * act(g) over u (stored from the slot to in.pre). The
+  // next chunk's g loads once every thread has read the slot, its u once the up's store has.
+  static_assert(kAuxSlots == 2, "the gated gradient holds one chunk of g and one of u");
+  __device__ static void gated_grad(SharedStorage& smem, const StorePlan& to, const Operands& in,
+                                    int t, const NamedBarrier& barrier, AuxRing& ring,
+                                    AuxLoads& loads) {
+    const bool issuer = t == 0;
+    const int unit = t % kUnits;
+    const int rows = rows_within(to);
+    const uint32_t g_base = ptx::smem_u32(ring.buffer[0]);
+    const uint32_t u_base = ptx::smem_u32(ring.buffer[1]);
+    if (issuer) {  // the last block's stores from slot 1 have read it
+      load_chunk(ring, loads, 0, 0, to, in.aux);
+      StorePipeline::producer_tail();
+      load_chunk(ring, loads, 1, 0, to, in.aux2);
+    }
+#pragma unroll 1
+    for (int c = 0; chunk_within(c, to); ++c) {
+      const uint32_t base = ptx::smem_u32(smem.buffer[c]);
+      loads.wait(0);
+      loads.wait(1);
+#pragma unroll 1
+      for (int row = t / kUnits; row < rows; row += kRowStep) {
+        const uint32_t offset = Stage::swizzled(row, unit);
+        const uint4 h = ptx::ld_shared_v4_b32(base + offset);
+        const uint4 g = ptx::ld_shared_v4_b32(g_base + offset);
+        const uint4 u = ptx::ld_shared_v4_b32(u_base + offset);
+        const uint32_t hs[4] = {h.x, h.y, h.z, h.w};
+        const uint32_t gs[4] = {g.x, g.y, g.z, g.w};
+        const uint32_t us[4] = {u.x, u.y, u.z, u.w};
+        uint32_t dg[4], du[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float2 dh = unpack_pair<Out>(hs[i]);
+          const float2 gate = unpack_pair<Out>(gs[i]);
+          const float2 up = unpack_pair<Out>(us[i]);
+          const float2 lo = activate_and_grad<F::kAct>(gate.x);  // (act, act')
+          const float2 hi = activate_and_grad<F::kAct>(gate.y);
+          dg[i] = pack_pair<Out>(dh.x * up.x * lo.y, dh.y * up.y * hi.y);
+          du[i] = pack_pair<Out>(dh.x * lo.x, dh.y * hi.x);
+        }
+        ptx::st_shared_v4_b32(base + offset, make_uint4(dg[0], dg[1], dg[2], dg[3]));
+        ptx::st_shared_v4_b32(u_base + offset, make_uint4(du[0], du[1], du[2], du[3]));
+      }
+      publish(barrier);
+      if (issuer) {
+        const ptx::TmaCoord<4> at{{to.col + 64 * c, to.row, to.batch, to.split}};
+        ptx::tma_store(to.d, smem.buffer[c], at);
+        ptx::tma_store(in.pre, ring.buffer[1], at);
+        StorePipeline::producer_commit();
+        if (chunk_within(c + 1, to)) {
+          load_chunk(ring, loads, 0, c + 1, to, in.aux);
+          StorePipeline::producer_tail();
+          load_chunk(ring, loads, 1, c + 1, to, in.aux2);
+        }
+      }
+    }
+  }
+
   // Issuer: chunks `first`, `first` + `step`, ... to `map`, the i-th at D column to.col + 64 i
   // (those past D's columns left out), as one store group.
   __device__ static void store(const CUtensorMap* map, SharedStorage& smem, const StorePlan& to,
@@ -303,7 +377,11 @@ struct EpilogueWarps {
                                 AuxLoads& loads) {
     const bool issuer = t == 0;
     const FusionArgs& args = in.args;
-    if constexpr (F::kGated) {
+    if constexpr (F::kKind == FusionKind::kGatedGrad) {
+      // Handed over only with the pre-activations' ring (Kernel::kAuxRing); stores itself.
+      gated_grad(smem, to, in, t, barrier, *ring, loads);
+      return;
+    } else if constexpr (F::kGated) {
       if (args.store_pre) {  // the staged gate and up chunks as they are
         if (issuer) {
           store(in.pre, smem, to, 0, 2);

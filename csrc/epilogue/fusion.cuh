@@ -52,11 +52,11 @@ __device__ __forceinline__ float activate(float z) {
   }
 }
 
-// d act / dz at z.
+// (act(z), d act / dz at z), sharing the SFU operations of the two.
 template <Activation kAct>
-__device__ __forceinline__ float activate_grad(float z) {
+__device__ __forceinline__ float2 activate_and_grad(float z) {
   if constexpr (kAct == Activation::kRelu) {
-    return z > 0.0f ? 1.0f : 0.0f;
+    return make_float2(fmaxf(z, 0.0f), z > 0.0f ? 1.0f : 0.0f);
   } else if constexpr (kAct == Activation::kGeluTanh) {
     // d/dz z s(v) = s + z s (1 - s) v', v = 2u. 1 - s is e s with e = e^-v where s >= 1/2
     // (e <= 1; 1 - s would cancel), else 1 - s (e may be inf there).
@@ -64,17 +64,24 @@ __device__ __forceinline__ float activate_grad(float z) {
     const float s = ptx::rcp_approx(1.0f + e);
     const float rest = s >= 0.5f ? e * s : 1.0f - s;
     const float dv = fmaf(kGeluTanhScale2 * 3.0f * 0.044715f, z * z, kGeluTanhScale2);
-    return s * fmaf(z * rest, dv, 1.0f);
+    return make_float2(z * s, s * fmaf(z * rest, dv, 1.0f));
   } else if constexpr (kAct == Activation::kGeluErf) {
-    // Phi(z) + z phi(z)
-    return 0.5f * (1.0f + erff(z * 0.7071067811865476f)) +
-           z * 0.3989422804014327f * ptx::exp2_approx(-0.7213475204444817f * z * z);
+    // z Phi(z), and Phi(z) + z phi(z)
+    const float phi = 0.5f * (1.0f + erff(z * 0.7071067811865476f));
+    return make_float2(z * phi, phi + z * 0.3989422804014327f *
+                                          ptx::exp2_approx(-0.7213475204444817f * z * z));
   } else if constexpr (kAct == Activation::kSilu) {
     const float s = sigmoid(z);
-    return s * (1.0f + z * (1.0f - s));
+    return make_float2(z * s, s * (1.0f + z * (1.0f - s)));
   } else {
-    return 1.0f;
+    return make_float2(z, 1.0f);
   }
+}
+
+// d act / dz at z.
+template <Activation kAct>
+__device__ __forceinline__ float activate_grad(float z) {
+  return activate_and_grad<kAct>(z).y;
 }
 
 }  // namespace jax_tma

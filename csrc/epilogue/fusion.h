@@ -11,12 +11,17 @@
 //   Gated            the accumulator's 64-column blocks alternate gate and up columns of the same
 //                    output columns: out = act(gate) * up (one output block per two accumulator
 //                    blocks); gate and up may be stored as two more outputs (backward pass)
+//   GatedGrad        the gated product's backward: acc = dh = dy @ w_down^T (rounded to the
+//                    output type first, as unfused), aux = the saved gate pre-activation g, aux2
+//                    = the up's u; out = dh * u * act'(g) (the gate's cotangent) and a second
+//                    output dh * act(g) (the up's)
 //   Scaled           out = acc * row_scale[row] * col_scale[col] + bias[col], each factor
 //                    optional (fp32), a scale vector possibly one value for all: the scales
 //                    of FP8 products (per tensor, row or column) that factor out of the sum
 //                    over K, and a bias
 // Activations: relu, gelu (tanh approximation, as jax.nn.gelu; or erf, exact), silu. The aux
-// operand arrives through TMA in the epilogue's staging buffer (epilogue/tma_store.cuh).
+// operand arrives through TMA in the epilogue's staging buffer (epilogue/tma_store.cuh), or in
+// the epilogue warps' ring (GatedGrad always: epilogue/epilogue_warps.cuh).
 // BiasActivation and Gated round to the (16-bit) output type where the unfused expression
 // rounds: the product(s), the bias sum, the activation (gated: before the product with up), the
 // residual sum; each operation in fp32. On cooperative tiles the epilogue warps apply them to
@@ -34,7 +39,8 @@ enum class FusionKind : int {
   kBiasActivation = 1,
   kActivationGrad = 2,
   kGated = 3,
-  kScaled = 4
+  kScaled = 4,
+  kGatedGrad = 5
 };
 
 // The element type of a bias vector: fp32, or a 16-bit type widened to fp32 as it is read
@@ -45,7 +51,8 @@ enum class VectorType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 struct FusionArgs {
   const void* bias;             // BiasActivation, Scaled: [N] of bias_type, or null
   VectorType bias_type;         // (Scaled: fp32)
-  bool aux;                     // BiasActivation: add the residual; ActivationGrad: always
+  bool aux;                     // BiasActivation: add the residual; ActivationGrad, GatedGrad:
+                                // always
   bool store_pre;               // BiasActivation: also store z; gated: the gate's and the up's
   const float* row_scale;       // Scaled: [M] fp32 (or one, row_scale_scalar), or null
   const float* col_scale;       // Scaled: [N] fp32 (or one, col_scale_scalar), or null
@@ -58,8 +65,9 @@ struct Fusion {
   static constexpr FusionKind kKind = kKind_;
   static constexpr Activation kAct = kAct_;
   // Reads an [M, N] operand in the staging buffer before writing it (residual, saved z).
-  static constexpr bool kMayReadAux =
-      kKind == FusionKind::kBiasActivation || kKind == FusionKind::kActivationGrad;
+  static constexpr bool kMayReadAux = kKind == FusionKind::kBiasActivation ||
+                                      kKind == FusionKind::kActivationGrad ||
+                                      kKind == FusionKind::kGatedGrad;
   static constexpr bool kGated = kKind == FusionKind::kGated;
   // Output columns per accumulator column.
   static constexpr int kOutPerAcc = kGated ? 2 : 1;

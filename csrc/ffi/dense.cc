@@ -8,12 +8,14 @@
 //   b2    [k, n]                       gated: the up weights
 //   bias  [n] fp32, bf16 or fp16       has_bias
 //   aux   [m, n]                       has_aux: the residual (forward) or the saved
-//                                      pre-activation (gradient)
+//                                      pre-activation (gradient); gated gradient: [2, m, n],
+//                                      the gate's and the up's
 // -> out [m, n], pre (store_pre; else [1]): [m, n] the pre-activation z, gated [2, m, n] the gate's
-// and the up's; workspace (stream-K; any size without).
-// kind: 1 bias + activation, 2 activation gradient, 3 gated (epilogue/fusion.h); activation:
-// 0 none, 1 relu, 2 gelu (tanh), 3 gelu (erf), 4 silu. a, b, b2, aux, out and pre share one
-// 16-bit type; k and n are multiples of 8.
+// and the up's, gated gradient (always) [m, n] the up's cotangent; workspace (stream-K; any size
+// without).
+// kind: 1 bias + activation, 2 activation gradient, 3 gated, 5 gated gradient (epilogue/fusion.h);
+// activation: 0 none, 1 relu, 2 gelu (tanh), 3 gelu (erf), 4 silu. a, b, b2, aux, out and pre
+// share one 16-bit type; k and n are multiples of 8.
 #include "ffi/dense.h"
 
 #include <cuda.h>
@@ -100,7 +102,10 @@ ffi::Error run(const DenseAttrs& p, DType in, const Buffers& buf, LaunchArgs arg
   }
   const int box_a[3] = {Boxes::kBoxA[0], Boxes::a_rows(p.m), 1};
   args.shape.a_stage_bytes = Boxes::a_stage_bytes(p.m);
-  CUtensorMap map_a, map_b, map_b2 = {}, map_d, map_aux = {}, map_pre = {}, map_pre2 = {};
+  constexpr bool kGatedGrad = Fusion::kKind == FusionKind::kGatedGrad;
+  const int64_t out_bytes = p.m * p.n * sm90_gemm::dtype_bytes(in);  // one [m, n] operand
+  CUtensorMap map_a, map_b, map_b2 = {}, map_d, map_aux = {}, map_aux2 = {}, map_pre = {},
+              map_pre2 = {};
   std::string err = ffi_util::encode_tensor_map(
       &map_a, buf.a->untyped_data(),
       ffi_util::operand_spec<Major::kK>(in, {p.m, p.k, "m"}, {p.k, 1, "k"}, {1, 0, "batch"},
@@ -125,11 +130,15 @@ ffi::Error run(const DenseAttrs& p, DType in, const Buffers& buf, LaunchArgs arg
   if (err.empty() && p.has_aux) {
     err = ffi_util::encode_tensor_map(&map_aux, buf.aux->untyped_data(), out_spec);
   }
-  if (err.empty() && p.store_pre) {
+  if (err.empty() && kGatedGrad) {  // the up's pre-activations follow the gate's
+    auto* up = static_cast<uint8_t*>(buf.aux->untyped_data()) + out_bytes;
+    err = ffi_util::encode_tensor_map(&map_aux2, up, out_spec);
+  }
+  if (err.empty() && (p.store_pre || kGatedGrad)) {
     err = ffi_util::encode_tensor_map(&map_pre, buf.pre->untyped_data(), out_spec);
   }
   if (err.empty() && p.store_pre && Fusion::kGated) {
-    auto* up = static_cast<uint8_t*>(buf.pre->untyped_data()) + p.m * p.n * sm90_gemm::dtype_bytes(in);
+    auto* up = static_cast<uint8_t*>(buf.pre->untyped_data()) + out_bytes;
     err = ffi_util::encode_tensor_map(&map_pre2, up, out_spec);
   }
   if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma dense: " + err);
@@ -141,7 +150,8 @@ ffi::Error run(const DenseAttrs& p, DType in, const Buffers& buf, LaunchArgs arg
   args.tmap_d = &map_d;
   args.d = buf.out->untyped_data();
   FusedLaunch fused{Fusion::kGated ? &map_b2 : nullptr, p.has_aux ? &map_aux : nullptr,
-                    p.store_pre ? &map_pre : nullptr,
+                    kGatedGrad ? &map_aux2 : nullptr,
+                    p.store_pre || kGatedGrad ? &map_pre : nullptr,
                     p.store_pre && Fusion::kGated ? &map_pre2 : nullptr, {}};
   fused.args.bias = p.has_bias ? buf.bias->untyped_data() : nullptr;
   bias_type(buf.bias->element_type(), &fused.args.bias_type);  // checked by dense()
@@ -192,7 +202,7 @@ ffi::Error dense(cudaStream_t stream, int32_t device, const Buffers& buf, const 
   if (VectorType unused; !bias_type(buf.bias->element_type(), &unused)) {
     return ffi::Error::InvalidArgument("jax_tma dense: bias must be fp32, bf16 or fp16");
   }
-  const bool gated = p.kind == 3;
+  const bool gated = p.kind == 3, gated_grad = p.kind == 5;
   struct Need {
     const char* name;
     int64_t elements;
@@ -203,9 +213,10 @@ ffi::Error dense(cudaStream_t stream, int32_t device, const Buffers& buf, const 
         Need{"b", p.k * p.n, buf.b->element_count()},
         Need{"b2", gated ? p.k * p.n : 1, buf.b2->element_count()},
         Need{"bias", p.has_bias ? p.n : 1, buf.bias->element_count()},
-        Need{"aux", p.has_aux ? p.m * p.n : 1, buf.aux->element_count()},
+        Need{"aux", p.has_aux ? (gated_grad ? 2 : 1) * p.m * p.n : 1, buf.aux->element_count()},
         Need{"out", p.m * p.n, buf.out->element_count()},
-        Need{"pre", p.store_pre ? (gated ? 2 : 1) * p.m * p.n : 1, buf.pre->element_count()}}) {
+        Need{"pre", p.store_pre ? (gated ? 2 : 1) * p.m * p.n : gated_grad ? p.m * p.n : 1,
+             buf.pre->element_count()}}) {
     if (static_cast<size_t>(need.elements) != need.have) {
       return ffi::Error::InvalidArgument(std::string("jax_tma dense: ") + need.name + " holds " +
                                          std::to_string(need.have) + " elements, the attributes "
@@ -217,12 +228,13 @@ ffi::Error dense(cudaStream_t stream, int32_t device, const Buffers& buf, const 
         "jax_tma dense: TMA needs rows of 16-byte multiples: k and n must be multiples of 8 (" +
         dims + ")");
   }
-  if (p.kind < 1 || p.kind > 3 || (p.kind == 2 && (!p.has_aux || p.store_pre)) ||
+  const bool known = p.kind >= 1 && p.kind <= 5 && p.kind != 4;  // 4: Scaled, FP8 only
+  if (!known || ((p.kind == 2 || p.kind == 5) && (!p.has_aux || p.store_pre)) ||
       (p.kind != 1 && p.has_bias) || (p.kind == 3 && p.has_aux)) {
     return ffi::Error::InvalidArgument(
         "jax_tma dense: kind=" + str(p.kind) + " takes has_bias=" + str(p.has_bias) +
         ", has_aux=" + str(p.has_aux) + ", store_pre=" + str(p.store_pre) +
-        " (kind 1: any; kind 2: aux, no bias or store_pre; kind 3: store_pre only)");
+        " (kind 1: any; kinds 2 and 5: aux, no bias or store_pre; kind 3: store_pre only)");
   }
   const auto& info = ffi_util::device_info(device);
   if (!info.error.empty()) return ffi::Error::Internal("jax_tma dense: " + info.error);
@@ -259,6 +271,7 @@ ffi::Error dense_sm90(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi
 ffi::Error dense_sm90_into(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
                            ffi::AnyBuffer b, ffi::AnyBuffer b2, ffi::AnyBuffer bias,
                            ffi::AnyBuffer aux, ffi::AnyBuffer /*out_in, aliased to out*/,
+                           ffi::AnyBuffer /*pre_in, aliased to pre*/,
                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> pre,
                            ffi::Result<ffi::AnyBuffer> workspace, DenseAttrs attrs) {
   return dense(stream, device, Buffers{&a, &b, &b2, &bias, &aux, &*out, &*pre, &*workspace},
@@ -270,7 +283,7 @@ ffi::Error dense_sm90_into(cudaStream_t stream, int32_t device, ffi::AnyBuffer a
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     jax_tma::ffi_handlers::DenseAttrs,
-    xla::ffi::StructMember<int64_t>("kind"),        // 1 bias+activation, 2 gradient, 3 gated
+    xla::ffi::StructMember<int64_t>("kind"),        // 1 bias+act, 2 grad, 3 gated, 5 gated grad
     xla::ffi::StructMember<int64_t>("activation"),  // epilogue/fusion.h Activation
     xla::ffi::StructMember<int64_t>("has_bias"),
     xla::ffi::StructMember<int64_t>("has_aux"),
@@ -312,8 +325,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(DenseSm90Into, dense_sm90_into,
                                   .Arg<ffi::AnyBuffer>()      // bias, fp32/bf16/fp16
                                   .Arg<ffi::AnyBuffer>()      // aux
                                   .Arg<ffi::AnyBuffer>()      // out_in
+                                  .Arg<ffi::AnyBuffer>()      // pre_in
                                   .Ret<ffi::AnyBuffer>()      // out, aliases out_in
-                                  .Ret<ffi::AnyBuffer>()      // pre
+                                  .Ret<ffi::AnyBuffer>()      // pre, aliases pre_in
                                   .Ret<ffi::AnyBuffer>()      // stream-K workspace
                                   .Attrs<DenseAttrs>(),
                               {ffi::Traits::kCmdBufferCompatible});

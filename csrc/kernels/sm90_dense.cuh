@@ -12,6 +12,7 @@ cudaError_t launch_fused(const LaunchArgs& args, const FusedLaunch& fused) {
   FusedParams params{};
   if (fused.b2 != nullptr) params.b2 = *fused.b2;
   if (fused.aux != nullptr) params.aux = *fused.aux;
+  if (fused.aux2 != nullptr) params.aux2 = *fused.aux2;
   if (fused.pre != nullptr) params.pre = *fused.pre;
   if (fused.pre2 != nullptr) params.pre2 = *fused.pre2;
   params.args = fused.args;

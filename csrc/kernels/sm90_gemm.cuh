@@ -68,11 +68,12 @@ inline constexpr int kEpilogueWarpsProducerRegs = 56;
 inline constexpr int kEpilogueWarpsConsumerRegs = 224;
 
 // The maps and arguments of a fused epilogue (epilogue/fusion.h), one kernel parameter: gated
-// products read B from `b` (gate) and `b2` (up); `aux` is the [M, N] operand the epilogue reads,
-// `pre` its second output (gated: `pre` the gate's pre-activations, `pre2` the up's); all unused
-// by PlainFusion.
+// products read B from `b` (gate) and `b2` (up); `aux` is the [M, N] operand the epilogue reads
+// (gated gradient: the gate's pre-activations, `aux2` the up's), `pre` its second output (gated:
+// `pre` the gate's pre-activations, `pre2` the up's; gated gradient: the up's cotangent); all
+// unused by PlainFusion.
 struct FusedParams {
-  CUtensorMap b2, aux, pre, pre2;
+  CUtensorMap b2, aux, aux2, pre, pre2;
   FusionArgs args;
 };
 
@@ -100,8 +101,9 @@ struct Kernel {
   // always, where the fusion reads no [M, N] operand (gated) or where the shared memory holds
   // a ring for the residual's chunks besides the tile's (kAuxRing); else only without a
   // residual (a run-time choice, offload()). An activation gradient, which always reads its
-  // pre-activation, only with the ring. Ping-pong tiles hide their epilogue under the other
-  // consumer's mainloop already.
+  // pre-activation, only with the ring; a gated gradient is compiled only where it is (its
+  // two pre-activations and two outputs pass through the ring: the warps alone finish it).
+  // Ping-pong tiles hide their epilogue under the other consumer's mainloop already.
   using Warps = EpilogueWarps<Out, Tile::kBlockN, Fusion>;
   // (The ring follows the staging, the barriers and the handoff slots: 1024 bytes at most.)
   static constexpr uint32_t kMaxSmemBytes = 227 * 1024;
@@ -111,9 +113,13 @@ struct Kernel {
   static constexpr bool kOffload =
       kTmaStore && !Tile::kPingPong && Warps::kApplies &&
       Tile::kEpilogueBuffers == Warps::kChunks &&
-      (Fusion::kKind != FusionKind::kActivationGrad || kAuxRingFits);
+      ((Fusion::kKind != FusionKind::kActivationGrad &&
+        Fusion::kKind != FusionKind::kGatedGrad) ||
+       kAuxRingFits);
   static constexpr bool kAuxRing = kOffload && Fusion::kMayReadAux && kAuxRingFits;
   static constexpr bool kOffloadAlways = kOffload && (!Fusion::kMayReadAux || kAuxRing);
+  static_assert(Fusion::kKind != FusionKind::kGatedGrad || kAuxRing,
+                "the gated gradient is finished by the epilogue warps through their ring");
   __device__ static bool offload(const FusionArgs& args) {
     return kOffloadAlways || (kOffload && !args.aux);
   }
@@ -122,9 +128,10 @@ struct Kernel {
   // pass over it would run with every tensor core idle. Not a residual the warps read through
   // their ring (the consumers' own residual pass spilled at their 224 registers: bias + silu +
   // residual on 128 x 256 tiles); so the consumers' epilogue here reads an [M, N] operand only
-  // where the kernel may not offload (kStoreReadsAux).
+  // where the kernel may not offload (kStoreReadsAux). Never a gated gradient (its epilogue
+  // is the warps' alone).
   __device__ static bool stores_last_tile(const FusionArgs& args) {
-    return !(kAuxRing && args.aux);
+    return Fusion::kKind != FusionKind::kGatedGrad && !(kAuxRing && args.aux);
   }
   static constexpr bool kStoreReadsAux = Fusion::kMayReadAux && !kOffloadAlways;
   static constexpr int kProducerRegs =
@@ -276,7 +283,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         typename K::Warps::AuxRing* ring = nullptr;
         if constexpr (K::kAuxRing) ring = &smem.aux_ring;
         K::Warps::run(smem.staging, smem.handoff,
-                      {fused.args, &fused.aux, &fused.pre, &fused.pre2}, ring, smem.aux_loaded);
+                      {fused.args, &fused.aux, &fused.aux2, &fused.pre, &fused.pre2}, ring,
+                      smem.aux_loaded);
       }
     }
   } else {
