@@ -124,9 +124,13 @@ def test_fused_dense_kernels(kernels):
             assert re.search(r"\bUTMALDG\.4D\b", body), f"no aux TMA load in {name}"
             ring = epilogue_warps and block_n == 256
             read = r"\bLDS\.128\b" if ring else r"\bLDSM\b"
+            if kind == 5:  # the gated gradient: 8 bytes at a time (its warps' registers)
+                read = r"\bLDS\.64\b"
             assert re.search(read, body), f"no {read} in {name}"
-        if epilogue_warps:  # the staged block read and rewritten 16 bytes at a time
-            assert re.search(r"\bLDS\.128\b", body) and re.search(r"\bSTS\.128\b", body), name
+        if epilogue_warps:  # the staged block read and rewritten 16 (gated gradient: 8) bytes
+            width = "64" if kind == 5 else "128"
+            assert re.search(rf"\bLDS\.{width}\b", body), name
+            assert re.search(rf"\bSTS\.{width}\b", body), name
         assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"
 
 

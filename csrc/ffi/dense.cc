@@ -127,15 +127,22 @@ ffi::Error run(const DenseAttrs& p, DType in, const Buffers& buf, LaunchArgs arg
                                               {1, 0, "batch"}, {1, 0, "split"},
                                               Tile::kEpilogueRowBytes, Tile::kEpilogueRows);
   if (err.empty()) err = ffi_util::encode_tensor_map(&map_d, buf.out->untyped_data(), out_spec);
+  // The gated gradient's epilogue warps load and store its [M, N] operands half a chunk at a
+  // time (epilogue/epilogue_warps.cuh): boxes of half D's rows.
+  const auto aux_spec =
+      kGatedGrad ? ffi_util::output_spec(in, {p.n, 1, "n"}, {p.m, p.n, "m"}, {1, 0, "batch"},
+                                         {1, 0, "split"}, Tile::kEpilogueRowBytes,
+                                         Tile::kEpilogueRows / 2)
+                 : out_spec;
   if (err.empty() && p.has_aux) {
-    err = ffi_util::encode_tensor_map(&map_aux, buf.aux->untyped_data(), out_spec);
+    err = ffi_util::encode_tensor_map(&map_aux, buf.aux->untyped_data(), aux_spec);
   }
   if (err.empty() && kGatedGrad) {  // the up's pre-activations follow the gate's
     auto* up = static_cast<uint8_t*>(buf.aux->untyped_data()) + out_bytes;
-    err = ffi_util::encode_tensor_map(&map_aux2, up, out_spec);
+    err = ffi_util::encode_tensor_map(&map_aux2, up, aux_spec);
   }
   if (err.empty() && (p.store_pre || kGatedGrad)) {
-    err = ffi_util::encode_tensor_map(&map_pre, buf.pre->untyped_data(), out_spec);
+    err = ffi_util::encode_tensor_map(&map_pre, buf.pre->untyped_data(), aux_spec);
   }
   if (err.empty() && p.store_pre && Fusion::kGated) {
     auto* up = static_cast<uint8_t*>(buf.pre->untyped_data()) + out_bytes;

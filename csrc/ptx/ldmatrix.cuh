@@ -41,6 +41,14 @@ __device__ __forceinline__ float2 ld_shared_v2_f32(uint32_t smem_addr) {
   return v;
 }
 
+// ld.shared.v2.b32: 8 bytes from a shared address.
+__device__ __forceinline__ uint2 ld_shared_v2_b32(uint32_t smem_addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(smem_addr)
+               : "memory");
+  return v;
+}
+
 // ld.shared.v4.b32: 16 bytes from a shared address (the epilogue warps' unit of a staged block).
 __device__ __forceinline__ uint4 ld_shared_v4_b32(uint32_t smem_addr) {
   uint4 v;

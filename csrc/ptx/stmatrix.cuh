@@ -24,6 +24,12 @@ __device__ __forceinline__ void st_shared_v2_f32(uint32_t smem_addr, float x, fl
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};" ::"r"(smem_addr), "f"(x), "f"(y) : "memory");
 }
 
+// st.shared.v2.b32: 8 bytes at a shared address.
+__device__ __forceinline__ void st_shared_v2_b32(uint32_t smem_addr, uint2 v) {
+  asm volatile("st.shared.v2.b32 [%0], {%1, %2};" ::"r"(smem_addr), "r"(v.x), "r"(v.y)
+               : "memory");
+}
+
 // st.shared.v4.b32: 16 bytes at a shared address.
 __device__ __forceinline__ void st_shared_v4_b32(uint32_t smem_addr, uint4 v) {
   asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(smem_addr), "r"(v.x), "r"(v.y),
