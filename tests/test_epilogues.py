@@ -355,6 +355,12 @@ def test_cuda_lowering_of_the_gradients():
     assert _calls(hlo) == {ep.KERNEL_TARGET: 2, "jax_tma_gemm_sm90": 5}
     assert "stablehlo.transpose" not in hlo
     assert "stablehlo.logistic" not in hlo and "stablehlo.exponential" not in hlo
+    # Fewer rows than GATED_GRADIENT_MIN_ROWS: XLA's dot and elementwise pass instead.
+    rows = ep.GATED_GRADIENT_MIN_ROWS - 64
+    hlo = cuda_hlo(jax.grad(lambda x, a, b, c: jnp.sum(jax_tma.gated_mlp(x, a, b, c)),
+                            (0, 1, 2, 3)), _spec((rows, 1024)), w1, w1, w2)
+    assert _calls(hlo).get(ep.KERNEL_TARGET) == 1  # the gated forward only
+    assert "stablehlo.dot_general" in hlo
 
 
 # ---------------------------------------------------------------- the fused kernels (GPU)
