@@ -71,10 +71,11 @@ _NARROW_TILES = ((128, 128, 6, 1), (64, 128, 8, 1))
 # The gated gradient: JAX_TMA_SM90_DENSE_RING_TILES (the epilogue warps' ring holds its two
 # pre-activations).
 _RING_TILES = ((128, 256, 3, 2), (128, 256, 3, 1))
-# Fewer rows leave the gated gradient to XLA (its dot, then one fusion): a 128-row tile wastes
-# most of its work there (H100, 14336 x 4096 with M = 16: 55.5 us against XLA's 46.2; M = 64:
-# 59.8 against 54.8; bench_epilogues swiglu_grad).
-GATED_GRADIENT_MIN_ROWS = 128
+# Fewer rows leave the gated gradient to XLA (its dot, then one fusion): with a few 128 x 256
+# tiles per SM the epilogue warps' pass is not hidden (H100, N x K = 14336 x 4096, bench_epilogues
+# swiglu_grad, fused against XLA's form: M = 16 55.5 against 46.2 us, 64 59.8 / 54.8, 128
+# 71.8 / 52.5, 256 76.0 / 63.1, 512 113.7 / 116.5).
+GATED_GRADIENT_MIN_ROWS = 512
 DENSE_CONFIGS: tuple[GemmConfig, ...] = tuple(GemmConfig(*t) for t in _DENSE_TILES)
 _STRIDE = 8  # k and n multiples of 8: 16-byte rows
 
