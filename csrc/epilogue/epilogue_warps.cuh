@@ -293,15 +293,15 @@ struct EpilogueWarps {
 
   // GatedGrad, chunk by chunk and within a chunk by halves of 32 rows: the gate's
   // pre-activations g in ring slot 0 and the up's u in slot 1, both loaded one half at a time
-  // (aux, aux2: maps of 32-row boxes), each half on its own barrier (kHalf); the gate's
-  // cotangent dh * u * act'(g) written over the staged dh (the block's output, stored to D
-  // once both halves are done), the up's dh * act(g) over u (stored from the slot to in.pre,
-  // a half at a time). A half's next g loads once every thread has read it, its u once the
-  // up's store has: so the next chunk's first half loads while this chunk's second half is
-  // computed.
-  // NOTE: whole chunks, one load of g and u and one store each at a time, ran the product
-  // 1333 us against XLA's dot alone at 1184 (8192 x 14336 x 4096, H100): the warps waited
-  // for every chunk's loads with nothing to do.
+  // (aux, aux2: maps of 32-row boxes), half h on the ring's barrier h; the gate's cotangent
+  // dh * u * act'(g) written over the staged dh (the block's output, stored to D once both
+  // halves are done), the up's dh * act(g) over u (stored from the slot to in.pre, a half at a
+  // time). A half's next g loads once every thread has read it, its u once the up's store
+  // has: so the next chunk's first half loads while this chunk's second half is computed.
+  // NOTE: with whole chunks (the next chunk's g and u loaded only after this one's stores)
+  // the warps waited for every chunk's loads with nothing to do: where a tile's mainloop is
+  // shorter than their pass that cost the product (8192 x 14336 x 2048, H100: 855 us against
+  // 817 in halves); from K = 4096 on the two ran alike.
   static_assert(kAuxSlots == 2, "the gated gradient holds one chunk of g and one of u");
   static constexpr int kHalfRows = kRows / 2;
   static constexpr uint32_t kHalfBytes = Stage::kChunkBytes / 2;
