@@ -4,7 +4,8 @@ scripts/sanitize.sh (compute-sanitizer runs this process).
 Dense GEMM: every tile of jax_tma.COMPILED_CONFIGS in the four operand layouts (NN, NT, TN,
 TT), split-K and stream-K, and the direct-store epilogue (output rows that are not 16-byte
 multiples). Fused epilogues: every compiled (tile, fusion) of jax_tma.DENSE_CONFIGS (bias,
-activation, residual and pre-activation output; activation gradients; gated pairs). Ragged: every tile of jax_tma.RAGGED_CONFIGS in the rows mode (weights N- and
+activation, residual and pre-activation output; activation gradients; gated pairs; gated
+gradients). Ragged: every tile of jax_tma.RAGGED_CONFIGS in the rows mode (weights N- and
 K-major) and the contraction mode, with an empty group and rows past the last group. FP8: every
 compiled tile and type with block scales and a bias, and the unpromoted tile. All cases
 run in one jitted function (one XLA compile), on operands made by numpy and copied to the device
@@ -128,6 +129,21 @@ def _fused_cases(rng, m, n, k) -> list[Case]:
                 has_bias=False, has_aux=False, save_pre=True, b_k_major=False, out_dtype=BF16,
                 config=cfg, poison=True)[0])
             cases.append(Case(f"dense gated {act} {cfg.describe()}", run, ref, 1e-2))
+    # The gated gradient (epilogue warps only, on the ring tiles): both cotangents, from the
+    # gate and up pre-activations [2, m, n]; m = 300 leaves a CTA's last tile a warpgroup
+    # without rows.
+    pre = rng.standard_normal((2, m, n)).astype(BF16)
+    for cfg in ep._configs_for(ep.GATED_GRADIENT, "silu"):
+        for act in ("silu", "gelu_tanh"):
+            h = x64 @ _f64(wt).T
+            slope = _f64(ep.activation_grad(act, jnp.asarray(pre[0], jnp.float32)))
+            up_ct = h * _f64(ep.activate(act, jnp.asarray(pre[0], jnp.float32)))
+            ref = np.concatenate([(h * _f64(pre[1]) * slope).ravel(), up_ct.ravel()])
+            run = (lambda cfg=cfg, act=act: jnp.concatenate([o.ravel() for o in ep._kernel_call(
+                jnp.asarray(x), jnp.asarray(wt), jnp.asarray(pre), kind=ep.GATED_GRADIENT,
+                activation=act, has_bias=False, has_aux=True, save_pre=False, b_k_major=True,
+                out_dtype=BF16, config=cfg, poison=True)]))
+            cases.append(Case(f"dense gated gradient {act} {cfg.describe()}", run, ref, 1e-2))
     return cases
 
 

@@ -114,7 +114,7 @@ struct EpilogueWarps {
     const Handoff handoff = staged_handoff(warpgroup, kThreads);
     handoff.acquire();
     if (threadIdx.x % 128 == 0) slot.slot = Slot{StorePlan{}, Block::kEnd};
-    handoff.commit();
+    handoff.commit_end();
   }
 
   // ---------------------------------------------------------------- epilogue warps
