@@ -165,33 +165,30 @@ def _forms(pattern):
     }
 
 
+def _normal_sets(seed, count, specs):
+    """`count` tuples of bf16 arrays, one per (shape, divisor) of `specs`: standard normals over
+    the divisor, each set drawing len(specs) consecutive keys of one split of `seed`."""
+    keys = jax.random.split(jax.random.key(seed), len(specs) * count)
+    sets = []
+    for i in range(count):
+        kk = keys[len(specs) * i: len(specs) * (i + 1)]
+        sets.append(tuple(
+            (jax.random.normal(key, shape, jnp.float32) / divisor).astype(jnp.bfloat16)
+            for key, (shape, divisor) in zip(kk, specs)))
+    return sets
+
+
 def _grad_operands(shape, count, seed):
     """(dy [M, K], wd [N, K], pre [2, M, N]) sets for swiglu_grad."""
     m, n, k = shape
-    keys = jax.random.split(jax.random.key(seed), 3 * count)
-    sets = []
-    for i in range(count):
-        kk = keys[3 * i: 3 * i + 3]
-        dy = jax.random.normal(kk[0], (m, k), jnp.float32).astype(jnp.bfloat16)
-        wd = (jax.random.normal(kk[1], (n, k), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-        pre = (2 * jax.random.normal(kk[2], (2, m, n), jnp.float32)).astype(jnp.bfloat16)
-        sets.append((dy, wd, pre))
-    return sets
+    return _normal_sets(seed, count, [((m, k), 1.0), ((n, k), np.sqrt(k)), ((2, m, n), 0.5)])
 
 
 def _operand_sets(shape, count, seed):
     m, n, k = shape
-    keys = jax.random.split(jax.random.key(seed), 5 * count)
-    sets = []
-    for i in range(count):
-        kk = keys[5 * i: 5 * i + 5]
-        x = jax.random.normal(kk[0], (m, k), jnp.float32).astype(jnp.bfloat16)
-        w = (jax.random.normal(kk[1], (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-        b = jax.random.normal(kk[2], (n,), jnp.float32).astype(jnp.bfloat16)
-        r = jax.random.normal(kk[3], (m, n), jnp.float32).astype(jnp.bfloat16)
-        w2 = (jax.random.normal(kk[4], (k, n), jnp.float32) / np.sqrt(k)).astype(jnp.bfloat16)
-        sets.append((x, w, b, r, w2, jnp.concatenate([w, w2], axis=1)))
-    return sets
+    specs = [((m, k), 1.0), ((k, n), np.sqrt(k)), ((n,), 1.0), ((m, n), 1.0), ((k, n), np.sqrt(k))]
+    return [(x, w, b, r, w2, jnp.concatenate([w, w2], axis=1))
+            for x, w, b, r, w2 in _normal_sets(seed, count, specs)]
 
 
 def _flat(result) -> np.ndarray:
