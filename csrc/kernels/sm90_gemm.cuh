@@ -256,13 +256,19 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     if (threadIdx.x / 32 == 0 && ptx::elect_one_sync()) {
       auto write = make_producer_start_state<Tile::kStages>();
       TensormapAcquirer acquire_a, acquire_b;
-      for (auto w = first; scheduler.valid(w); w = scheduler.next(w)) {
+      bool odd = false;
+      for (auto w = first; scheduler.valid(w); w = scheduler.next(w), odd = !odd) {
         const LoadMode mode = !w.self_valid       ? LoadMode::kIdle
                               : Tile::kClusterM > 1 && w.cluster_full ? LoadMode::kMulticast
                                                                        : LoadMode::kSolo;
         // An idle CTA's M block may lie past the matrix: its plan is never read.
         LoadPlan plan = w.self_valid ? P::load_plan(params, w, local, &tmap_a, &tmap_b)
                                      : LoadPlan{};
+        // Every other unit of this CTA loads its K slices last to first. The CTAs of a wave
+        // run their K loops about in step, so the next wave starts on the slices this one read
+        // last, while they are still in L2 (H100, 16384 x 4096 x 4096: 780 -> 566 MB read from
+        // DRAM). Stream-K's pieces, the last wave's, keep their order.
+        plan.reverse_k = odd && w.piece < 0;
         if constexpr (F::kGated) {  // B's blocks alternate gate and up over half the columns
           plan.b2 = &fused.b2;
           plan.at.n0 /= 2;
@@ -535,9 +541,12 @@ cudaError_t launch_dense(const LaunchArgs& args, const FusedParams& fused,
   }
   const int k_blocks =
       static_cast<int>((int64_t{args.shape.k} + Tile::kBlockK - 1) / Tile::kBlockK);
+  const int grid_clusters = stream_k_ctas > 0 ? stream_k_ctas : launcher.resident();
+  const int group_rows = K::Scheduler::group_rows_for(grid_clusters * Tile::kClusterM);
   const auto tiles = K::Scheduler::make_params(args.shape.m, args.shape.n, args.shape.batch,
                                                args.shape.splits, k_blocks,
-                                               args.shape.k_blocks_per_split, stream_k_ctas);
+                                               args.shape.k_blocks_per_split, stream_k_ctas,
+                                               group_rows);
   typename K::Partials partials{nullptr, nullptr};
   int clusters = std::max(1, std::min(tiles.num_units, launcher.resident()));
   if (tiles.sk_ctas > 0) {

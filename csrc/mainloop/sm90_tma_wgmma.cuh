@@ -53,6 +53,7 @@ struct LoadPlan {
   int rows;
   int cols;
   const CUtensorMap* b2;  // kPairedB: the second B (B's odd blocks)
+  bool reverse_k;         // the K slices last to first (the consumers only count them)
 };
 
 // kPairedB: B's 64-wide blocks alternate two maps, `b` and `b2`, over the same columns (block j
@@ -156,7 +157,8 @@ struct MainloopSm90TmaWgmma {
     }
   }
 
-  // Producer (one thread): stream K slices [kb_begin, kb_end) of one output tile into the ring.
+  // Producer (one thread): stream K slices [kb_begin, kb_end) of one output tile into the ring,
+  // in descending order where plan.reverse_k.
   // `rank` is this CTA's rank in its cluster; `a_stage_bytes` what all of A's boxes bring per
   // stage (GemmShape::a_stage_bytes). `plan` is read only in modes other than kIdle.
   __device__ static void load(Pipeline& pipeline, State& write, SharedStorage& smem,
@@ -166,13 +168,14 @@ struct MainloopSm90TmaWgmma {
     const int b = b_loads(plan);
     const uint32_t bytes = stage_bytes(a, b, a_stage_bytes);
 #pragma unroll 1
-    for (int kb = kb_begin; kb < kb_end; ++kb) {
+    for (int i = kb_begin; i < kb_end; ++i) {
       pipeline.producer_acquire(write);
       if (mode == LoadMode::kIdle) {
         pipeline.producer_expect_tx(write, 0);
         ++write;
         continue;
       }
+      const int kb = plan.reverse_k ? kb_begin + kb_end - 1 - i : i;
       uint64_t* full = pipeline.producer_expect_tx(write, bytes);
       copy_stage(smem, write.index, plan, a, b, kb, mode, rank, full);
       ++write;

@@ -127,13 +127,14 @@ struct MainloopSm90Fp8 {
     const uint32_t bytes = Operands::stage_bytes(a_loads, b_loads, a_stage_bytes) +
                            (params.has_sa ? kAScaleBytes : 0) + (params.has_sb ? kBScaleBytes : 0);
 #pragma unroll 1
-    for (int kb = kb_begin; kb < kb_end; ++kb) {
+    for (int i = kb_begin; i < kb_end; ++i) {
       pipeline.producer_acquire(write);
       if (mode == LoadMode::kIdle) {
         pipeline.producer_expect_tx(write, 0);
         ++write;
         continue;
       }
+      const int kb = plan.reverse_k ? kb_begin + kb_end - 1 - i : i;
       uint64_t* full = pipeline.producer_expect_tx(write, bytes);
       Operands::copy_stage(smem.operands, write.index, plan, a_loads, b_loads, kb, mode, rank,
                            full);

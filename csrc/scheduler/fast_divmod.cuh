@@ -49,4 +49,14 @@ struct Divmod {
   }
 };
 
+// The same interface for a divisor known at compile time.
+template <int kDivisor>
+struct ConstDivmod {
+  static constexpr int divisor = kDivisor;
+  __host__ __device__ int divmod(int n, int* rem) const {
+    *rem = n % kDivisor;
+    return n / kDivisor;
+  }
+};
+
 }  // namespace jax_tma

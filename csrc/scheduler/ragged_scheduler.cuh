@@ -135,8 +135,8 @@ struct RaggedRowScheduler {
     const int row0 = first_row(owner.first_block);
     const int rows = first_row(owner.first_block + owner_blocks) - row0;
     int row;
-    raster_tile<kGroupM>(linear - row0 * p.n_blocks, rows, p.tiles_per_group,
-                         Divmod{rows - (rows - 1) / kGroupM * kGroupM}, &row, &w.n_block);
+    raster_tile(linear - row0 * p.n_blocks, rows, ConstDivmod<kGroupM>{}, p.tiles_per_group,
+                Divmod{rows - (rows - 1) / kGroupM * kGroupM}, &row, &w.n_block);
     row += row0;
     // This CTA's block: the owner's, or the next segment's first, or past every segment's rows.
     const int block = row * kClusterM + rank;
@@ -171,7 +171,7 @@ struct RaggedRowScheduler {
 
 template <int kBlockM, int kBlockN, int kClusterM, int kBlockK, int kGroupM = 8>
 struct RaggedKScheduler {
-  using Dense = TileScheduler<kBlockM, kBlockN, kClusterM, kGroupM>;
+  using Dense = TileScheduler<kBlockM, kBlockN, kClusterM>;
   struct Params {
     typename Dense::Params tiles;   // batch = segments, no split-K or stream-K
     const RaggedSegment* segments;  // written by the prepare kernel
@@ -179,7 +179,7 @@ struct RaggedKScheduler {
 
   __host__ static Params make_params(const RaggedSegment* segments, int num_segments, int m,
                                      int n) {
-    return Params{Dense::make_params(m, n, num_segments, 1, 1, 1, 0), segments};
+    return Params{Dense::make_params(m, n, num_segments, 1, 1, 1, 0, kGroupM), segments};
   }
 
   Dense dense;

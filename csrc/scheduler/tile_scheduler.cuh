@@ -3,12 +3,12 @@
 //
 // Work units are (split, batch entry, tile) triples, split outermost, so CTAs resident at one
 // time share a K range and with it the operand slices in L2; then the batch entry, so they
-// share one entry's operands. Within a batch entry, tiles are numbered so that kGroupM
-// consecutive cluster rows sweep the N dimension together. A cluster of kClusterM CTAs takes
-// one cluster row of a unit: CTA rank r computes M block (cluster_row * kClusterM + r) of the
-// same batch entry, all of them the same N block and K range. Clusters start at their cluster
-// index and stride by the number of clusters in the grid (persistent when the grid holds fewer
-// clusters than units).
+// share one entry's operands. Within a batch entry, tiles are numbered so that a group of
+// consecutive cluster rows sweeps the N dimension together (group_rows_for). A cluster of
+// kClusterM CTAs takes one cluster row of a unit: CTA rank r computes M block
+// (cluster_row * kClusterM + r) of the same batch entry, all of them the same N block and K
+// range. Clusters start at their cluster index and stride by the number of clusters in the grid
+// (persistent when the grid holds fewer clusters than units).
 //
 // Stream-K (one CTA per cluster, no split-K): when the units do not fill the last wave of the
 // grid, the whole waves go round as above ("data-parallel") and the K slices of the units left
@@ -23,6 +23,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "scheduler/fast_divmod.cuh"
@@ -43,26 +44,27 @@ struct WorkTile {
 };
 
 // Grouped rasterisation of one batch entry's tiles (cluster rows x N blocks): tile `tile` is
-// cluster row *row, N block *n_block, kGroupM consecutive cluster rows sweeping the N blocks
-// together. `tiles_per_group` divides by kGroupM x N blocks, `last_rows` by the cluster rows of
-// the last group (kGroupM, or fewer): a FastDivmod, or a Divmod where the rows vary by entry.
-template <int kGroupM, class LastRowsDiv>
-__device__ __forceinline__ void raster_tile(int tile, int cluster_rows,
+// cluster row *row, N block *n_block, `group` (its divisor: the group's cluster rows)
+// consecutive cluster rows sweeping the N blocks together. `tiles_per_group` divides by the
+// group's rows x N blocks, `last_rows` by the cluster rows of the last group (the group's, or
+// fewer): a FastDivmod, or a Divmod where the rows vary by entry.
+template <class GroupDiv, class LastRowsDiv>
+__device__ __forceinline__ void raster_tile(int tile, int cluster_rows, const GroupDiv& group,
                                             const FastDivmod& tiles_per_group,
                                             const LastRowsDiv& last_rows, int* row,
                                             int* n_block) {
   int in_group;
-  const int first_row = tiles_per_group.divmod(tile, &in_group) * kGroupM;
-  if (first_row + kGroupM <= cluster_rows) {  // a whole group: kGroupM is a constant
-    *row = first_row + in_group % kGroupM;
-    *n_block = in_group / kGroupM;
+  const int group_rows = static_cast<int>(group.divisor);
+  const int first_row = tiles_per_group.divmod(tile, &in_group) * group_rows;
+  if (first_row + group_rows <= cluster_rows) {  // a whole group
+    *n_block = group.divmod(in_group, row);
   } else {
     *n_block = last_rows.divmod(in_group, row);
-    *row += first_row;
   }
+  *row += first_row;
 }
 
-template <int kBlockM, int kBlockN, int kClusterM, int kGroupM = 8>
+template <int kBlockM, int kBlockN, int kClusterM>
 struct TileScheduler {
   // Shortest stream-K range worth a partial tile's round trip through memory, in K slices.
   static constexpr int kMinStreamKSlices = 4;
@@ -76,8 +78,9 @@ struct TileScheduler {
     int k_blocks_per_split;  // K slices per split; the last split may have fewer
     FastDivmod units_per_split;
     FastDivmod tiles_per_batch;
-    FastDivmod tiles_per_group;  // kGroupM * n_blocks
-    FastDivmod last_group_rows;  // cluster rows of the last group (kGroupM, or fewer)
+    FastDivmod group_rows;       // cluster rows of a group (group_rows_for)
+    FastDivmod tiles_per_group;  // group_rows * n_blocks
+    FastDivmod last_group_rows;  // cluster rows of the last group (group_rows, or fewer)
     // Stream-K: units [0, dp_units) are whole; the (num_units - dp_units) * k_blocks iterations
     // of the rest go to CTAs [0, sk_ctas), sk_base each and one more for the first sk_extra.
     // Without stream-K, dp_units = num_units and sk_ctas = 0.
@@ -93,13 +96,23 @@ struct TileScheduler {
   // more CTAs work than the whole units would (otherwise sk_ctas = 0).
   // NOTE: the host checks that splits x batch x tiles is at most INT32_MAX / 2 (ffi/gemm.cc).
   // NOTE: block counts are computed in 64 bits: m or n within one tile of 2^31 would wrap.
+  // The cluster rows of a group for a grid of `ctas` CTAs: about sqrt(ctas x kBlockN / kBlockM)
+  // M blocks, so that a wave of tiles spans A rows and B columns of about equal bytes, the
+  // least that a wave of that many tiles reads (a wave's A and B, read again by the next one,
+  // stay in L2 the more for it).
+  __host__ static int group_rows_for(int ctas) {
+    const double blocks = std::sqrt(static_cast<double>(std::max(ctas, 1)) * kBlockN / kBlockM);
+    return std::max(1, static_cast<int>(std::lround(blocks / kClusterM)));
+  }
+
+  // `group_rows`: cluster rows per group (group_rows_for).
   __host__ static Params make_params(int m, int n, int batch, int splits, int k_blocks,
-                                     int k_blocks_per_split, int stream_k_ctas) {
+                                     int k_blocks_per_split, int stream_k_ctas, int group_rows) {
     const int m_blocks = static_cast<int>((int64_t{m} + kBlockM - 1) / kBlockM);
     const int n_blocks = static_cast<int>((int64_t{n} + kBlockN - 1) / kBlockN);
     const int cluster_rows = (m_blocks + kClusterM - 1) / kClusterM;
     const int tiles_per_batch = cluster_rows * n_blocks;
-    const int last_rows = cluster_rows - (cluster_rows - 1) / kGroupM * kGroupM;
+    const int last_rows = cluster_rows - (cluster_rows - 1) / group_rows * group_rows;
     const int num_units = tiles_per_batch * batch * splits;
     Params p{m_blocks,
              cluster_rows,
@@ -108,7 +121,8 @@ struct TileScheduler {
              k_blocks_per_split,
              FastDivmod(tiles_per_batch * batch),
              FastDivmod(tiles_per_batch),
-             FastDivmod(kGroupM * n_blocks),
+             FastDivmod(group_rows),
+             FastDivmod(group_rows * n_blocks),
              FastDivmod(last_rows),
              num_units,
              0,
@@ -147,8 +161,8 @@ struct TileScheduler {
     int in_split, tile, row;
     w.split = p.units_per_split.divmod(linear, &in_split);
     w.batch = p.tiles_per_batch.divmod(in_split, &tile);
-    raster_tile<kGroupM>(tile, p.cluster_rows, p.tiles_per_group, p.last_group_rows, &row,
-                         &w.n_block);
+    raster_tile(tile, p.cluster_rows, p.group_rows, p.tiles_per_group, p.last_group_rows, &row,
+                &w.n_block);
     w.m_block = row * kClusterM + rank;
     w.self_valid = w.m_block < p.m_blocks;
     w.cluster_full = (row + 1) * kClusterM <= p.m_blocks;
