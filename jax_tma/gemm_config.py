@@ -276,7 +276,14 @@ _STREAM_K_EXTRA_TILES = 0.33
 _STREAM_K_FIXED_S = 4e-6
 _STREAM_K_FIXED_WAVES = 4
 _STREAM_K_MIN_SLICES = 4  # TileScheduler::kMinStreamKSlices
-_GROUP_M = 8  # TileScheduler's kGroupM: cluster rows that sweep the N blocks together
+# The tile order in which stream_k_shared_operand_bytes counts the blocks that stream-K's tiles
+# share: groups of 8 cluster rows sweeping the N blocks, TileScheduler's order when
+# _STREAM_K_REREAD was fitted. Since 79d19c5 the scheduler's groups follow the tile and the grid
+# (TileScheduler::group_rows_for: 16 rows for 128 x 256 stream-K on 132 SMs); counted in that
+# order, 13 of 4,695 picks over the docs/cost-model.md suite would move from pairs to stream-K,
+# among them two the fit measured pairs 6 % faster on (4096 x 12288 x 8192, 8192 x 6144 x
+# 8192), so the charge keeps the order it was fitted on until it is refitted.
+_GROUP_M = 8
 DEFAULT_L2_BYTES = 50 * 2**20  # an H100's or H200's, for a device that does not say
 # Stream-K's CTAs start their ranges at scattered K offsets, so the last tiles that share a row
 # block of A or a column block of B read it at different times: what of those shared blocks L2
@@ -299,8 +306,8 @@ def stream_k_share(tiles: int, k: int, num_sms: int) -> tuple[int, int] | None:
 def stream_k_shared_operand_bytes(config: GemmConfig, m: int, n: int, k: int, batch: int = 1,
                                   num_sms: int = DEFAULT_NUM_SMS, in_bytes: int = 2) -> int:
     """Bytes of the operand blocks that two or more of stream-K's tiles read: the row blocks of
-    A and column blocks of B shared among the tiles left after the whole waves, in the order
-    TileScheduler numbers them (0 where stream-K does not apply)."""
+    A and column blocks of B shared among the tiles left after the whole waves, in groups of
+    _GROUP_M rows (0 where stream-K does not apply)."""
     m_blocks, n_blocks = math.ceil(m / config.block_m), math.ceil(n / config.block_n)
     per_batch = m_blocks * n_blocks
     tiles = batch * per_batch

@@ -546,8 +546,9 @@ def test_heuristic_follows_the_measured_sweeps():
     assert not gemm.default_config(2048, 2048, 2048).stream_k
 
 
-def test_stream_k_shared_operand_bytes_follow_the_scheduler():
-    """The operand blocks two or more of stream-K's tiles share, in TileScheduler's order."""
+def test_stream_k_shared_operand_bytes_follow_the_fitted_order():
+    """The operand blocks two or more of stream-K's tiles share, in the tile order the charge
+    was fitted on (groups of 8 rows: gemm_config._GROUP_M)."""
     sk = jax_tma.GemmConfig(128, 256, 3, 1, stream_k=True)
     # 8192 x 8192: 64 x 32 tiles, 68 left after 15 waves of 132: the last 68 of the last group
     # of 8 row blocks, so all 8 row blocks and column blocks 23-31 (23 holds rows 4-7 only).
