@@ -91,11 +91,6 @@ struct TileScheduler {
     FastDivmod k_blocks_div;
   };
 
-  // `stream_k_ctas`: CTAs that may share the last wave's K slices (the grid's size; 0: no
-  // stream-K). Stream-K applies when it leaves every CTA at least kMinStreamKSlices and gives
-  // more CTAs work than the whole units would (otherwise sk_ctas = 0).
-  // NOTE: the host checks that splits x batch x tiles is at most INT32_MAX / 2 (ffi/gemm.cc).
-  // NOTE: block counts are computed in 64 bits: m or n within one tile of 2^31 would wrap.
   // The cluster rows of a group for a grid of `ctas` CTAs: about sqrt(ctas x kBlockN / kBlockM)
   // M blocks, so that a wave of tiles spans A rows and B columns of about equal bytes, the
   // least that a wave of that many tiles reads (a wave's A and B, read again by the next one,
@@ -105,7 +100,12 @@ struct TileScheduler {
     return std::max(1, static_cast<int>(std::lround(blocks / kClusterM)));
   }
 
-  // `group_rows`: cluster rows per group (group_rows_for).
+  // `stream_k_ctas`: CTAs that may share the last wave's K slices (the grid's size; 0: no
+  // stream-K). Stream-K applies when it leaves every CTA at least kMinStreamKSlices and gives
+  // more CTAs work than the whole units would (otherwise sk_ctas = 0). `group_rows`: cluster
+  // rows per group (group_rows_for).
+  // NOTE: the host checks that splits x batch x tiles is at most INT32_MAX / 2 (ffi/gemm.cc).
+  // NOTE: block counts are computed in 64 bits: m or n within one tile of 2^31 would wrap.
   __host__ static Params make_params(int m, int n, int batch, int splits, int k_blocks,
                                      int k_blocks_per_split, int stream_k_ctas, int group_rows) {
     const int m_blocks = static_cast<int>((int64_t{m} + kBlockM - 1) / kBlockM);
