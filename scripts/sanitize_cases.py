@@ -88,13 +88,15 @@ def _fused_cases(rng, m, n, k) -> list[Case]:
     wt = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(BF16)  # gradient: [n, k] read K-major
     z = rng.standard_normal((m, n)).astype(BF16)
     x64 = _f64(x)
+    # The float64 products every tile's references share.
+    xw, xw2, xwt = x64 @ _f64(w), x64 @ _f64(w2), x64 @ _f64(wt).T
     cases = []
     for cfg in ep.DENSE_CONFIGS:
         for act in ("none", "relu", "gelu_tanh", "gelu_erf", "silu"):
             activation = None if act == "none" else act
             if act == "gelu_erf" and cfg.tile not in ep._NARROW_TILES:
                 continue
-            ref = _f64(ep.activate(activation, jnp.asarray(x64 @ _f64(w) + bias, jnp.float32)))
+            ref = _f64(ep.activate(activation, jnp.asarray(xw + bias, jnp.float32)))
             ref = ref + _f64(aux)
             run = (lambda cfg=cfg, activation=activation: ep._kernel_call(
                 jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), jnp.asarray(aux),
@@ -104,7 +106,7 @@ def _fused_cases(rng, m, n, k) -> list[Case]:
         # On 128-row tiles the epilogue warps finish these: bias + gelu alone, and the residual
         # through their ring without a saved pre-activation.
         for has_aux in (False, True):
-            ref = _f64(ep.activate("gelu_tanh", jnp.asarray(x64 @ _f64(w) + bias, jnp.float32)))
+            ref = _f64(ep.activate("gelu_tanh", jnp.asarray(xw + bias, jnp.float32)))
             ref = ref + _f64(aux) if has_aux else ref
             operands = (x, w, bias, aux) if has_aux else (x, w, bias)
             run = (lambda cfg=cfg, has_aux=has_aux, operands=operands: ep._kernel_call(
@@ -115,15 +117,14 @@ def _fused_cases(rng, m, n, k) -> list[Case]:
             cases.append(Case(f"dense forward {name} {cfg.describe()}", run, ref, 1e-2))
         for act in ("relu", "gelu_tanh", "gelu_erf", "silu"):
             slope = _f64(ep.activation_grad(act, jnp.asarray(z, jnp.float32)))
-            ref = (x64 @ _f64(wt).T) * slope
+            ref = xwt * slope
             run = (lambda cfg=cfg, act=act: ep._kernel_call(
                 jnp.asarray(x), jnp.asarray(wt), jnp.asarray(z), kind=ep.GRADIENT,
                 activation=act, has_bias=False, has_aux=True, save_pre=False, b_k_major=True,
                 out_dtype=BF16, config=cfg, poison=True)[0])
             cases.append(Case(f"dense gradient {act} {cfg.describe()}", run, ref, 1e-2))
         for act in ("silu", "gelu_tanh", "gelu_erf"):
-            g = jnp.asarray(x64 @ _f64(w), jnp.float32)
-            ref = _f64(ep.activate(act, g)) * (x64 @ _f64(w2))
+            ref = _f64(ep.activate(act, jnp.asarray(xw, jnp.float32))) * xw2
             run = (lambda cfg=cfg, act=act: ep._kernel_call(
                 jnp.asarray(x), jnp.asarray(w), jnp.asarray(w2), kind=ep.GATED, activation=act,
                 has_bias=False, has_aux=False, save_pre=True, b_k_major=False, out_dtype=BF16,
@@ -135,10 +136,9 @@ def _fused_cases(rng, m, n, k) -> list[Case]:
     pre = rng.standard_normal((2, m, n)).astype(BF16)
     for cfg in ep._configs_for(ep.GATED_GRADIENT, "silu"):
         for act in ("silu", "gelu_tanh"):
-            h = x64 @ _f64(wt).T
             slope = _f64(ep.activation_grad(act, jnp.asarray(pre[0], jnp.float32)))
-            up_ct = h * _f64(ep.activate(act, jnp.asarray(pre[0], jnp.float32)))
-            ref = np.concatenate([(h * _f64(pre[1]) * slope).ravel(), up_ct.ravel()])
+            up_ct = xwt * _f64(ep.activate(act, jnp.asarray(pre[0], jnp.float32)))
+            ref = np.concatenate([(xwt * _f64(pre[1]) * slope).ravel(), up_ct.ravel()])
             run = (lambda cfg=cfg, act=act: jnp.concatenate([o.ravel() for o in ep._kernel_call(
                 jnp.asarray(x), jnp.asarray(wt), jnp.asarray(pre), kind=ep.GATED_GRADIENT,
                 activation=act, has_bias=False, has_aux=True, save_pre=False, b_k_major=True,
