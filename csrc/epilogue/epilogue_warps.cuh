@@ -154,6 +154,15 @@ struct EpilogueWarps {
     }
   }
 
+  // A bias of the output's type, added to 8 staged values in pairs (add_pairs: the rounded sum
+  // of the fp32 path, in a quarter of its instructions).
+  __device__ static void add_bias_pairs(const Out* bias, int col, uint32_t (&w)[4]) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(bias + col));
+    const uint32_t b[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) w[i] = add_pairs<Out>(w[i], b[i]);
+  }
+
   // Whether chunk `c` of the block at `to` holds columns of D (the rest are neither loaded nor
   // stored).
   __device__ static bool chunk_within(int c, const StorePlan& to) {
@@ -186,6 +195,14 @@ struct EpilogueWarps {
     const int unit = t % kUnits;
     const int rows = rows_within(to);
     const T* bias = static_cast<const T*>(in.args.bias);
+    // A bias of the output's type is added in 16-bit pairs (add_pairs: the same bits as the
+    // fp32 sum rounded, in a quarter of the instructions); with no activation (and not the
+    // gradient's product) the residual too, and nothing is unpacked. (After an activation the
+    // residual's sum stays in fp32: in pairs, fp16's 128 x 256 silu kernels with an fp32 bias
+    // spilled 8 bytes a thread at the epilogue warps' 56 registers.)
+    constexpr bool kPairBias = kBias && std::is_same_v<T, Out>;
+    constexpr bool kPairsOnly = F::kKind != FusionKind::kActivationGrad && !kAct &&
+                                (kPairBias || !kBias);
 #pragma unroll 1
     for (int c = 0; c < kChunks; ++c) {
       if (64 * c >= to.cols - to.col) break;
@@ -201,38 +218,49 @@ struct EpilogueWarps {
       for (int row = t / kUnits; row < rows; row += kRowStep) {
         const uint32_t offset = Stage::swizzled(row, unit);
         const uint4 v = ptx::ld_shared_v4_b32(base + offset);
-        const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-        float z[8];
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float2 p = unpack_pair<Out>(w[i]);
-          z[2 * i] = p.x;
-          z[2 * i + 1] = p.y;
-        }
-        if constexpr (kBias) {
-          if (biased) add_bias(bias, col, z);
+        uint32_t w[4] = {v.x, v.y, v.z, v.w};
+        if constexpr (kPairBias) {
+          if (biased) add_bias_pairs(bias, col, w);
         }
         uint32_t out[4];
-        uint4 r = make_uint4(0, 0, 0, 0);
-        if constexpr (kAux) r = ptx::ld_shared_v4_b32(aux_base + offset);
-        const uint32_t res[4] = {r.x, r.y, r.z, r.w};
+        if constexpr (kPairsOnly) {
+          uint4 r = make_uint4(0, 0, 0, 0);
+          if constexpr (kAux) r = ptx::ld_shared_v4_b32(aux_base + offset);
+          const uint32_t res[4] = {r.x, r.y, r.z, r.w};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          float2 x = make_float2(z[2 * i], z[2 * i + 1]);
-          if constexpr (F::kKind == FusionKind::kActivationGrad) {
-            const float2 pre = unpack_pair<Out>(res[i]);
-            x = make_float2(x.x * activate_grad<F::kAct>(pre.x),
-                            x.y * activate_grad<F::kAct>(pre.y));
-          } else {
-            if constexpr (kBias) x = round_pair<Out>(x);
-            if constexpr (kAct) x = make_float2(activate<F::kAct>(x.x), activate<F::kAct>(x.y));
-            if constexpr (kAux) {
-              if constexpr (kAct) x = round_pair<Out>(x);
-              const float2 y = unpack_pair<Out>(res[i]);
-              x = make_float2(x.x + y.x, x.y + y.y);
-            }
+          for (int i = 0; i < 4; ++i) out[i] = kAux ? add_pairs<Out>(w[i], res[i]) : w[i];
+        } else {
+          float z[8];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float2 p = unpack_pair<Out>(w[i]);
+            z[2 * i] = p.x;
+            z[2 * i + 1] = p.y;
           }
-          out[i] = pack_pair<Out>(x.x, x.y);
+          if constexpr (kBias && !kPairBias) {
+            if (biased) add_bias(bias, col, z);
+          }
+          uint4 r = make_uint4(0, 0, 0, 0);
+          if constexpr (kAux) r = ptx::ld_shared_v4_b32(aux_base + offset);
+          const uint32_t res[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            float2 x = make_float2(z[2 * i], z[2 * i + 1]);
+            if constexpr (F::kKind == FusionKind::kActivationGrad) {
+              const float2 pre = unpack_pair<Out>(res[i]);
+              x = make_float2(x.x * activate_grad<F::kAct>(pre.x),
+                              x.y * activate_grad<F::kAct>(pre.y));
+            } else {
+              if constexpr (kBias && !kPairBias) x = round_pair<Out>(x);
+              if constexpr (kAct) x = make_float2(activate<F::kAct>(x.x), activate<F::kAct>(x.y));
+              if constexpr (kAux) {
+                if constexpr (kAct) x = round_pair<Out>(x);
+                const float2 y = unpack_pair<Out>(res[i]);
+                x = make_float2(x.x + y.x, x.y + y.y);
+              }
+            }
+            out[i] = pack_pair<Out>(x.x, x.y);
+          }
         }
         ptx::st_shared_v4_b32(base + offset, make_uint4(out[0], out[1], out[2], out[3]));
       }
@@ -281,10 +309,8 @@ struct EpilogueWarps {
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const float2 x = unpack_pair<Out>(gates[i]);
-          const float2 a =
-              round_pair<Out>(make_float2(activate<F::kAct>(x.x), activate<F::kAct>(x.y)));
-          const float2 y = unpack_pair<Out>(ups[i]);
-          out[i] = pack_pair<Out>(a.x * y.x, a.y * y.y);
+          const uint32_t a = pack_pair<Out>(activate<F::kAct>(x.x), activate<F::kAct>(x.y));
+          out[i] = mul_pairs<Out>(a, ups[i]);
         }
         ptx::st_shared_v4_b32(gate_base + offset, make_uint4(out[0], out[1], out[2], out[3]));
       }

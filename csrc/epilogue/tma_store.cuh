@@ -31,6 +31,7 @@
 #include "pipeline/named_barrier.cuh"
 #include "pipeline/tma_store_pipeline.cuh"
 #include "ptx/ldmatrix.cuh"
+#include "ptx/math.cuh"
 #include "ptx/stmatrix.cuh"
 #include "ptx/tma.cuh"
 
@@ -57,6 +58,30 @@ __device__ __forceinline__ float2 unpack_pair<__nv_bfloat16>(uint32_t v) {
 template <>
 __device__ __forceinline__ float2 unpack_pair<__half>(uint32_t v) {
   return __half22float2(*reinterpret_cast<const __half2*>(&v));
+}
+
+// a + b and a * b for two pairs of 16-bit values, each rounded once to Out. Bit for bit what
+// the fp32 sum or product rounded to Out gives (unpack_pair, then pack_pair): the product of
+// two 16-bit values is exact in fp32, and so is their sum unless their exponents lie more than
+// 15 (fp16: 13) apart, where the smaller lies too far below the larger's half-ulp for either
+// rounding to move.
+template <class Out>
+__device__ __forceinline__ uint32_t add_pairs(uint32_t a, uint32_t b) {
+  if constexpr (std::is_same_v<Out, __nv_bfloat16>) {
+    return ptx::add_bf16x2(a, b);
+  } else {
+    static_assert(std::is_same_v<Out, __half>);
+    return ptx::add_f16x2(a, b);
+  }
+}
+template <class Out>
+__device__ __forceinline__ uint32_t mul_pairs(uint32_t a, uint32_t b) {
+  if constexpr (std::is_same_v<Out, __nv_bfloat16>) {
+    return ptx::mul_bf16x2(a, b);
+  } else {
+    static_assert(std::is_same_v<Out, __half>);
+    return ptx::mul_f16x2(a, b);
+  }
 }
 
 // `v` rounded to Out and back (a 16-bit type; fp32 as it is).
