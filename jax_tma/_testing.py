@@ -98,6 +98,14 @@ def pipeline_phases(stages: int, consumers: int, iterations: int,
     )
 
 
+def pair_math(a: jax.Array, b: jax.Array, half: bool):
+    """The fused epilogues' packed 16-bit sums and products (add_pairs, mul_pairs): a and b
+    uint32 [n], each word two bf16 values (fp16 where `half`); returns (sums, products), uint32
+    [n] in the same packing."""
+    out = (jax.ShapeDtypeStruct(a.shape, np.uint32), jax.ShapeDtypeStruct(a.shape, np.uint32))
+    return jax.ffi.ffi_call("jax_tma_test_pair_math", out)(a, b, half=_i64(int(half)))
+
+
 def tensormap_replace(x: jax.Array, groups: np.ndarray, template: tuple[int, int, int],
                       box: tuple[int, int], timeout_cycles: int = TIMEOUT_CYCLES):
     """Tensor maps edited on the device: CTA g copies a template map over the flat buffer x

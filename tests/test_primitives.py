@@ -186,6 +186,40 @@ def test_wrong_transaction_count_times_out(rng):
     assert (np.asarray(images)[:, 0] == x[:8].view(np.uint8).reshape(-1)).all()
 
 
+def pair_operands(rng, dtype, n):
+    """n words of two `dtype` values each: half of them random bit patterns (NaNs, infinities
+    and subnormals included), half values of random sign and magnitude over the type's whole
+    exponent range, so that operands lie any number of binades apart."""
+    bits = rng.integers(0, 2**16, (n // 2, 2), dtype=np.uint16)
+    info = ml_dtypes.finfo(dtype)
+    exponents = rng.integers(int(info.minexp) - int(info.nmant), int(info.maxexp), (n - n // 2, 2))
+    values = (rng.uniform(1, 2, exponents.shape) * np.exp2(exponents.astype(np.float64))
+              * rng.choice([-1, 1], exponents.shape)).astype(dtype)
+    halves = np.concatenate([bits, values.view(np.uint16)])
+    return np.ascontiguousarray(halves).view(np.uint32).reshape(-1)
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_pair_math_matches_the_rounded_fp32_result(rng, dtype):
+    """add_pairs and mul_pairs (the epilogue warps' packed bias, residual and gating
+    arithmetic) give the bits of the fp32 sum or product rounded to the 16-bit type, which is
+    what the unfused expression computes."""
+    n = 1 << 20
+    a, b = pair_operands(rng, dtype, n), pair_operands(rng, dtype, n)
+    sums, products = _testing.pair_math(jnp.asarray(a), jnp.asarray(b), half=dtype == F16)
+    x, y = a.view(dtype).astype(np.float32), b.view(dtype).astype(np.float32)
+    for name, got, want in (("sum", sums, (x + y).astype(dtype)),
+                            ("product", products, (x * y).astype(dtype))):
+        got = np.asarray(got).view(dtype)
+        nan = np.isnan(want.astype(np.float32))
+        np.testing.assert_array_equal(np.isnan(got.astype(np.float32)), nan, err_msg=name)
+        mismatch = np.flatnonzero(got.view(np.uint16)[~nan] != want.view(np.uint16)[~nan])
+        assert mismatch.size == 0, (
+            f"{name}: {mismatch.size} of {got.size} differ, e.g. "
+            f"{x.reshape(-1)[~nan][mismatch[0]]!r}, {y.reshape(-1)[~nan][mismatch[0]]!r}: "
+            f"{got[~nan][mismatch[0]]!r} against {want[~nan][mismatch[0]]!r}")
+
+
 @pytest.mark.parametrize("stages", [2, 4])
 @pytest.mark.parametrize("consumers", [1, 3])
 def test_pipeline_phases_over_many_iterations(stages, consumers):

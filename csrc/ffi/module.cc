@@ -46,6 +46,7 @@ NB_MODULE(_jax_tma, m) {
     targets["jax_tma_test_tma_multicast"] = handler_capsule(jax_tma::ffi_handlers::TestTmaMulticast);
     targets["jax_tma_test_pipeline_phases"] =
         handler_capsule(jax_tma::ffi_handlers::TestPipelinePhases);
+    targets["jax_tma_test_pair_math"] = handler_capsule(jax_tma::ffi_handlers::TestPairMath);
     targets["jax_tma_test_tensormap_replace"] =
         handler_capsule(jax_tma::ffi_handlers::TestTensormapReplace);
     targets["jax_tma_test_cp_async_pipeline"] =

@@ -20,6 +20,7 @@ namespace jax_tma::ffi_handlers {
 namespace {
 
 using testing::MulticastArgs;
+using testing::PairMathArgs;
 using testing::PhaseArgs;
 using testing::ReduceAddArgs;
 using testing::CpAsyncPipelineArgs;
@@ -204,6 +205,23 @@ ffi::Error tma_multicast(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi:
   args.timeout_cycles = static_cast<uint64_t>(timeout_cycles);
   return clear_then_launch(stream, {*timeouts}, "tma multicast launch",
                            [&] { return testing::launch_tma_multicast(args, stream); });
+}
+
+ffi::Error pair_math(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                     ffi::Result<ffi::AnyBuffer> sum, ffi::Result<ffi::AnyBuffer> product,
+                     int64_t half) {
+  const size_t n = a.element_count();
+  for (const ffi::AnyBuffer* x : {&a, &b, &*sum, &*product}) {
+    if (x->element_type() != ffi::DataType::U32 || x->element_count() != n) {
+      return ffi::Error::InvalidArgument("pair_math: a, b, sum and product must be u32[n]");
+    }
+  }
+  const PairMathArgs args{static_cast<const uint32_t*>(a.untyped_data()),
+                          static_cast<const uint32_t*>(b.untyped_data()),
+                          static_cast<uint32_t*>(sum->untyped_data()),
+                          static_cast<uint32_t*>(product->untyped_data()),
+                          static_cast<int64_t>(n), half != 0};
+  return ffi_util::cuda_error(testing::launch_pair_math(args, stream), "pair_math");
 }
 
 ffi::Error pipeline_phases(cudaStream_t stream, ffi::Result<ffi::AnyBuffer> seen,
@@ -505,6 +523,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TestTmaMulticast, tma_multicast,
                                   .Attr<int64_t>("mode")                      // 0 / same n / same m
                                   .Attr<int64_t>("extra_tx_bytes")
                                   .Attr<int64_t>("timeout_cycles"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TestPairMath, pair_math,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
+                                  .Arg<ffi::AnyBuffer>()                      // a u32[n]
+                                  .Arg<ffi::AnyBuffer>()                      // b u32[n]
+                                  .Ret<ffi::AnyBuffer>()                      // sum u32[n]
+                                  .Ret<ffi::AnyBuffer>()                      // product u32[n]
+                                  .Attr<int64_t>("half"));                    // fp16, not bf16
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TestPipelinePhases, pipeline_phases,
                               ffi::Ffi::Bind()

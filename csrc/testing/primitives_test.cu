@@ -1,6 +1,9 @@
-// Test kernels for the TMA, mbarrier, cluster and pipeline primitives (see
-// primitives_test.h). Each kernel exercises one primitive the way the GEMM uses it and reports
+// Test kernels for the TMA, mbarrier, cluster and pipeline primitives and the epilogues' packed
+// arithmetic (see primitives_test.h). Each kernel exercises one primitive the way the GEMM uses it and reports
 // timeouts through bounded waits instead of hanging.
+#include <algorithm>
+
+#include "epilogue/tma_store.cuh"
 #include "pipeline/async_pipeline.cuh"
 #include "pipeline/barrier_wait.cuh"
 #include "ptx/cluster.cuh"
@@ -196,6 +199,17 @@ __global__ void pipeline_phases_kernel(PhaseParams p) {
   }
 }
 
+template <class Out>
+__global__ void pair_math_kernel(const uint32_t* a, const uint32_t* b, uint32_t* sum,
+                                 uint32_t* product, int64_t n) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += stride) {
+    sum[i] = add_pairs<Out>(a[i], b[i]);
+    product[i] = mul_pairs<Out>(a[i], b[i]);
+  }
+}
+
 BoxParams box_params(const int* counts, const int* box, int rank, uint32_t box_bytes,
                      uint8_t* images, int32_t* timeouts, uint64_t timeout_cycles) {
   BoxParams p{};
@@ -256,6 +270,17 @@ cudaError_t launch_pipeline_phases(const PhaseArgs& a, cudaStream_t stream) {
   if (a.stages == 2) return launch_plain(pipeline_phases_kernel<2>, 1, threads, 0, stream, p);
   if (a.stages == 4) return launch_plain(pipeline_phases_kernel<4>, 1, threads, 0, stream, p);
   return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_pair_math(const PairMathArgs& a, cudaStream_t stream) {
+  if (a.n == 0) return cudaSuccess;
+  const int blocks = static_cast<int>(std::min<int64_t>((a.n + 255) / 256, 1024));
+  if (a.half) {
+    return launch_plain(pair_math_kernel<__half>, blocks, 256, 0, stream, a.a, a.b, a.sum,
+                        a.product, a.n);
+  }
+  return launch_plain(pair_math_kernel<__nv_bfloat16>, blocks, 256, 0, stream, a.a, a.b, a.sum,
+                      a.product, a.n);
 }
 
 }  // namespace jax_tma::testing

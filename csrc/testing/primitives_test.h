@@ -68,6 +68,19 @@ struct PhaseArgs {
 };
 cudaError_t launch_pipeline_phases(const PhaseArgs& args, cudaStream_t stream);
 
+// The fused epilogues' packed 16-bit arithmetic (epilogue/tma_store.cuh): sum[i] =
+// add_pairs(a[i], b[i]) and product[i] = mul_pairs(a[i], b[i]), each word two bf16 values (or
+// fp16 where `half`).
+struct PairMathArgs {
+  const uint32_t* a;
+  const uint32_t* b;
+  uint32_t* sum;
+  uint32_t* product;
+  int64_t n;
+  bool half;
+};
+cudaError_t launch_pair_math(const PairMathArgs& args, cudaStream_t stream);
+
 // Tensor maps edited on the device (grouped / ragged GEMM). CTA g copies `map_template` (a 2-D
 // map over `base`) to workspace[g], replaces its global address, dims and row stride with
 // group g's (groups[g] = element offset, rows, cols, row stride in elements), publishes it with
