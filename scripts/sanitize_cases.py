@@ -211,14 +211,23 @@ def _fp8_cases(rng, m, n, k) -> list[Case]:
     return cases
 
 
+FAMILIES = ("gemm", "dense", "ragged", "fp8")  # the first word of every case's name
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--only", default="",
-                   help="comma-separated case families to run: gemm, dense, ragged, fp8 "
+                   help=f"comma-separated case families to run: {', '.join(FAMILIES)} "
                         "(default: all)")
+    p.add_argument("--families", action="store_true",
+                   help="print the case families, comma-separated, and exit (scripts/sanitize.sh "
+                        "runs each in a process of its own)")
     args = p.parse_args(argv)
-    families = {"gemm", "dense", "ragged", "fp8"}
+    if args.families:
+        print(",".join(FAMILIES))
+        return 0
+    families = set(FAMILIES)
     only = {f for f in args.only.split(",") if f} or families
     if only - families:
         p.error(f"--only: unknown families {sorted(only - families)}; known: {sorted(families)}")

@@ -1,6 +1,6 @@
 // Test kernels for the TMA, mbarrier, cluster and pipeline primitives and the epilogues' packed
-// arithmetic (see primitives_test.h). Each kernel exercises one primitive the way the GEMM uses it and reports
-// timeouts through bounded waits instead of hanging.
+// arithmetic (see primitives_test.h). Each kernel exercises one primitive the way the GEMM uses
+// it and reports timeouts through bounded waits instead of hanging.
 #include <algorithm>
 
 #include "epilogue/tma_store.cuh"
