@@ -300,7 +300,10 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--sets", type=int, default=2,
                    help="steps per timed call, each on its own batch")
-    p.add_argument("--rounds", type=int, default=5)
+    # NOTE: a step is 10-14 ms and its rounds spread 3-7 % (clock at the power cap): at 5 rounds
+    # the medians' ratio moved 1.03-1.08x between runs of the same code; rounds cost little
+    # beside the compiles.
+    p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--iterations", type=int, default=3, help="timed calls per round")
     p.add_argument("--out", type=pathlib.Path, default=None,
                    help="results directory (default benchmarks/results; files go to "
