@@ -43,6 +43,7 @@ COLUMNS = (
     ("µs", "gpu__time_duration.sum", 1e-3),
     ("grid", "launch__grid_size", 1),
     ("cluster", "launch__cluster_dim_x", 1),
+    ("threads", "launch__block_size", 1),
     ("regs", "launch__registers_per_thread", 1),
     ("smem KB", "launch__shared_mem_per_block_dynamic", 1 / 1024),
     ("TMA MB into SMs", "l1tex__m_xbar2l1tex_read_bytes_mem_global_op_tma_ld.sum", 1e-6),
