@@ -1,7 +1,8 @@
 """Nsight Compute's counters for jax_tma.matmul's kernel and XLA's on the same products: what
 each launches (grid, cluster, threads, registers, shared memory), its duration under the
 profiler, the bytes its TMA loads bring into the SMs, the L2 read requests and sectors behind
-them, and the tensor pipes' activity. The README's explanations of the shapes where XLA is faster cite it.
+them, and the tensor pipes' activity. The README's explanations of the shapes where XLA is
+faster cite it.
 --pattern profiles a fused epilogue of bench_epilogues.py instead (jax_tma.dense /
 gated_dense against XLA's unfused forms and its dot alone): where the tensor pipes idle while
 the epilogue runs.
