@@ -122,18 +122,16 @@ ffi::Error run(const DenseAttrs& p, DType in, const Buffers& buf, LaunchArgs arg
         &map_b2, buf.b2->untyped_data(),
         ffi_util::operand_spec<Layout::kB>(in, b_n, b_k, {1, 0, "batch"}, Boxes::kBoxB));
   }
-  // D, and the aux operand and second output in D's shape and boxes.
-  const auto out_spec = ffi_util::output_spec(in, {p.n, 1, "n"}, {p.m, p.n, "m"},
-                                              {1, 0, "batch"}, {1, 0, "split"},
-                                              Tile::kEpilogueRowBytes, Tile::kEpilogueRows);
+  // D, and the aux operand and second output in D's shape, in boxes of `box_rows` rows.
+  const auto spec = [&](int box_rows) {
+    return ffi_util::output_spec(in, {p.n, 1, "n"}, {p.m, p.n, "m"}, {1, 0, "batch"},
+                                 {1, 0, "split"}, Tile::kEpilogueRowBytes, box_rows);
+  };
+  const auto out_spec = spec(Tile::kEpilogueRows);
   if (err.empty()) err = ffi_util::encode_tensor_map(&map_d, buf.out->untyped_data(), out_spec);
   // The gated gradient's epilogue warps load and store its [M, N] operands half a chunk at a
   // time (epilogue/epilogue_warps.cuh): boxes of half D's rows.
-  const auto aux_spec =
-      kGatedGrad ? ffi_util::output_spec(in, {p.n, 1, "n"}, {p.m, p.n, "m"}, {1, 0, "batch"},
-                                         {1, 0, "split"}, Tile::kEpilogueRowBytes,
-                                         Tile::kEpilogueRows / 2)
-                 : out_spec;
+  const auto aux_spec = kGatedGrad ? spec(Tile::kEpilogueRows / 2) : out_spec;
   if (err.empty() && p.has_aux) {
     err = ffi_util::encode_tensor_map(&map_aux, buf.aux->untyped_data(), aux_spec);
   }

@@ -54,6 +54,11 @@ struct LoadPlan {
   int cols;
   const CUtensorMap* b2;  // kPairedB: the second B (B's odd blocks)
   bool reverse_k;         // the K slices last to first (the consumers only count them)
+
+  // The K slice that the `i`-th stage of the range [begin, end) loads.
+  __device__ int slice(int i, int begin, int end) const {
+    return reverse_k ? begin + end - 1 - i : i;
+  }
 };
 
 // kPairedB: B's 64-wide blocks alternate two maps, `b` and `b2`, over the same columns (block j
@@ -175,7 +180,7 @@ struct MainloopSm90TmaWgmma {
         ++write;
         continue;
       }
-      const int kb = plan.reverse_k ? kb_begin + kb_end - 1 - i : i;
+      const int kb = plan.slice(i, kb_begin, kb_end);
       uint64_t* full = pipeline.producer_expect_tx(write, bytes);
       copy_stage(smem, write.index, plan, a, b, kb, mode, rank, full);
       ++write;

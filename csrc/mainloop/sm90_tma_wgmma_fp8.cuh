@@ -134,7 +134,7 @@ struct MainloopSm90Fp8 {
         ++write;
         continue;
       }
-      const int kb = plan.reverse_k ? kb_begin + kb_end - 1 - i : i;
+      const int kb = plan.slice(i, kb_begin, kb_end);
       uint64_t* full = pipeline.producer_expect_tx(write, bytes);
       Operands::copy_stage(smem.operands, write.index, plan, a_loads, b_loads, kb, mode, rank,
                            full);
