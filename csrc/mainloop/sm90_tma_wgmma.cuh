@@ -171,21 +171,7 @@ struct MainloopSm90TmaWgmma {
                               int rank, uint32_t a_stage_bytes, const Params&) {
     const int a = a_loads(plan);
     const int b = b_loads(plan);
-    fill_stages(pipeline, write, plan, kb_begin, kb_end, mode, stage_bytes(a, b, a_stage_bytes),
-                [&](int stage, int kb, uint64_t* full) {
-                  copy_stage(smem, stage, plan, a, b, kb, mode, rank, full);
-                });
-  }
-
-  // Producer (one thread): the ring's side of load(), for this mainloop and those built on its
-  // operands (mainloop/sm90_tma_wgmma_fp8.cuh). For each K slice of [kb_begin, kb_end), in
-  // plan.slice's order, it waits for a free stage, expects `bytes` on its full barrier and calls
-  // copy(stage, kb, full) to issue the copies; in kIdle mode it expects none and copies nothing
-  // (the peers' consumers still count the stage).
-  template <class Copy>
-  __device__ static void fill_stages(Pipeline& pipeline, State& write, const LoadPlan& plan,
-                                     int kb_begin, int kb_end, LoadMode mode, uint32_t bytes,
-                                     Copy&& copy) {
+    const uint32_t bytes = stage_bytes(a, b, a_stage_bytes);
 #pragma unroll 1
     for (int i = kb_begin; i < kb_end; ++i) {
       pipeline.producer_acquire(write);
@@ -196,7 +182,7 @@ struct MainloopSm90TmaWgmma {
       }
       const int kb = plan.slice(i, kb_begin, kb_end);
       uint64_t* full = pipeline.producer_expect_tx(write, bytes);
-      copy(static_cast<int>(write.index), kb, full);
+      copy_stage(smem, write.index, plan, a, b, kb, mode, rank, full);
       ++write;
     }
   }
