@@ -17,7 +17,6 @@ scale ([] or [M]), the column scale ([] or [N]) and the bias [N]; the result out
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable
 
 import jax.numpy as jnp
@@ -25,7 +24,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_tma.gemm_sharding import _spec_of
+from jax_tma.gemm_sharding import _AxisClaims, _spec_of
 
 SCALE_BLOCK = 128
 
@@ -54,14 +53,7 @@ def _choose(mesh, params, arg_shapes):
     names = _names(params)
     specs = [_spec_of(s.sharding, len(s.shape)) for s in arg_shapes]
     (m, k), (n, _) = arg_shapes[0].shape, arg_shapes[1].shape
-    used: set[str] = set()
-
-    def claim(candidates, size, unit=1):
-        axes = tuple(a for a in candidates if a not in used)
-        if not axes or size % (math.prod(mesh.shape[a] for a in axes) * unit):
-            return ()
-        used.update(axes)
-        return axes
+    claim = _AxisClaims(mesh)
 
     blocks = params["has_sa"] or params["has_sb"]
     m_axes = claim(specs[0][0], m)

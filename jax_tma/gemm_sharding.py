@@ -48,6 +48,25 @@ def _spec_of(sharding, ndim: int) -> list[Axes]:
     return [_axes(e) for e in spec]
 
 
+class _AxisClaims:
+    """Hands out a mesh's axes to one product's dimensions, each axis at most once, in the
+    order the dimensions are claimed."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.used: set[str] = set()
+
+    def __call__(self, candidates: Axes, size: int, unit: int = 1) -> Axes:
+        """The axes of `candidates` not claimed yet, now claimed, if their devices divide a
+        dimension of `size` into whole multiples of `unit`; else none (the dimension stays
+        whole)."""
+        axes = tuple(a for a in candidates if a not in self.used)
+        if not axes or size % (math.prod(self.mesh.shape[a] for a in axes) * unit):
+            return ()
+        self.used.update(axes)
+        return axes
+
+
 @dataclasses.dataclass(frozen=True)
 class _Choice:
     lhs: tuple[Axes, ...]
@@ -63,14 +82,7 @@ def _choose(mesh, lhs_shape, rhs_shape, lhs_spec, rhs_spec, dimension_numbers) -
     """Shardings of both operands and the output for the operands' current shardings."""
     (lc, rc), (lb, rb) = dimension_numbers
     lf, rf = free_axes(len(lhs_shape), lc, lb), free_axes(len(rhs_shape), rc, rb)
-    used: set[str] = set()
-
-    def claim(candidates: Axes, size: int) -> Axes:
-        axes = tuple(a for a in candidates if a not in used)
-        if not axes or size % math.prod(mesh.shape[a] for a in axes):
-            return ()
-        used.update(axes)
-        return axes
+    claim = _AxisClaims(mesh)
 
     batch = [claim(lhs_spec[i] or rhs_spec[j], lhs_shape[i]) for i, j in zip(lb, rb)]
     m = [claim(lhs_spec[i], lhs_shape[i]) for i in lf]

@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_tma.gemm_sharding import _spec_of
+from jax_tma.gemm_sharding import _AxisClaims, _spec_of
 
 Axes = tuple[str, ...]
 
@@ -43,14 +43,7 @@ def _choose(mesh, mode, w_k_major, shapes, specs):
     """Mesh axes per factor (b, m, k, n) from the operands' shardings, and the shardings of
     every operand and of the output that follow."""
     (x_shape, w_shape, gs_shape), (x_spec, w_spec, _) = shapes, specs
-    used: set[str] = set()
-
-    def claim(candidates: Axes, size: int) -> Axes:
-        axes = tuple(a for a in candidates if a not in used)
-        if not axes or size % math.prod(mesh.shape[a] for a in axes):
-            return ()
-        used.update(axes)
-        return axes
+    claim = _AxisClaims(mesh)
 
     w_batched = w_shape[0] == x_shape[0] and (mode != "rows" or w_shape[0] > 1)
     gs_batched = gs_shape[0] == x_shape[0] and gs_shape[0] > 1
