@@ -22,6 +22,9 @@ decode rows M = 16, 64 against 14336x4096.
     python benchmarks/bench_epilogues.py --sweep     # jax_tma on every compiled configuration
                                                      # (and stream-K), its plain product,
                                                      # beside XLA's forms and its dot
+    python benchmarks/bench_epilogues.py --floor     # also the time XLA takes to read the
+                                                     # weights once (a sum over them): the
+                                                     # memory floor of the decode rows
     python benchmarks/bench_epilogues.py --dry-run   # tiny shapes; runs without a GPU (CI)
 
 Before timing, jax_tma's result is compared with XLA's (relative error). Writes
@@ -113,11 +116,34 @@ def _swept(pattern) -> dict:
     return found
 
 
-def _contenders(pattern, sweep: bool = False):
+# The floor contender (--floor): XLA's sum over the weights the product reads (swiglu: both,
+# concatenated), which reads each of their bytes once and writes nothing of note. A product
+# with few rows cannot finish before its weights have been read.
+READ_W = "xla_read_w"
+
+
+def _read_weights(pattern):
+    total = lambda w: jnp.sum(w, dtype=jnp.float32)  # noqa: E731
+    if pattern == "swiglu_grad":
+        return lambda dy, wd, pre: total(wd)
+    if pattern == "swiglu":
+        return lambda x, w, b, r, w2, wc: total(wc)
+    return lambda x, w, b, r, w2, wc: total(w)
+
+
+def _contenders(pattern, sweep: bool = False, floor: bool = False):
     found = _forms(pattern)
     if sweep:
         found.update(_swept(pattern))
+    if floor:
+        found[READ_W] = _read_weights(pattern)
     return found
+
+
+def weight_bytes(pattern, shape) -> int:
+    """The bytes of bf16 weights a pattern's product reads."""
+    _, n, k = shape
+    return 2 * k * n * (2 if pattern == "swiglu" else 1)
 
 
 _NT = (((1,), (1,)), ((), ()))  # dy [M, K] @ wd [N, K]^T
@@ -199,7 +225,7 @@ def _flat(result) -> np.ndarray:
 def bench(pattern, shape, args) -> list[Row]:
     make = _grad_operands if pattern == "swiglu_grad" else _operand_sets
     sets = make(shape, args.sets, args.seed)
-    contenders = _contenders(pattern, args.sweep)
+    contenders = _contenders(pattern, args.sweep, args.floor)
     xla = _flat(jax.jit(contenders["xla"])(*sets[0]))
     notes = {}
     for name, fn in contenders.items():
@@ -213,20 +239,26 @@ def bench(pattern, shape, args) -> list[Row]:
     rows = [Row(pattern, shape, name, t.median_s, t.spread_s, notes.get(name, ""))
             for name, t in timings.items()]
     for r in rows:
+        rate = (f"{weight_bytes(pattern, shape) / r.seconds / 1e12:8.2f} TB/s of weights"
+                if r.contender == READ_W else f"{r.tflops():8.1f} TFLOP/s")
         print(f"  {pattern:8s} {'x'.join(map(str, shape)):18s} {r.contender:10s} "
-              f"{r.seconds * 1e6:10.1f} us {r.tflops():8.1f} TFLOP/s {r.note}", flush=True)
+              f"{r.seconds * 1e6:10.1f} us {rate} {r.note}", flush=True)
     return rows
 
 
 def _table(rows: list[Row], env: dict) -> str:
+    floor = any(r.contender == READ_W for r in rows)
     lines = [
         f"{env['device']}, driver {env['driver']}, CUDA {env.get('cuda_runtime')}, jax "
         f"{env['jax']}, {env['date']}, commit {str(env.get('commit'))[:10]}, bf16, timing: "
         f"{env['timing']}. × XLA: XLA's best unfused form's time / jax_tma's; vs dot: the "
-        "dot alone's time / jax_tma's (1.0 = the epilogue costs nothing)",
+        "dot alone's time / jax_tma's (1.0 = the epilogue costs nothing)" + (
+            "; weights read: XLA's sum over the weights the product reads (the memory floor), "
+            "and the rate at which it and jax_tma go through them" if floor else ""),
         "",
-        "| pattern | M×N×K | jax_tma µs | jax_tma TFLOP/s | XLA µs | XLA dot µs | × XLA | vs dot |",
-        "|---|---|---|---|---|---|---|---|",
+        "| pattern | M×N×K | jax_tma µs | jax_tma TFLOP/s | XLA µs | XLA dot µs | × XLA | vs dot |"
+        + (" weights read µs | read TB/s | jax_tma TB/s |" if floor else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if floor else ""),
     ]
     groups: dict = {}
     for r in rows:
@@ -239,7 +271,8 @@ def _table(rows: list[Row], env: dict) -> str:
                      f"{ours.spread_s * 1e6:.1f} | {ours.tflops():.1f} | {xla.seconds * 1e6:.1f}"
                      f"{' (concat)' if xla.contender == 'xla_concat' else ''} | "
                      f"{dot.seconds * 1e6:.1f} | {xla.seconds / ours.seconds:.3f} | "
-                     f"{dot.seconds / ours.seconds:.3f} |")
+                     f"{dot.seconds / ours.seconds:.3f} |"
+                     + (_floor_cells(found, pattern, shape) if floor else ""))
     timed = {r.contender for r in rows}
     labels = dict.fromkeys(swept_label(c) for p in PATTERNS for c in swept_configs(p))
     swept = [label for label in [*labels, PLAIN] if label in timed]
@@ -253,6 +286,15 @@ def _table(rows: list[Row], env: dict) -> str:
             lines.append(f"| {pattern} | {'×'.join(map(str, shape))} | " + " | ".join(
                 f"{found[c].seconds * 1e6:.1f}" if c in found else "—" for c in swept) + " |")
     return "\n".join(lines)
+
+
+def _floor_cells(found: dict, pattern, shape) -> str:
+    """The weights-read columns of a row (--floor)."""
+    if READ_W not in found:
+        return " — | — | — |"
+    tb = weight_bytes(pattern, shape) / 1e12
+    read, ours = found[READ_W].seconds, found["jax_tma"].seconds
+    return f" {read * 1e6:.1f} | {tb / read:.2f} | {tb / ours:.2f} |"
 
 
 def _plot(rows: list[Row], path: pathlib.Path, title: str) -> bool:
@@ -283,6 +325,8 @@ def main(argv=None) -> int:
     p.add_argument("--patterns", nargs="*", choices=PATTERNS, default=list(PATTERNS))
     p.add_argument("--sweep", action="store_true",
                    help="also time jax_tma on every compiled configuration (config=)")
+    p.add_argument("--floor", action="store_true",
+                   help="also time XLA reading the weights once (a sum over them)")
     harness_arguments(p)
     args = p.parse_args(argv)
     if args.dry_run:
@@ -302,7 +346,8 @@ def main(argv=None) -> int:
     if args.dry_run and args.out is None:
         return 0
     payload = {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]}
-    write_report(args.out, env, "bench_epilogues" + ("_sweep" if args.sweep else ""), payload,
+    name = "bench_epilogues" + ("_sweep" if args.sweep else "") + ("_floor" if args.floor else "")
+    write_report(args.out, env, name, payload,
                  table,
                  lambda path: _plot(rows, path, f"fused epilogues, {env['device']}"))
     return 0

@@ -804,16 +804,19 @@ def test_profile_gemm_writes_the_calls_table(tmp_path, monkeypatch):
     assert "pattern swiglu (bench_epilogues.py)" in fused.splitlines()[0]
 
 
-@pytest.mark.parametrize("sweep", [False, True])
-def test_bench_epilogues_dry_run(tmp_path, sweep):
+@pytest.mark.parametrize("flag", [None, "--sweep", "--floor"])
+def test_bench_epilogues_dry_run(tmp_path, flag):
+    sweep, floor = flag == "--sweep", flag == "--floor"
     result = _run("bench_epilogues.py", "--out", str(tmp_path), "--commit", "0123abc",
-                  *(["--sweep"] if sweep else []))
+                  *([flag] if flag else []))
     assert result.returncode == 0, result.stderr
-    report = _written(tmp_path, "bench_epilogues" + ("_sweep" if sweep else ""))
+    report = _written(tmp_path, "bench_epilogues" + ("_sweep" if sweep else "")
+                      + ("_floor" if floor else ""))
     assert report["environment"]["commit"] == "0123abc"
     names = {(r["pattern"], r["contender"]) for r in report["rows"]}
     for pattern in ("gelu", "residual", "swiglu", "swiglu_grad"):
         assert {(pattern, "jax_tma"), (pattern, "xla"), (pattern, "xla_dot")} <= names
+        assert ((pattern, "xla_read_w") in names) == floor
     assert ("swiglu", "xla_concat") in names
     swept = {name for _, name in names if name.startswith("jax_tma ") or name == "jax_tma_dot"}
     import jax_tma
@@ -823,10 +826,18 @@ def test_bench_epilogues_dry_run(tmp_path, sweep):
     assert swept == (expected if sweep else set())
     assert all(r["seconds"] > 0 for r in report["rows"])
     assert ("Every compiled configuration" in result.stdout) == sweep
+    assert ("| weights read µs | read TB/s | jax_tma TB/s |" in result.stdout) == floor
     for r in report["rows"]:  # each jax_tma form checked against XLA's before timing
         if r["contender"].startswith("jax_tma"):
             against = "XLA's dot" if r["contender"] == "jax_tma_dot" else "XLA"
             assert r["note"].startswith(f"rel. difference from {against} "), r
+
+
+def test_bench_epilogues_weight_bytes():
+    module = _bench_module("bench_epilogues")
+    assert module.weight_bytes("gelu", (16, 14336, 4096)) == 2 * 14336 * 4096
+    assert module.weight_bytes("swiglu", (16, 14336, 4096)) == 4 * 14336 * 4096
+    assert module.weight_bytes("swiglu_grad", (16, 14336, 4096)) == 2 * 14336 * 4096
 
 
 @pytest.mark.parametrize("sweep", [False, True])

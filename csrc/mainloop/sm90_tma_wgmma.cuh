@@ -162,29 +162,40 @@ struct MainloopSm90TmaWgmma {
     }
   }
 
-  // Producer (one thread): stream K slices [kb_begin, kb_end) of one output tile into the ring,
-  // in descending order where plan.reverse_k.
-  // `rank` is this CTA's rank in its cluster; `a_stage_bytes` what all of A's boxes bring per
-  // stage (GemmShape::a_stage_bytes). `plan` is read only in modes other than kIdle.
-  __device__ static void load(Pipeline& pipeline, State& write, SharedStorage& smem,
-                              const LoadPlan& plan, int kb_begin, int kb_end, LoadMode mode,
-                              int rank, uint32_t a_stage_bytes, const Params&) {
-    const int a = a_loads(plan);
-    const int b = b_loads(plan);
-    const uint32_t bytes = stage_bytes(a, b, a_stage_bytes);
+  // Producer (one thread): the ring loop of every mainloop. For each K slice of
+  // [kb_begin, kb_end) of one output tile, in descending order where plan.reverse_k, waits for
+  // a free stage, arms its full barrier for `bytes` and calls copy(stage, kb, full) to issue the
+  // copies; in kIdle mode only keeps the ring in step (an arrival with no bytes, no copies).
+  template <class CopyStage>
+  __device__ static void fill_stages(Pipeline& pipeline, State& write, const LoadPlan& plan,
+                                     int kb_begin, int kb_end, LoadMode mode, uint32_t bytes,
+                                     CopyStage&& copy) {
 #pragma unroll 1
     for (int i = kb_begin; i < kb_end; ++i) {
       pipeline.producer_acquire(write);
       if (mode == LoadMode::kIdle) {
         pipeline.producer_expect_tx(write, 0);
-        ++write;
-        continue;
+      } else {
+        copy(write.index, plan.slice(i, kb_begin, kb_end),
+             pipeline.producer_expect_tx(write, bytes));
       }
-      const int kb = plan.slice(i, kb_begin, kb_end);
-      uint64_t* full = pipeline.producer_expect_tx(write, bytes);
-      copy_stage(smem, write.index, plan, a, b, kb, mode, rank, full);
       ++write;
     }
+  }
+
+  // Producer (one thread): stream K slices [kb_begin, kb_end) of one output tile into the ring
+  // (fill_stages). `rank` is this CTA's rank in its cluster; `a_stage_bytes` what all of A's
+  // boxes bring per stage (GemmShape::a_stage_bytes). `plan` is read only in modes other than
+  // kIdle.
+  __device__ static void load(Pipeline& pipeline, State& write, SharedStorage& smem,
+                              const LoadPlan& plan, int kb_begin, int kb_end, LoadMode mode,
+                              int rank, uint32_t a_stage_bytes, const Params&) {
+    const int a = a_loads(plan);
+    const int b = b_loads(plan);
+    fill_stages(pipeline, write, plan, kb_begin, kb_end, mode, stage_bytes(a, b, a_stage_bytes),
+                [&](int stage, int kb, uint64_t* full) {
+                  copy_stage(smem, stage, plan, a, b, kb, mode, rank, full);
+                });
   }
 
   // Descriptor of the k16 step `kk` of an operand tile at `tile` whose boxes are `kBoxBytes`

@@ -126,29 +126,21 @@ struct MainloopSm90Fp8 {
     const int b_loads = Operands::b_loads(plan);
     const uint32_t bytes = Operands::stage_bytes(a_loads, b_loads, a_stage_bytes) +
                            (params.has_sa ? kAScaleBytes : 0) + (params.has_sb ? kBScaleBytes : 0);
-#pragma unroll 1
-    for (int i = kb_begin; i < kb_end; ++i) {
-      pipeline.producer_acquire(write);
-      if (mode == LoadMode::kIdle) {
-        pipeline.producer_expect_tx(write, 0);
-        ++write;
-        continue;
-      }
-      const int kb = plan.slice(i, kb_begin, kb_end);
-      uint64_t* full = pipeline.producer_expect_tx(write, bytes);
-      Operands::copy_stage(smem.operands, write.index, plan, a_loads, b_loads, kb, mode, rank,
-                           full);
-      StageScales& scales = smem.scales[write.index];
-      if (params.has_sa) {
-        ptx::tma_load(scales.a, &params.sa, full,
-                      ptx::TmaCoord<3>{{plan.at.m0, kb, plan.at.batch_a}});
-      }
-      if (params.has_sb) {
-        ptx::tma_load(scales.b, &params.sb, full,
-                      ptx::TmaCoord<3>{{b_scale_box_origin(plan.at.n0), kb, plan.at.batch_b}});
-      }
-      ++write;
-    }
+    Operands::fill_stages(
+        pipeline, write, plan, kb_begin, kb_end, mode, bytes,
+        [&](int stage, int kb, uint64_t* full) {
+          Operands::copy_stage(smem.operands, stage, plan, a_loads, b_loads, kb, mode, rank,
+                               full);
+          StageScales& scales = smem.scales[stage];
+          if (params.has_sa) {
+            ptx::tma_load(scales.a, &params.sa, full,
+                          ptx::TmaCoord<3>{{plan.at.m0, kb, plan.at.batch_a}});
+          }
+          if (params.has_sb) {
+            ptx::tma_load(scales.b, &params.sb, full,
+                          ptx::TmaCoord<3>{{b_scale_box_origin(plan.at.n0), kb, plan.at.batch_b}});
+          }
+        });
   }
 
   // B's scale box: its first column block (16-byte aligned: see the header), and where in it
