@@ -23,8 +23,9 @@ decode rows M = 16, 64 against 14336x4096.
                                                      # (and stream-K), its plain product,
                                                      # beside XLA's forms and its dot
     python benchmarks/bench_epilogues.py --floor     # also the time XLA takes to read the
-                                                     # weights once (a sum over them): the
-                                                     # memory floor of the decode rows
+                                                     # weights once (a sum over them): a
+                                                     # reference for the decode rows, which
+                                                     # are bound by that read
     python benchmarks/bench_epilogues.py --dry-run   # tiny shapes; runs without a GPU (CI)
 
 Before timing, jax_tma's result is compared with XLA's (relative error). Writes
@@ -117,8 +118,9 @@ def _swept(pattern) -> dict:
 
 
 # The floor contender (--floor): XLA's sum over the weights the product reads (swiglu: both,
-# concatenated), which reads each of their bytes once and writes nothing of note. A product
-# with few rows cannot finish before its weights have been read.
+# concatenated), a kernel that reads each of their bytes once and writes nothing of note. A
+# product with few rows cannot finish before its weights have been read; this is how fast one
+# of XLA's kernels reads them (its dot may stream them faster still: compare both columns).
 READ_W = "xla_read_w"
 
 
@@ -253,8 +255,8 @@ def _table(rows: list[Row], env: dict) -> str:
         f"{env['jax']}, {env['date']}, commit {str(env.get('commit'))[:10]}, bf16, timing: "
         f"{env['timing']}. × XLA: XLA's best unfused form's time / jax_tma's; vs dot: the "
         "dot alone's time / jax_tma's (1.0 = the epilogue costs nothing)" + (
-            "; weights read: XLA's sum over the weights the product reads (the memory floor), "
-            "and the rate at which it and jax_tma go through them" if floor else ""),
+            "; weights read: XLA's sum over the weights the product reads (a kernel that only "
+            "reads them), and the rate at which it and jax_tma go through them" if floor else ""),
         "",
         "| pattern | M×N×K | jax_tma µs | jax_tma TFLOP/s | XLA µs | XLA dot µs | × XLA | vs dot |"
         + (" weights read µs | read TB/s | jax_tma TB/s |" if floor else ""),
