@@ -32,6 +32,15 @@ def _cast(dtype, *values):
     return tuple(None if v is None else jnp.asarray(v, dtype) for v in values)
 
 
+def _dense_params(module, prefix: str, features_in: int, features_out: int):
+    """A linen layer's ``{prefix}kernel`` [in, out] and, with use_bias, ``{prefix}bias`` [out]."""
+    kernel = module.param(f"{prefix}kernel", module.kernel_init, (features_in, features_out),
+                          module.param_dtype)
+    bias = (module.param(f"{prefix}bias", module.bias_init, (features_out,), module.param_dtype)
+            if module.use_bias else None)
+    return kernel, bias
+
+
 class Dense(nn.Module):
     """``act(x @ kernel + bias) + residual`` in one fused kernel.
 
@@ -50,10 +59,7 @@ class Dense(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, residual: jax.Array | None = None) -> jax.Array:
-        kernel = self.param("kernel", self.kernel_init, (x.shape[-1], self.features),
-                            self.param_dtype)
-        bias = (self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-                if self.use_bias else None)
+        kernel, bias = _dense_params(self, "", x.shape[-1], self.features)
         dtype = self.dtype or jnp.result_type(x, kernel)
         x, kernel, bias, residual = _cast(dtype, x, kernel, bias, residual)
         return epilogues.dense(x, kernel, bias, self.activation, residual)
@@ -73,16 +79,8 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, residual: jax.Array | None = None) -> jax.Array:
         d = x.shape[-1]
-
-        def weights(name, shape_in, shape_out):
-            kernel = self.param(f"{name}_kernel", self.kernel_init, (shape_in, shape_out),
-                                self.param_dtype)
-            bias = (self.param(f"{name}_bias", self.bias_init, (shape_out,), self.param_dtype)
-                    if self.use_bias else None)
-            return kernel, bias
-
-        w1, b1 = weights("up", d, self.d_ff)
-        w2, b2 = weights("down", self.d_ff, d)
+        w1, b1 = _dense_params(self, "up_", d, self.d_ff)
+        w2, b2 = _dense_params(self, "down_", self.d_ff, d)
         dtype = self.dtype or jnp.result_type(x, w1)
         x, w1, b1, w2, b2, residual = _cast(dtype, x, w1, b1, w2, b2, residual)
         return epilogues.mlp(x, w1, b1, w2, b2, self.activation, residual)

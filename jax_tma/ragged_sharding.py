@@ -30,9 +30,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_tma.gemm_sharding import _AxisClaims, _spec_of
-
-Axes = tuple[str, ...]
+from jax_tma.gemm_sharding import Axes, _AxisClaims, _spec_of
 
 
 def _spec(dims) -> PartitionSpec:
