@@ -1,128 +1,240 @@
-"""ptxas resource report of the GEMM kernels: no spills, no local memory, and no serialized
-wgmma ("Potential Performance Loss", C7510/C7511), which ptxas reports as information, not as
-a warning, so the build's -Werror cannot catch it. Compiles each instantiation file (7 tile
-configurations x 4 operand layouts) with nvcc -Xptxas=-v and the build's ptxas flags; nvcc is
-found by tools/find_nvcc.py, the rule the build uses.
+"""ptxas's resource report of the sm_90a kernels: the expected entry functions per
+instantiation file, every operand layout, no stack frame or spill, and no serialized wgmma
+("Potential Performance Loss", C7510/C7511, which ptxas reports as information, not as a
+warning, so -Werror cannot catch it).
+
+Nothing is compiled here. The build runs every kernel compile through tools/nvcc_ptxas_report.py
+(cmake/kernels/CMakeLists.txt), which adds -Xptxas=-v, writes ptxas's report beside the object
+(<object>.ptxas.txt, first line "# source: <the .cu file>") and already fails the compile on a
+spill or serialized wgmma. These tests read the reports of the build that made the installed
+extension: scikit-build-core's build directory (pyproject.toml: build/{wheel_tag}) holding a copy
+of that extension. Without one (no extension, built elsewhere) they skip, or fail under
+JAX_TMA_REQUIRE_EXTENSION=1 (CI with nvcc). The launcher's own checks are tested on canned
+reports.
 """
 
 from __future__ import annotations
 
+import filecmp
+import functools
+import importlib.machinery
 import importlib.util
 import os
 import pathlib
 import re
 import subprocess
+import sys
 
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-KERNEL_FILES = sorted((ROOT / "csrc" / "kernels").glob("sm90_gemm_*.cu"))
-RAGGED_FILES = sorted((ROOT / "csrc" / "kernels").glob("sm90_ragged_*.cu"))
-DENSE_FILES = sorted((ROOT / "csrc" / "kernels").glob("sm90_dense_*.cu"))
-FP8_FILES = sorted((ROOT / "csrc" / "kernels").glob("sm90_fp8_*.cu"))
-
-# The build's flags for the kernels (cmake/kernels/CMakeLists.txt; tests/test_packaging.py checks
-# that they agree), less -lineinfo, plus -v for ptxas's resource report.
-NVCC_FLAGS = [
-    "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "--expt-relaxed-constexpr",
-    "-Xptxas=-v,-warn-spills,-warn-lmem-usage,-Werror",
-]
+KERNELS = ROOT / "csrc" / "kernels"
+LAUNCHER = ROOT / "tools" / "nvcc_ptxas_report.py"
 
 
-def load_find_nvcc():
-    """tools/find_nvcc.py as a module: the build's rule for where nvcc is."""
-    spec = importlib.util.spec_from_file_location("find_nvcc", ROOT / "tools" / "find_nvcc.py")
+def _load(name: str, path: pathlib.Path):
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    # dataclasses looks the module up by name.
+    sys.modules[name] = module
     spec.loader.exec_module(module)
     return module
 
 
-def _nvcc() -> str:
-    found, how = load_find_nvcc().find_nvcc()
-    if found is None:
-        if os.environ.get("JAX_TMA_REQUIRE_EXTENSION") == "1":
-            pytest.fail(f"nvcc not found: {how}")
-        pytest.skip(f"nvcc not found: {how}")
+report_tool = _load("nvcc_ptxas_report", LAUNCHER)
+
+# The entry functions ptxas compiles per instantiation file under csrc/kernels/ ("Compiling entry
+# function" lines). Every sm90_*.cu file there must be listed; a new tile, layout or fusion
+# changes these numbers.
+EXPECTED_ENTRIES = {
+    # 15 tiles x 4 operand layouts (A, B each K-major or MN-major).
+    "sm90_gemm_bf16_bf16.cu": 15 * 4,
+    "sm90_gemm_bf16_f32.cu": 15 * 4,
+    "sm90_gemm_f16_f16.cu": 15 * 4,
+    "sm90_gemm_f16_f32.cu": 15 * 4,
+    # JAX_TMA_SM90_DENSE_KERNELS: 4 tiles x 11 fusions, the erf gelu on 2 narrow tiles, the gated
+    # gradient (2 activations) on the 2 ring tiles.
+    "sm90_dense_bf16.cu": 4 * 11 + 2 + 2 * 2,
+    "sm90_dense_f16.cu": 4 * 11 + 2 + 2 * 2,
+    # JAX_TMA_SM90_FP8_KERNELS: 6 tiles x 2 FP8 types, and the unpromoted tile with fp32 out.
+    "sm90_fp8_bf16.cu": 6 * 2,
+    "sm90_fp8_f32.cu": 6 * 2 + 1,
+    # 5 tiles x (rows NN, rows NT, contraction TN); the prepare kernel is one entry.
+    "sm90_ragged_dot_bf16_bf16.cu": 5 * 3,
+    "sm90_ragged_dot_bf16_f32.cu": 5 * 3,
+    "sm90_ragged_dot_f16_f16.cu": 5 * 3,
+    "sm90_ragged_dot_f16_f32.cu": 5 * 3,
+    "sm90_ragged_prepare.cu": 1,
+}
+
+# The GEMM files instantiate every (A, B) operand layout.
+ALL_LAYOUTS_FILES = sorted(name for name in EXPECTED_ENTRIES if name.startswith("sm90_gemm_"))
+_LAYOUT = re.compile(r"OperandLayoutILNS0_5MajorE(\d)ELS\w*?_(\d)E")
+
+
+def _missing(message: str):
+    """No report to read: a failure where the kernels must have been built, else a skip."""
+    if os.environ.get("JAX_TMA_REQUIRE_EXTENSION") == "1":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@functools.cache
+def _installed_extension() -> pathlib.Path | None:
+    spec = importlib.util.find_spec("jax_tma._jax_tma")
+    return pathlib.Path(spec.origin) if spec is not None and spec.origin else None
+
+
+@functools.cache
+def _build_dir() -> pathlib.Path | str:
+    """The build directory whose extension is the installed one (the only one for this Python,
+    if none is byte for byte the installed file), or why there is none."""
+    installed = _installed_extension()
+    if installed is None:
+        return "the jax_tma extension is not installed"
+    name = f"_jax_tma{importlib.machinery.EXTENSION_SUFFIXES[0]}"
+    candidates = sorted(ROOT.glob(f"build/*/{name}"))
+    for built in candidates:
+        if built.resolve() == installed.resolve() or filecmp.cmp(built, installed, shallow=False):
+            return built.parent
+    if len(candidates) == 1:
+        return candidates[0].parent
+    return (f"no build directory under {ROOT / 'build'} holds the installed extension {installed} "
+            f"(candidates: {[str(c) for c in candidates]})")
+
+
+@functools.cache
+def _reports() -> dict[pathlib.Path, pathlib.Path]:
+    """Every ptxas report of the build, by the source it describes."""
+    build = _build_dir()
+    if isinstance(build, str):
+        return {}
+    found = {}
+    for path in build.rglob(f"*{report_tool.REPORT_SUFFIX}"):
+        with open(path) as f:
+            first = f.readline()
+        if first.startswith(report_tool.SOURCE_HEADER):
+            found[pathlib.Path(first[len(report_tool.SOURCE_HEADER):].strip()).resolve()] = path
     return found
 
 
-def test_instantiation_files_found():
-    assert len(KERNEL_FILES) == 4, KERNEL_FILES
+def _report(name: str) -> tuple[str, list[str]]:
+    """The report of csrc/kernels/<name> and its entry functions."""
+    build = _build_dir()
+    if isinstance(build, str):
+        _missing(build)
+    path = _reports().get((KERNELS / name).resolve())
+    if path is None:
+        _missing(f"no ptxas report of {name} under {build} (the build runs every kernel compile "
+                 f"through {LAUNCHER.relative_to(ROOT)})")
+    obj = pathlib.Path(str(path)[: -len(report_tool.REPORT_SUFFIX)])
+    # An object newer than its report was compiled without the launcher: the report is stale.
+    assert not obj.exists() or obj.stat().st_mtime <= path.stat().st_mtime, (obj, path)
+    text = path.read_text()
+    if text.splitlines()[1:2] == [f"{report_tool.CHECKED_HEADER}no"]:
+        pytest.skip(f"{path} is a debug build's (JAX_TMA_DEBUG=1): slow kernels on purpose")
+    return text, report_tool.parse(text).entries
 
 
-@pytest.mark.parametrize("source", KERNEL_FILES, ids=lambda p: p.name)
-def test_gemm_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_path):
-    result = subprocess.run(
-        [_nvcc(), "-c", str(source), "-o", str(tmp_path / "k.o"), f"-I{ROOT / 'csrc'}", *NVCC_FLAGS],
-        capture_output=True, text=True, check=False,
-    )
-    report = result.stdout + result.stderr
-    assert result.returncode == 0, report[-4000:]
-    entries = re.findall(r"Compiling entry function '(\w+)'", report)
-    assert len(entries) == 60, report[-4000:]  # 15 tiles x 4 layouts
-    # Every (A, B) layout: K-major or MN-major each.
-    layouts = {re.search(r"OperandLayoutILNS0_5MajorE(\d)ELS\w*?_(\d)E", e).groups() for e in entries}
+def test_every_instantiation_file_has_expected_entries():
+    assert sorted(p.name for p in KERNELS.glob("sm90_*.cu")) == sorted(EXPECTED_ENTRIES)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_ENTRIES))
+def test_kernels_have_no_spills_or_serialized_wgmma(name):
+    text, entries = _report(name)
+    assert len(entries) == EXPECTED_ENTRIES[name], text[-4000:]
+    report = report_tool.parse(text)
+    assert not report.serialized, report.serialized
+    # One "stack frame, spill stores, spill loads" line per entry function, all zero.
+    assert len(report.frames) == len(entries), text[-4000:]
+    assert report.problems() == [], report.problems()
+    if name.startswith("sm90_fp8_"):
+        assert all("Fp8Mainloop" in e for e in entries), entries
+
+
+@pytest.mark.parametrize("name", ALL_LAYOUTS_FILES)
+def test_gemm_kernels_cover_every_operand_layout(name):
+    _, entries = _report(name)
+    layouts = {_LAYOUT.search(e).groups() for e in entries}
     assert len(layouts) == 4, layouts
-    assert "Potential Performance Loss" not in report, report[-4000:]
-    assert not re.search(r"C751[01]", report), report[-4000:]
-    spills = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert len(spills) == len(entries)
-    assert all(s == ("0", "0", "0") for s in spills), spills
 
 
-def _ptxas_report(source, tmp_path) -> tuple[str, list[str]]:
-    """ptxas's report of one instantiation file compiled with the build's flags, and its
-    kernels' names."""
-    result = subprocess.run(
-        [_nvcc(), "-c", str(source), "-o", str(tmp_path / "k.o"), f"-I{ROOT / 'csrc'}",
-         *NVCC_FLAGS],
+# --- The launcher on canned reports (no nvcc) -------------------------------------------------
+
+
+_CLEAN = """\
+ptxas info    : Compiling entry function '_Z6kernelv' for 'sm_90a'
+ptxas info    : Function properties for _Z6kernelv
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 16 barriers
+"""
+_SPILL = _CLEAN.replace("0 bytes spill stores", "8 bytes spill stores")
+_FRAME = _CLEAN.replace("0 bytes stack frame", "16 bytes stack frame")
+_SERIALIZED = _CLEAN + (
+    "ptxas info    : (C7510) Potential Performance Loss: wgmma.mma_async instructions are "
+    "serialized due to the presence of Extern calls in the function '_Z6kernelv'.\n"
+)
+
+
+def _fake_nvcc(tmp_path: pathlib.Path, report: str, rc: int = 0) -> str:
+    """A compiler that writes the object named by -o and prints `report` when given -v."""
+    (tmp_path / "report.txt").write_text(report)
+    script = tmp_path / "nvcc"
+    script.write_text(f"""#!{sys.executable}
+import sys
+args = sys.argv[1:]
+open(args[args.index("-o") + 1], "w").write("object")
+if "-Xptxas=-v" in args:
+    sys.stderr.write(open({str(tmp_path / "report.txt")!r}).read())
+print("a compiler warning", file=sys.stderr)
+sys.exit({rc})
+""")
+    script.chmod(0o755)
+    return str(script)
+
+
+def _launch(tmp_path, report: str, *options: str, rc: int = 0) -> subprocess.CompletedProcess:
+    nvcc = _fake_nvcc(tmp_path, report, rc)
+    return subprocess.run(
+        [sys.executable, str(LAUNCHER), *options, nvcc, "-x", "cu", "-c", "k.cu", "-o",
+         str(tmp_path / "k.o")],
         capture_output=True, text=True, check=False,
     )
-    report = result.stdout + result.stderr
-    assert result.returncode == 0, report[-4000:]
-    return report, re.findall(r"Compiling entry function '(\w+)'", report)
 
 
-def _assert_clean(report: str, entries: list[str]) -> None:
-    assert "Potential Performance Loss" not in report, report[-4000:]
-    assert not re.search(r"C751[01]", report), report[-4000:]
-    spills = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    assert len(spills) == len(entries)
-    assert all(s == ("0", "0", "0") for s in spills), spills
+def test_launcher_writes_the_report_and_passes_other_messages_on(tmp_path):
+    result = _launch(tmp_path, _CLEAN)
+    assert result.returncode == 0, result.stderr
+    text = (tmp_path / "k.o.ptxas.txt").read_text()
+    assert text.startswith(f"{report_tool.SOURCE_HEADER}{os.path.abspath('k.cu')}\n"
+                           f"{report_tool.CHECKED_HEADER}yes\n")
+    assert report_tool.parse(text).entries == ["_Z6kernelv"]
+    assert result.stderr == "a compiler warning\n"
+    assert (tmp_path / "k.o").exists()
 
 
-def test_ragged_and_fused_instantiation_files_found():
-    assert len(RAGGED_FILES) == 5, RAGGED_FILES  # 4 type pairs + the prepare kernel
-    assert len(DENSE_FILES) == 2, DENSE_FILES  # bf16, fp16
+@pytest.mark.parametrize("report, why", [
+    (_SPILL, "8 bytes spill stores"),
+    (_FRAME, "16 bytes stack frame"),
+    (_SERIALIZED, "serialized wgmma: ptxas info    : (C7510) Potential Performance Loss"),
+], ids=["spill", "stack-frame", "serialized-wgmma"])
+def test_launcher_fails_a_slow_kernel(tmp_path, report, why):
+    result = _launch(tmp_path, report)
+    assert result.returncode == 1
+    assert why in result.stderr and "k.o.ptxas.txt" in result.stderr, result.stderr
+    assert not (tmp_path / "k.o").exists()
+    assert (tmp_path / "k.o.ptxas.txt").exists()
 
 
-@pytest.mark.parametrize("source", RAGGED_FILES, ids=lambda p: p.name)
-def test_ragged_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_path):
-    report, entries = _ptxas_report(source, tmp_path)
-    # 5 tiles x (rows NN, rows NT, contraction TN), or the one prepare kernel
-    assert len(entries) == (1 if "prepare" in source.name else 15), report[-4000:]
-    _assert_clean(report, entries)
+def test_launcher_no_check_keeps_a_slow_kernel(tmp_path):
+    result = _launch(tmp_path, _SERIALIZED, "--no-check")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "k.o").exists()
+    assert f"\n{report_tool.CHECKED_HEADER}no\n" in (tmp_path / "k.o.ptxas.txt").read_text()
 
 
-@pytest.mark.parametrize("source", DENSE_FILES, ids=lambda p: p.name)
-def test_fused_dense_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_path):
-    report, entries = _ptxas_report(source, tmp_path)
-    # JAX_TMA_SM90_DENSE_KERNELS: 4 tiles x 11 fusions, the erf gelu on 2 narrow tiles, the
-    # gated gradient (2 activations) on the 2 ring tiles.
-    assert len(entries) == 4 * 11 + 2 + 2 * 2, report[-4000:]
-    _assert_clean(report, entries)
-
-
-def test_fp8_instantiation_files_found():
-    assert [p.name for p in FP8_FILES] == ["sm90_fp8_bf16.cu", "sm90_fp8_f32.cu"]
-
-
-@pytest.mark.parametrize("source", FP8_FILES, ids=lambda p: p.name)
-def test_fp8_kernels_compile_without_spills_or_serialized_wgmma(source, tmp_path):
-    """The FP8 mainloop holds a K slice's partial sums beside the promoted accumulators (64 +
-    128 registers on 128 x 256 tiles): no spill, no serialized wgmma."""
-    report, entries = _ptxas_report(source, tmp_path)
-    # JAX_TMA_SM90_FP8_KERNELS: 6 tiles x 2 FP8 types, and the unpromoted tile with fp32 out.
-    assert len(entries) == 6 * 2 + (1 if "f32" in source.name else 0), report[-4000:]
-    assert all("Fp8Mainloop" in e for e in entries)
-    _assert_clean(report, entries)
+def test_launcher_passes_the_compilers_failure_on(tmp_path):
+    result = _launch(tmp_path, _CLEAN, rc=3)
+    assert result.returncode == 3
+    assert (tmp_path / "k.o.ptxas.txt").exists()

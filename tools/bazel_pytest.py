@@ -1,11 +1,12 @@
-"""Runs the test suite against the Bazel-built extension (//:cpu_tests).
+"""Runs the tests against the Bazel-built extension (//:smoke_tests: those marked `smoke`).
 
 Started with ``python -S`` so that no .pth file runs: an editable pip install of jax_tma adds an
 import hook that would otherwise load the pip-built extension instead of this one. The runfiles
 tree goes first on sys.path, the interpreter's site-packages (jax, pytest, flax) after it, and the
 run stops unless jax_tma and its extension come from the runfiles tree.
 
-Usage: python -S tools/bazel_pytest.py RUNFILES_ROOT [pytest arguments]
+Usage: python -S tools/bazel_pytest.py RUNFILES_ROOT [pytest options, e.g. -m smoke]
+(the runfiles tree's tests/ directory is always the one collected).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def main(argv: list[str]) -> int:
 
     scratch = os.environ.get("TEST_TMPDIR", "/tmp")
     args = ["-q", "-p", "no:cacheprovider", f"--basetemp={scratch}/pytest", "--rootdir", root]
-    return pytest.main(args + (argv[1:] or [os.path.join(root, "tests")]))
+    return pytest.main(args + argv[1:] + [os.path.join(root, "tests")])
 
 
 if __name__ == "__main__":
