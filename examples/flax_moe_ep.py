@@ -160,7 +160,9 @@ def main(argv=None) -> int:
         print(f"{i:6d} {curves['one device'][i]:14.6f} {curves['expert-parallel'][i]:16.6f}")
     diff = flax_moe.max_relative_difference(curves["expert-parallel"], curves["one device"])
     tol = flax_moe.TOLERANCE[args.dtype]
-    ok = diff <= tol and all(np.isfinite(curves["expert-parallel"])) and exchanges > 0
+    # NOTE: over one device the exchange is the identity, and XLA removes it.
+    ok = (diff <= tol and all(np.isfinite(curves["expert-parallel"]))
+          and (exchanges > 0 or args.devices == 1))
     print(f"\nall_to_all ops in the step: {exchanges}; max relative difference of the loss "
           f"curves: {diff:.3e} (tolerance {tol:.0e}): {'OK' if ok else 'FAIL'}")
     return 0 if ok else 1

@@ -47,15 +47,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import dispatch
-from jax.interpreters import ad, batching, mlir
+from jax._src.lax.lax import canonicalize_precision
+from jax.interpreters import ad, batching
 
 from jax_tma import _ext, epilogues_sharding
-from jax_tma import _aval
-from jax_tma._aval import result_aval
-from jax_tma.gemm import _as_config, _dram_bytes_per_s, _for_export, _l2_bytes, _num_sms
+from jax_tma._core import aval as _aval
+from jax_tma._core import device
+from jax_tma._core.primitive import bind_local, define_primitive, kernel_ffi_call
+from jax_tma._core.aval import result_aval
 from jax_tma.gemm import dot_general as _dot_general
-from jax_tma.gemm_config import KERNEL_INPUT_DTYPES, GemmConfig, estimate_seconds
+from jax_tma.gemm import kernel_precision
+from jax_tma.gemm_config import KERNEL_INPUT_DTYPES, GemmConfig, as_config, estimate_seconds
 
 KERNEL_TARGET = "jax_tma_dense_sm90"
 # Fusion kinds and activations of csrc/epilogue/fusion.h.
@@ -127,7 +129,7 @@ def default_config(kind: str, activation, m: int, n: int, k: int,
                    num_sms: int | None = None) -> GemmConfig:
     """The compiled fused tile with the least estimated time (the dense GEMM's cost model,
     gemm_config.estimate_seconds; a gated product is 2n accumulator columns wide)."""
-    num_sms = _num_sms() if num_sms is None else num_sms
+    num_sms = device.num_sms() if num_sms is None else num_sms
     acc_n = 2 * n if kind == GATED else n
     best, best_key = None, None
     for cfg in _configs_for(kind, activation):
@@ -135,8 +137,8 @@ def default_config(kind: str, activation, m: int, n: int, k: int,
             if stream_k and m < cfg.block_m:
                 continue
             c = dataclasses.replace(cfg, stream_k=stream_k)
-            seconds = estimate_seconds(c, m, acc_n, k, num_sms, dram_bytes_per_s=_dram_bytes_per_s(),
-                                       l2_bytes=_l2_bytes())
+            seconds = estimate_seconds(c, m, acc_n, k, num_sms, dram_bytes_per_s=device.dram_bytes_per_s(),
+                                       l2_bytes=device.l2_bytes())
             key = (round(seconds, 9), -c.stages, -c.cluster_m, int(stream_k))
             if best_key is None or key < best_key:
                 best, best_key = c, key
@@ -148,7 +150,7 @@ _OP_OF_KIND = {FORWARD: "dense", GRADIENT: "dense", GATED: "gated_dense",
 
 
 def _check_config(config: GemmConfig, kind: str, activation) -> GemmConfig:
-    config = _as_config(config, f"jax_tma.{_OP_OF_KIND[kind]}")
+    config = as_config(config, f"jax_tma.{_OP_OF_KIND[kind]}")
     tiles = {c.tile for c in _configs_for(kind, activation)}
     if config.tile not in tiles or config.split_k != 1:
         choices = "; ".join(c.describe() for c in _configs_for(kind, activation))
@@ -164,9 +166,6 @@ def _check_config(config: GemmConfig, kind: str, activation) -> GemmConfig:
 # the up's pre-activations, [2, M, N]) where present. Results: out [M, N], and with save_pre
 # the pre-activation(s): [M, N], gated [2, M, N]; the gated gradient's are the gate's and the
 # up's cotangents, [M, N] each (always both).
-
-dense_p = _aval.Primitive("jax_tma_dense")
-dense_p.multiple_results = True
 
 
 def _shapes(a, b, *, kind, b_k_major, save_pre):
@@ -239,15 +238,6 @@ def _reference(a, b, *rest, kind, activation, has_bias, has_aux, save_pre, b_k_m
     return results
 
 
-@functools.cache
-def _jitted_bind(**params):
-    return jax.jit(functools.partial(dense_p.bind, **params))
-
-
-def _impl(*args, **params):
-    return _jitted_bind(**params)(*args)
-
-
 # Bias types the epilogue reads as they are (widened to fp32 there); others are converted to fp32
 # first.
 _BIAS_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -289,7 +279,7 @@ def _kernel_call(a, b, *rest, kind, activation, has_bias, has_aux, save_pre, b_k
     dtype = jnp.dtype(out_dtype)
     placeholder = jnp.zeros((1,), dtype)
     out_shape, pre_shape = _shapes(a, b, kind=kind, b_k_major=b_k_major, save_pre=save_pre)
-    workspace = cfg.stream_k_workspace_bytes(_num_sms())
+    workspace = cfg.stream_k_workspace_bytes(device.num_sms())
     out_types = (jax.ShapeDtypeStruct(out_shape, dtype),
                  jax.ShapeDtypeStruct(pre_shape or (1,), dtype),
                  jax.ShapeDtypeStruct((max(workspace, 1),), jnp.uint8))
@@ -302,40 +292,24 @@ def _kernel_call(a, b, *rest, kind, activation, has_bias, has_aux, save_pre, b_k
     operands = (a, b, b2 if b2 is not None else placeholder,
                 bias if bias is not None else jnp.zeros((1,), jnp.float32),
                 aux if aux is not None else placeholder)
-    if poison:  # both outputs written over NaNs
-        out, pre, _ = jax.ffi.ffi_call(KERNEL_TARGET + "_into", out_types,
-                                       input_output_aliases={5: 0, 6: 1})(
-            *operands, jnp.full(out_shape, jnp.nan, dtype),
-            jnp.full(pre_shape or (1,), jnp.nan, dtype), **attrs)
-    else:
-        out, pre, _ = jax.ffi.ffi_call(KERNEL_TARGET, out_types)(*operands, **attrs)
+    out, pre, _ = kernel_ffi_call(KERNEL_TARGET, out_types, operands, attrs, poison=poison,
+                                  poisoned=(0, 1))
     return [out, pre] if pre_shape is not None else [out]
 
 
-def _local_lowering(ctx, *args, platform: str, **params):
-    applies = platform == "cuda" and _ext.cuda_lowering_blocker() is None and kernel_applies(
-        ctx.avals_in[0], ctx.avals_in[1], ctx.avals_in[2:], kind=params["kind"],
-        activation=params["activation"], has_bias=params["has_bias"],
-        has_aux=params["has_aux"], b_k_major=params["b_k_major"],
-        out_dtype=params["out_dtype"])
-    if applies:
-        fn = functools.partial(_kernel_call, **{k: v for k, v in params.items() if k != "local"})
-    else:
-        fn = functools.partial(_reference, **params)
-    return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+def _kernel_fn(avals_in, params):
+    """The fused kernel's call, or None where the reference runs (XLA)."""
+    if not kernel_applies(avals_in[0], avals_in[1], avals_in[2:], kind=params["kind"],
+                          activation=params["activation"], has_bias=params["has_bias"],
+                          has_aux=params["has_aux"], b_k_major=params["b_k_major"],
+                          out_dtype=params["out_dtype"]):
+        return None
+    return functools.partial(_kernel_call, **{k: v for k, v in params.items() if k != "local"})
 
 
-def _lowering(ctx, *args, platform: str, **params):
-    # jax.export cannot serialize custom_partitioning: an exported module holds the product.
-    if params["local"] or _for_export(ctx):
-        return _local_lowering(ctx, *args, platform=platform, **params)
-    partitioned = functools.partial(epilogues_sharding.partitioned_dense, local_op=_bind_local,
-                                    reference=_reference, params=params)
-    return mlir.lower_fun(partitioned, multiple_results=True)(ctx, *args)
-
-
-def _bind_local(*args, **params):
-    return dense_p.bind(*args, **{**params, "local": True})
+def _partitioned(params):
+    return functools.partial(epilogues_sharding.partitioned_dense, local_op=_bind_local,
+                             reference=_reference, params=params)
 
 
 def _batch_rule(args, dims, **params):
@@ -387,14 +361,12 @@ def _jvp(primals, tangents, **params):
     return outs, tangent_outs
 
 
-dense_p.def_impl(_impl)
+dense_p = define_primitive("jax_tma_dense", abstract_eval=_abstract_eval, reference=_reference,
+                           kernel_fn=_kernel_fn, partitioned=_partitioned,
+                           multiple_results=True)
+_bind_local = bind_local(dense_p)
 ad.primitive_jvps[dense_p] = _jvp
-dispatch.prim_requires_devices_during_lowering.add(dense_p)
-dense_p.def_abstract_eval(_abstract_eval)
 batching.primitive_batchers[dense_p] = _batch_rule
-mlir.register_lowering(dense_p, functools.partial(_lowering, platform="default"))
-mlir.register_lowering(dense_p, functools.partial(_lowering, platform="cuda"),
-                       platform="cuda")
 
 
 def _bind(a, b, *rest, kind, activation=None, has_bias=False, has_aux=False, save_pre=False,
@@ -476,8 +448,30 @@ def _prepare(name: str, x, weights: dict, extras: dict, activation):
     return dtype
 
 
+def _kernel_computes(precision, preferred_element_type, dtype) -> bool:
+    """Whether the fused kernels' route computes the product as `precision` and
+    `preferred_element_type` ask (lax's keywords): an output of the operands' type, and a
+    precision the 16-bit kernel computes (gemm.kernel_precision); for other operand types only
+    the default precision, which the route's XLA form uses. Anything else runs _unfused."""
+    dtype = jnp.dtype(dtype)
+    if preferred_element_type is not None and jnp.dtype(preferred_element_type) != dtype:
+        return False
+    if precision is None:
+        return True
+    return dtype in KERNEL_INPUT_DTYPES and kernel_precision(canonicalize_precision(precision),
+                                                             dtype)
+
+
+def _unfused(x, w, precision, preferred_element_type):
+    """``x @ w`` as lax computes it with these keywords: the product of the XLA route taken
+    where _kernel_computes is False (autodiff, vmap and sharding are lax's)."""
+    return lax.dot_general(x, w, (((x.ndim - 1,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=preferred_element_type)
+
+
 def dense(x: Any, w: Any, bias: Any = None, activation: str | None = None,
-          residual: Any = None, *, config: GemmConfig | None = None) -> jax.Array:
+          residual: Any = None, *, precision=None, preferred_element_type=None,
+          config: GemmConfig | None = None) -> jax.Array:
     """``act(x @ w + bias) + residual`` with the bias, activation and residual in the epilogue.
 
     Args:
@@ -485,10 +479,14 @@ def dense(x: Any, w: Any, bias: Any = None, activation: str | None = None,
         read by the epilogue as they are, other types converted first) or None.
       activation: None, "relu", "gelu" (tanh approximation), "gelu_tanh", "gelu_erf", "silu".
       residual: [..., N] like the result, or None.
+      precision, preferred_element_type: as for ``lax.dot_general``, for the product. An
+        output type other than the operands' or a precision the kernel does not compute
+        (``_kernel_computes``) runs the unfused expression through XLA.
       config: a ``GemmConfig`` among ``DENSE_CONFIGS`` for the forward product.
 
     Returns:
-      [..., N] in the promoted type of x, w, bias and residual. bf16/fp16 run the fused kernel
+      [..., N] in the promoted type of x, w, bias and residual (of the product's
+      preferred_element_type, bias and residual when one is given). bf16/fp16 run the fused kernel
       (fp32 arithmetic, rounded where the unfused expression rounds); other types compute the
       same in XLA.
     """
@@ -508,6 +506,11 @@ def dense(x: Any, w: Any, bias: Any = None, activation: str | None = None,
             raise ValueError(f"jax_tma.dense: residual must have the result's shape "
                              f"{(*lead, n)}, got {residual.shape}")
         residual = residual.reshape(-1, n)
+    if not _kernel_computes(precision, preferred_element_type, dtype):
+        z = _unfused(x2, w, precision, preferred_element_type)
+        z = activate(activation, z if bias is None else z + bias)
+        out = z if residual is None else z + residual
+        return out.reshape(*lead, n)
     if config is not None:
         config = _check_config(config, FORWARD, activation)
     _ext.warn_if_unavailable()
@@ -543,14 +546,15 @@ def _gated_jvp(activation, config, primals, tangents):
 _gated.defjvp(_gated_jvp, symbolic_zeros=True)
 
 
-def gated_dense(x: Any, w_gate: Any, w_up: Any, activation: str = "silu", *,
-                config: GemmConfig | None = None) -> jax.Array:
+def gated_dense(x: Any, w_gate: Any, w_up: Any, activation: str = "silu", *, precision=None,
+                preferred_element_type=None, config: GemmConfig | None = None) -> jax.Array:
     """``act(x @ w_gate) * (x @ w_up)`` (SwiGLU with "silu", GeGLU with "gelu") in one kernel:
     the gate and up columns of the same outputs are computed by one CTA and combined in its
     epilogue, so neither product is written to memory.
 
     Args:
       x: [..., K]. w_gate, w_up: [K, N]. activation: "silu", "gelu", "gelu_tanh", "gelu_erf".
+      precision, preferred_element_type: as for ``dense``.
       config: a ``GemmConfig`` among ``DENSE_CONFIGS`` (its block_n counts gate and up columns).
 
     Returns:
@@ -563,10 +567,14 @@ def gated_dense(x: Any, w_gate: Any, w_up: Any, activation: str = "silu", *,
         raise ValueError(f"jax_tma.gated_dense: w_gate and w_up must have one shape, got "
                          f"{jnp.shape(w_gate)} and {jnp.shape(w_up)}")
     x, wg, wu = (jnp.asarray(v, dtype) for v in (x, w_gate, w_up))
+    x2, lead = _as_2d(x)
+    if not _kernel_computes(precision, preferred_element_type, dtype):
+        gate = _unfused(x2, wg, precision, preferred_element_type)
+        up = _unfused(x2, wu, precision, preferred_element_type)
+        return (activate(activation, gate) * up).reshape(*lead, wg.shape[1])
     if config is not None:
         config = _check_config(config, GATED, activation)
     _ext.warn_if_unavailable()
-    x2, lead = _as_2d(x)
     return _gated(x2, wg, wu, activation, config).reshape(*lead, wg.shape[1])
 
 
@@ -603,10 +611,9 @@ def _mlp(x, w1, b1, w2, b2, residual, activation, config):
 
 
 def _mlp_fwd(x, w1, b1, w2, b2, residual, activation, config):
-    del config
     save = activation is not None
     first = _bind(x, w1, *([b1] if b1 is not None else []), kind=FORWARD, activation=activation,
-                  has_bias=b1 is not None, save_pre=save, out_dtype=x.dtype)
+                  has_bias=b1 is not None, save_pre=save, out_dtype=x.dtype, config=config)
     h, z = (first[0], first[1]) if save else (first[0], None)
     y, = _bind(h, w2, *([b2] if b2 is not None else []),
                *([residual] if residual is not None else []), kind=FORWARD,
@@ -639,7 +646,8 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
 def mlp(x: Any, w1: Any, b1: Any, w2: Any, b2: Any, activation: str | None = "gelu",
-        residual: Any = None) -> jax.Array:
+        residual: Any = None, *, precision=None, preferred_element_type=None,
+        config: GemmConfig | None = None) -> jax.Array:
     """``act(x @ w1 + b1) @ w2 + b2 + residual``: a transformer MLP block's two layers.
 
     Two fused kernels forward (bias and activation in the first's epilogue, which also saves
@@ -650,6 +658,9 @@ def mlp(x: Any, w1: Any, b1: Any, w2: Any, b2: Any, activation: str | None = "ge
     Args:
       x: [..., D]. w1: [D, F]. b1: [F] or None. w2: [F, D']. b2: [D'] or None.
       activation: as for ``dense``. residual: [..., D'] or None.
+      precision, preferred_element_type: as for ``dense``, for both products.
+      config: the first (bias and activation) forward kernel's ``GemmConfig``, as for
+        ``dense``; the other products are configured by the heuristic.
     """
     activation = _canonical(activation, ACTIVATIONS, "mlp")
     dtype = _prepare("mlp", x, {"w1": w1}, {"b1": b1, "residual": residual}, activation)
@@ -662,8 +673,17 @@ def mlp(x: Any, w1: Any, b1: Any, w2: Any, b2: Any, activation: str | None = "ge
     x2, lead = _as_2d(x)
     if residual is not None:
         residual = jnp.asarray(residual, dtype).reshape(-1, w2.shape[1])
+    if not _kernel_computes(precision, preferred_element_type, dtype):
+        z = _unfused(x2, w1, precision, preferred_element_type)
+        h = activate(activation, z if b1 is None else z + b1)
+        y = _unfused(h, w2, precision, preferred_element_type)
+        y = y if b2 is None else y + b2
+        y = y if residual is None else y + residual
+        return y.reshape(*lead, w2.shape[1])
+    if config is not None:
+        config = _check_config(config, FORWARD, activation)
     _ext.warn_if_unavailable()
-    return _mlp(x2, w1, b1, w2, b2, residual, activation, None).reshape(*lead, w2.shape[1])
+    return _mlp(x2, w1, b1, w2, b2, residual, activation, config).reshape(*lead, w2.shape[1])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -734,7 +754,8 @@ _gated_mlp.defvjp(_gated_mlp_fwd, _gated_mlp_bwd)
 
 
 def gated_mlp(x: Any, w_gate: Any, w_up: Any, w_down: Any, activation: str = "silu",
-              residual: Any = None, *, config: GemmConfig | None = None) -> jax.Array:
+              residual: Any = None, *, precision=None, preferred_element_type=None,
+              config: GemmConfig | None = None) -> jax.Array:
     """``(act(x @ w_gate) * (x @ w_up)) @ w_down + residual``: a SwiGLU ("silu") or GeGLU
     ("gelu") transformer MLP block.
 
@@ -748,6 +769,7 @@ def gated_mlp(x: Any, w_gate: Any, w_up: Any, w_down: Any, activation: str = "si
     Args:
       x: [..., D]. w_gate, w_up: [D, F]. w_down: [F, D']. activation: "silu", "gelu",
       "gelu_tanh", "gelu_erf". residual: [..., D'] or None.
+      precision, preferred_element_type: as for ``dense``, for every product.
       config: the gated forward kernel's ``GemmConfig`` (as for ``gated_dense``).
     """
     activation = _canonical(activation, GATED_ACTIVATIONS, "gated_mlp")
@@ -760,8 +782,6 @@ def gated_mlp(x: Any, w_gate: Any, w_up: Any, w_down: Any, activation: str = "si
         raise ValueError(f"jax_tma.gated_mlp: w_down must be [F, D'] with F = w_gate.shape[1] = "
                          f"{jnp.shape(w_gate)[1]}, got shape {jnp.shape(w_down)}")
     x, wg, wu, wd = (jnp.asarray(v, dtype) for v in (x, w_gate, w_up, w_down))
-    if config is not None:
-        config = _check_config(config, GATED, activation)
     x2, lead = _as_2d(x)
     n_out = wd.shape[1]
     if residual is not None:
@@ -769,5 +789,13 @@ def gated_mlp(x: Any, w_gate: Any, w_up: Any, w_down: Any, activation: str = "si
             raise ValueError(f"jax_tma.gated_mlp: residual must have shape {(*lead, n_out)}, "
                              f"got {jnp.shape(residual)}")
         residual = jnp.asarray(residual, dtype).reshape(-1, n_out)
+    if not _kernel_computes(precision, preferred_element_type, dtype):
+        h = (activate(activation, _unfused(x2, wg, precision, preferred_element_type))
+             * _unfused(x2, wu, precision, preferred_element_type))
+        y = _unfused(h, wd, precision, preferred_element_type)
+        y = y if residual is None else y + residual
+        return y.reshape(*lead, n_out)
+    if config is not None:
+        config = _check_config(config, GATED, activation)
     _ext.warn_if_unavailable()
     return _gated_mlp(x2, wg, wu, wd, residual, activation, config).reshape(*lead, n_out)

@@ -12,18 +12,12 @@ replication" factor) before the kernel runs.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Callable
 
-from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_tma.gemm_sharding import _spec_of
-
-
-def _one(axes: tuple[str, ...]):
-    return None if not axes else (axes[0] if len(axes) == 1 else axes)
+from jax_tma._core.sharding import Params, one, partitioned_call, spec_of
 
 
 def _layout(params):
@@ -46,7 +40,7 @@ def _results(params) -> int:
 
 def _choose(mesh, params, arg_shapes):
     n_dim, names = _layout(params)
-    specs = [_spec_of(a.sharding, len(a.shape)) for a in arg_shapes]
+    specs = [spec_of(a.sharding, len(a.shape)) for a in arg_shapes]
     a_shape, b_shape = arg_shapes[0].shape, arg_shapes[1].shape
 
     def fits(axes, size):
@@ -68,10 +62,10 @@ def _choose(mesh, params, arg_shapes):
             spec = ((), m, n)
         else:  # aux
             spec = (m, n)
-        shardings.append(NamedSharding(mesh, PartitionSpec(*map(_one, spec))))
-    out = NamedSharding(mesh, PartitionSpec(_one(m), _one(n)))
-    pre = NamedSharding(mesh, PartitionSpec(None, _one(m), _one(n)) if params["kind"] == "gated"
-                        else PartitionSpec(_one(m), _one(n)))
+        shardings.append(NamedSharding(mesh, PartitionSpec(*map(one, spec))))
+    out = NamedSharding(mesh, PartitionSpec(one(m), one(n)))
+    pre = NamedSharding(mesh, PartitionSpec(None, one(m), one(n)) if params["kind"] == "gated"
+                        else PartitionSpec(one(m), one(n)))
     return shardings, out, pre
 
 
@@ -104,26 +98,11 @@ def _sharding_rule(local_op, reference, params, mesh, operand_types, result_type
     return f"{rule} -> {', '.join(outs)}", dict(need_replication_factors=("k",))
 
 
-class _Params(dict):
-    """The primitive's parameters as one hashable static argument."""
-
-    def __hash__(self):
-        return hash(tuple(sorted((k, repr(v)) for k, v in self.items())))
-
-
-@functools.partial(custom_partitioning, static_argnums=(0, 1, 2))
-def _partitioned(local_op, reference, params, *operands):
-    return local_op(*operands, **params)
-
-
-_partitioned.def_partition(
-    partition=_partition,
-    infer_sharding_from_operands=_infer,
-    sharding_rule=_sharding_rule,
-)
+_partitioned = partitioned_call(partition=_partition, infer_sharding_from_operands=_infer,
+                                sharding_rule=_sharding_rule, num_static=3)
 
 
 def partitioned_dense(*operands, local_op: Callable, reference: Callable, params: dict):
     """``local_op(*operands, **params)`` under the partitioning rules above."""
-    params = _Params({k: v for k, v in params.items() if k != "local"})
+    params = Params({k: v for k, v in params.items() if k != "local"})
     return _partitioned(local_op, reference, params, *operands)

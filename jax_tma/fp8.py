@@ -49,13 +49,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import dispatch
-from jax.interpreters import batching, mlir
+from jax._src.lax.lax import canonicalize_precision
+from jax.interpreters import batching
 
 from jax_tma import _ext, fp8_sharding
-from jax_tma import _aval
-from jax_tma._aval import result_aval
-from jax_tma.gemm import _dram_bytes_per_s, _for_export, _num_sms, sum_split_partials
+from jax_tma._core import aval as _aval
+from jax_tma._core import device
+from jax_tma._core.primitive import (bind_local, define_primitive, kernel_ffi_call,
+                                     sum_split_partials)
+from jax_tma._core.aval import result_aval
 from jax_tma.gemm import dot_general as _bf16_dot_general
 
 KERNEL_TARGET = "jax_tma_fp8_gemm_sm90"
@@ -147,7 +149,7 @@ def estimate_seconds(cfg: Fp8Config, m: int, n: int, k: int, num_sms: int,
 def default_config(m: int, n: int, k: int, num_sms: int | None = None) -> Fp8Config:
     """The compiled tile and split with the least estimated time (ties: no split, the larger
     tile). Split-K is considered only where the tiles fill less than one wave."""
-    num_sms = _num_sms() if num_sms is None else num_sms
+    num_sms = device.num_sms() if num_sms is None else num_sms
     best, best_key = None, None
     for tile in _FP8_TILES:
         if tile[3] > 1 and -(-m // tile[0]) < 2:
@@ -157,7 +159,7 @@ def default_config(m: int, n: int, k: int, num_sms: int | None = None) -> Fp8Con
             cfg = Fp8Config(*tile, split_k=split)
             if cfg.splits_for(k) != split:
                 continue
-            seconds = estimate_seconds(cfg, m, n, k, num_sms, _dram_bytes_per_s())
+            seconds = estimate_seconds(cfg, m, n, k, num_sms, device.dram_bytes_per_s())
             key = (round(seconds, 8), split, -tile[0] * tile[1], -tile[3])
             if best_key is None or key < best_key:
                 best, best_key = cfg, key
@@ -353,9 +355,6 @@ def _expand_reference(scale, form: _Form, shape, contracting: int):
 # The primitive: a [M, K] and b [N, K] FP8 (K-major), then where present sa [Kb, M] (block),
 # sb [Kb, Nb] (block), row_scale ([] or [M]), col_scale ([] or [N]), bias [N]; out [M, N].
 
-fp8_dot_p = _aval.Primitive("jax_tma_fp8_dot")
-
-
 def _split(rest, has_sa, has_sb, row_scale, col_scale, has_bias):
     rest = list(rest)
     take = lambda present: rest.pop(0) if present else None  # noqa: E731
@@ -390,15 +389,6 @@ def _reference(a, b, *rest, has_sa, has_sb, row_scale, col_scale, has_bias, out_
     if bias is not None:
         out = out + bias
     return out.astype(out_dtype)
-
-
-@functools.cache
-def _jitted_bind(**params):
-    return jax.jit(functools.partial(fp8_dot_p.bind, **params))
-
-
-def _impl(*args, **params):
-    return _jitted_bind(**params)(*args)
 
 
 def kernel_enabled() -> bool:
@@ -464,11 +454,7 @@ def _kernel_call(a, b, *rest, has_sa, has_sb, row_scale, col_scale, has_bias, ou
                 placeholder if cs is None else cs.reshape(-1),
                 bias if bias is not None and splits == 1 else placeholder)
     out_type = jax.ShapeDtypeStruct(d_shape, d_dtype)
-    if poison:
-        d = jax.ffi.ffi_call(KERNEL_TARGET + "_into", out_type, input_output_aliases={7: 0})(
-            *operands, jnp.full(d_shape, jnp.nan, d_dtype), **attrs)
-    else:
-        d = jax.ffi.ffi_call(KERNEL_TARGET, out_type)(*operands, **attrs)
+    d, = kernel_ffi_call(KERNEL_TARGET, (out_type,), operands, attrs, poison=poison)
     if splits > 1:
         d = sum_split_partials(d)
         if bias is not None:
@@ -477,28 +463,17 @@ def _kernel_call(a, b, *rest, has_sa, has_sb, row_scale, col_scale, has_bias, ou
     return d[0, :, :n] if n_pad != n else d.reshape(m, n)
 
 
-def _local_lowering(ctx, *args, platform: str, **params):
-    applies = (platform == "cuda" and kernel_enabled() and _ext.cuda_lowering_blocker() is None
-               and kernel_applies(ctx.avals_in[0], ctx.avals_in[1], params["out_dtype"],
-                                  params["promote"]))
-    if applies:
-        fn = functools.partial(_kernel_call, **{k: v for k, v in params.items() if k != "local"})
-    else:
-        fn = functools.partial(_reference, **params)
-    return mlir.lower_fun(fn, multiple_results=False)(ctx, *args)
+def _kernel_fn(avals_in, params):
+    """The FP8 kernel's call, or None where the reference runs (XLA)."""
+    if not (kernel_enabled() and kernel_applies(avals_in[0], avals_in[1], params["out_dtype"],
+                                                 params["promote"])):
+        return None
+    return functools.partial(_kernel_call, **{k: v for k, v in params.items() if k != "local"})
 
 
-def _lowering(ctx, *args, platform: str, **params):
-    # jax.export cannot serialize custom_partitioning: an exported module holds the product.
-    if params["local"] or _for_export(ctx):
-        return _local_lowering(ctx, *args, platform=platform, **params)
-    partitioned = functools.partial(fp8_sharding.partitioned_fp8_dot, local_op=_bind_local,
-                                    params=params)
-    return mlir.lower_fun(partitioned, multiple_results=False)(ctx, *args)
-
-
-def _bind_local(*args, **params):
-    return fp8_dot_p.bind(*args, **{**params, "local": True})
+def _partitioned(params):
+    return functools.partial(fp8_sharding.partitioned_fp8_dot, local_op=_bind_local,
+                             params=params)
 
 
 def _batch_rule(args, dims, **params):
@@ -543,13 +518,11 @@ def _batch_rule(args, dims, **params):
     return out.reshape(size, m, -1), 0
 
 
-fp8_dot_p.def_impl(_impl)
-dispatch.prim_requires_devices_during_lowering.add(fp8_dot_p)
-fp8_dot_p.def_abstract_eval(_abstract_eval)
+fp8_dot_p = define_primitive("jax_tma_fp8_dot", abstract_eval=_abstract_eval,
+                             reference=_reference, kernel_fn=_kernel_fn,
+                             partitioned=_partitioned)
+_bind_local = bind_local(fp8_dot_p)
 batching.primitive_batchers[fp8_dot_p] = _batch_rule
-mlir.register_lowering(fp8_dot_p, functools.partial(_lowering, platform="default"))
-mlir.register_lowering(fp8_dot_p, functools.partial(_lowering, platform="cuda"),
-                       platform="cuda")
 
 
 # --------------------------------------------------------------------------------------
@@ -657,8 +630,24 @@ def _fp8_dot_bwd(dims, out_dtype, config, has_bias, promote, saved, ct):
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
+def _output_type(op: str, preferred_element_type, out_dtype):
+    """The output dtype from lax's keyword and its alias: bf16 unless one names fp32."""
+    if (preferred_element_type is not None and out_dtype is not None
+            and jnp.dtype(preferred_element_type) != jnp.dtype(out_dtype)):
+        raise ValueError(f"{op}: out_dtype is another name for preferred_element_type; got "
+                         f"out_dtype={out_dtype!r} and "
+                         f"preferred_element_type={preferred_element_type!r}")
+    chosen = jnp.dtype(next((t for t in (preferred_element_type, out_dtype) if t is not None),
+                            jnp.bfloat16))
+    if chosen not in OUT_DTYPES:
+        raise ValueError(f"{op}: preferred_element_type and its alias out_dtype must be "
+                         f"bfloat16 or float32, got {chosen.name}")
+    return chosen
+
+
 def fp8_dot_general(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any,
-                    dimension_numbers=(((1,), (1,)), ((), ())), *, out_dtype: Any = jnp.bfloat16,
+                    dimension_numbers=(((1,), (1,)), ((), ())), *, precision=None,
+                    preferred_element_type: Any = None, out_dtype: Any = None,
                     bias: Any = None, config: Fp8Config | None = None) -> jax.Array:
     """``dot_general(lhs * lhs_scale, rhs * rhs_scale) + bias`` on FP8 operands.
 
@@ -670,7 +659,11 @@ def fp8_dot_general(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any,
         a vector over the free dimension, (1, 128) or (128, 128) blocks as quantize_fp8 writes
         them).
       dimension_numbers: ``(((lc,), (rc,)), ((), ()))``: one contracting dimension per operand.
-      out_dtype: bf16 (default) or fp32.
+      precision: as for ``lax.dot_general`` (validated there). Every precision gets the same
+        accumulation: fp32, promoted out of the tensor core every 128 K, which is what
+        ``Precision.HIGHEST`` asks of an FP8 dot.
+      preferred_element_type: the output type, bf16 (default) or fp32.
+      out_dtype: another name for preferred_element_type (both given: they must agree).
       bias: [N], added in fp32 before the rounding, or None.
       config: an ``Fp8Config`` among ``FP8_CONFIGS`` (by default a heuristic picks one).
 
@@ -684,9 +677,8 @@ def fp8_dot_general(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any,
             raise TypeError(f"jax_tma.fp8_dot_general: {name} must be float8_e4m3fn or "
                             f"float8_e5m2, got {x.dtype.name} (quantize with "
                             f"jax_tma.quantize_fp8)")
-    if jnp.dtype(out_dtype) not in OUT_DTYPES:
-        raise ValueError(f"jax_tma.fp8_dot_general: out_dtype must be bfloat16 or float32, got "
-                         f"{jnp.dtype(out_dtype).name}")
+    out_dtype = _output_type("jax_tma.fp8_dot_general", preferred_element_type, out_dtype)
+    canonicalize_precision(precision)  # lax's error for anything it does not accept
     if config is not None and not isinstance(config, Fp8Config):
         raise TypeError(f"jax_tma.fp8_dot_general: config must be an Fp8Config or None, got "
                         f"{config!r}")
@@ -709,8 +701,9 @@ def fp8_dot_general(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any,
                     has_bias, True)
 
 
-def fp8_matmul(a: Any, b: Any, a_scale: Any, b_scale: Any, *, out_dtype: Any = jnp.bfloat16,
-               bias: Any = None, config: Fp8Config | None = None) -> jax.Array:
+def fp8_matmul(a: Any, b: Any, a_scale: Any, b_scale: Any, *, precision=None,
+               preferred_element_type: Any = None, out_dtype: Any = None, bias: Any = None,
+               config: Fp8Config | None = None) -> jax.Array:
     """``(a * a_scale) @ (b * b_scale) + bias`` for FP8 a [..., M, K] and b [K, N].
 
     The leading dimensions of a (and of a_scale, which then has them too) fold into M. b is
@@ -723,8 +716,9 @@ def fp8_matmul(a: Any, b: Any, a_scale: Any, b_scale: Any, *, out_dtype: Any = j
         raise ValueError(f"jax_tma.fp8_matmul: a must be [..., M, K] and b [K, N], got shapes "
                          f"{a.shape} and {b.shape}")
     dims = (((1,), (0,)), ((), ()))
-    f = functools.partial(fp8_dot_general, dimension_numbers=dims, out_dtype=out_dtype,
-                          bias=bias, config=config)
+    out_dtype = _output_type("jax_tma.fp8_matmul", preferred_element_type, out_dtype)
+    f = functools.partial(fp8_dot_general, dimension_numbers=dims, precision=precision,
+                          preferred_element_type=out_dtype, bias=bias, config=config)
     if a.ndim == 2:
         return f(a, b, a_scale, b_scale)
     a_scale = jnp.asarray(a_scale, jnp.float32)

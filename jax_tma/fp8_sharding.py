@@ -16,21 +16,15 @@ scale ([] or [M]), the column scale ([] or [N]) and the bias [N]; the result out
 
 from __future__ import annotations
 
-import functools
 from typing import Callable
 
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_tma.gemm_sharding import _AxisClaims, _spec_of
+from jax_tma._core.sharding import AxisClaims, Params, one, partitioned_call, spec_of
 
 SCALE_BLOCK = 128
-
-
-def _one(axes: tuple[str, ...]):
-    return None if not axes else (axes[0] if len(axes) == 1 else axes)
 
 
 def _names(params) -> list[str]:
@@ -51,9 +45,9 @@ def _names(params) -> list[str]:
 def _choose(mesh, params, arg_shapes):
     """(operand shardings, output sharding, mesh axes splitting K)."""
     names = _names(params)
-    specs = [_spec_of(s.sharding, len(s.shape)) for s in arg_shapes]
+    specs = [spec_of(s.sharding, len(s.shape)) for s in arg_shapes]
     (m, k), (n, _) = arg_shapes[0].shape, arg_shapes[1].shape
-    claim = _AxisClaims(mesh)
+    claim = AxisClaims(mesh)
 
     blocks = params["has_sa"] or params["has_sb"]
     m_axes = claim(specs[0][0], m)
@@ -62,8 +56,8 @@ def _choose(mesh, params, arg_shapes):
     layout = {"a": (m_axes, k_axes), "b": (n_axes, k_axes), "sa": (k_axes, m_axes),
               "sb": (k_axes, n_axes), "row_scalar": (), "row_vector": (m_axes,),
               "col_scalar": (), "col_vector": (n_axes,), "bias": (n_axes,)}
-    shardings = [NamedSharding(mesh, PartitionSpec(*map(_one, layout[name]))) for name in names]
-    out = NamedSharding(mesh, PartitionSpec(_one(m_axes), _one(n_axes)))
+    shardings = [NamedSharding(mesh, PartitionSpec(*map(one, layout[name]))) for name in names]
+    out = NamedSharding(mesh, PartitionSpec(one(m_axes), one(n_axes)))
     return shardings, out, k_axes
 
 
@@ -101,26 +95,11 @@ def _sharding_rule(local_op, params, mesh, operand_types, result_types):
     return f"{rule} -> m n"
 
 
-class _Params(dict):
-    """The primitive's parameters as one hashable static argument."""
-
-    def __hash__(self):
-        return hash(tuple(sorted((k, repr(v)) for k, v in self.items())))
-
-
-@functools.partial(custom_partitioning, static_argnums=(0, 1))
-def _partitioned(local_op, params, *operands):
-    return local_op(*operands, **params)
-
-
-_partitioned.def_partition(
-    partition=_partition,
-    infer_sharding_from_operands=_infer,
-    sharding_rule=_sharding_rule,
-)
+_partitioned = partitioned_call(partition=_partition, infer_sharding_from_operands=_infer,
+                                sharding_rule=_sharding_rule, num_static=2)
 
 
 def partitioned_fp8_dot(*operands, local_op: Callable, params: dict):
     """``local_op(*operands, **params)`` under the partitioning rules above."""
-    params = _Params({k: v for k, v in params.items() if k != "local"})
+    params = Params({k: v for k, v in params.items() if k != "local"})
     return _partitioned(local_op, params, *operands)

@@ -34,15 +34,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import dispatch
 # NOTE: lax.dot_general's own canonical precision (it reads jax_default_matmul_precision for
 # None) and the weak-typed convert that jnp uses; both present in jax 0.10 and 0.11.
 from jax._src.lax.lax import _convert_element_type, canonicalize_precision
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, batching
 
 from jax_tma import _ext, autotuning, gemm_plan, gemm_sharding
-from jax_tma import _aval
-from jax_tma._aval import result_aval
+from jax_tma._core import device
+from jax_tma._core.aval import result_aval
+from jax_tma._core.primitive import define_primitive, kernel_ffi_call, sum_split_partials
 from jax_tma.gemm_config import (  # noqa: F401 - re-exported: the gemm module's public names
     BLOCK_K,
     COMPILED_CONFIGS,
@@ -56,6 +56,7 @@ from jax_tma.gemm_config import (  # noqa: F401 - re-exported: the gemm module's
     MAX_WORK_UNITS,
     STRIDE_ELEMS,
     GemmConfig,
+    as_config,
     check_config,
     copy_seconds,
     default_config,
@@ -75,29 +76,6 @@ KERNEL_TARGET = "jax_tma_gemm_sm90"
 # jax_tma._testing). Names are stable: serialized modules (jax.export) refer to them.
 FFI_TARGETS = (KERNEL_TARGET, KERNEL_TARGET + "_into")
 MATMUL_DIMS: DimensionNumbers = (((1,), (0,)), ((), ()))  # a[M, K] @ b[K, N]
-
-
-def _num_sms() -> int:
-    devices = _ext.cuda_devices()
-    return int(getattr(devices[0], "core_count", DEFAULT_NUM_SMS)) if devices else DEFAULT_NUM_SMS
-
-
-def _device_fact(query, default):
-    """`query` (an _ext device query) of the device the kernels run on, or `default` where
-    there is none or the driver does not say."""
-    devices = _ext.cuda_devices()
-    found = query(devices[0]) if devices else None
-    return found or default
-
-
-def _dram_bytes_per_s() -> float:
-    """Peak DRAM bandwidth of the device the kernels run on (the heuristic's memory model)."""
-    return _device_fact(_ext.peak_dram_bytes_per_s, DEFAULT_DRAM_BYTES_PER_S)
-
-
-def _l2_bytes() -> int:
-    """L2 cache of the device the kernels run on (the heuristic's model of stream-K)."""
-    return _device_fact(_ext.l2_cache_bytes, DEFAULT_L2_BYTES)
 
 
 def output_shape(lhs_shape, rhs_shape, dimension_numbers: DimensionNumbers) -> tuple[int, ...]:
@@ -305,10 +283,10 @@ def ranked_for(plan: GemmPlan, out_dtype) -> list[GemmConfig]:
     """Every configuration the heuristic scores for the product, best first on this device
     (gemm_config.ranked_configs, whose first is default_config's choice: config_for's without a
     cache entry)."""
-    return ranked_configs(plan.m, plan.n, plan.k, _num_sms(), jnp.dtype(out_dtype),
+    return ranked_configs(plan.m, plan.n, plan.k, device.num_sms(), jnp.dtype(out_dtype),
                           batch=plan.batch, out_strides=out_strides(plan),
                           misaligned_rows=plan.misaligned_rows,
-                          dram_bytes_per_s=_dram_bytes_per_s(), l2_bytes=_l2_bytes())
+                          dram_bytes_per_s=device.dram_bytes_per_s(), l2_bytes=device.l2_bytes())
 
 
 _READ_CACHE = object()  # why_xla's `measured` default: read the autotuning cache
@@ -331,10 +309,10 @@ def why_xla(route: KernelRoute, cfg: GemmConfig, lhs_aval, rhs_aval, out_dtype,
                 f"{kernel_s * 1e6:.1f} us for the kernel's best configuration"
                 if xla_s < kernel_s else None)
     copies, elements = route.operand_copies(lhs_aval.shape, rhs_aval.shape)
-    bandwidth = _dram_bytes_per_s()
-    kernel_s = estimate_seconds(cfg, plan.m, plan.n, plan.k, _num_sms(),
+    bandwidth = device.dram_bytes_per_s()
+    kernel_s = estimate_seconds(cfg, plan.m, plan.n, plan.k, device.num_sms(),
                                 jnp.dtype(out_dtype).itemsize, plan.batch, plan.misaligned_rows,
-                                bandwidth, _l2_bytes())
+                                bandwidth, device.l2_bytes())
     copy_s = copy_seconds(copies, elements * jnp.dtype(lhs_aval.dtype).itemsize, bandwidth)
     return xla_reason(plan.m, plan.n, plan.k, kernel_s, copy_s, plan.batch)
 
@@ -367,9 +345,6 @@ def kernel_choice(lhs_aval, rhs_aval, dimension_numbers: DimensionNumbers, out_d
 # --------------------------------------------------------------------------------------
 # The primitive.
 
-dot_general_p = _aval.Primitive("jax_tma_dot_general")
-
-
 def _abstract_eval(lhs, rhs, *, dimension_numbers, out_dtype, precision, config, local):
     del precision, config, local
     return result_aval(output_shape(lhs.shape, rhs.shape, dimension_numbers), out_dtype, lhs,
@@ -380,15 +355,6 @@ def _reference(lhs, rhs, *, dimension_numbers, out_dtype, precision, config, loc
     del config, local
     return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                            preferred_element_type=out_dtype)
-
-
-@functools.cache
-def _jitted_bind(**params):
-    return jax.jit(functools.partial(dot_general_p.bind, **params))
-
-
-def _impl(lhs, rhs, **params):
-    return _jitted_bind(**params)(lhs, rhs)
 
 
 def _pad(x: jax.Array, view: gemm_plan.OperandView) -> jax.Array:
@@ -444,64 +410,11 @@ def _kernel_call(lhs, rhs, *, plan: GemmPlan, dimension_numbers, out_dtype, conf
         d_m_stride=i64(plan.d_m_stride),
     )
     out_types = (jax.ShapeDtypeStruct(d_shape, d_dtype),
-                 jax.ShapeDtypeStruct((cfg.stream_k_workspace_bytes(_num_sms()),), jnp.uint8))
-    if poison:
-        d, _ = jax.ffi.ffi_call(KERNEL_TARGET + "_into", out_types, input_output_aliases={2: 0})(
-            lhs, rhs, jnp.full(d_shape, jnp.nan, d_dtype), **attrs
-        )
-    else:
-        d, _ = jax.ffi.ffi_call(KERNEL_TARGET, out_types)(lhs, rhs, **attrs)
+                 jax.ShapeDtypeStruct((cfg.stream_k_workspace_bytes(device.num_sms()),), jnp.uint8))
+    d, _ = kernel_ffi_call(KERNEL_TARGET, out_types, (lhs, rhs), attrs, poison=poison)
     if splits > 1:
         d = sum_split_partials(d).astype(out_dtype)
     return d
-
-
-def sum_split_partials(d: jax.Array) -> jax.Array:
-    """Sum over the leading axis of split-K partial products, in a fixed order:
-    ((d[0] + d[1]) + d[2]) + ... as one elementwise fusion. A reduce leaves the order to the
-    emitter XLA picks when it compiles, and on an H100 two processes compiling the same
-    reduce-then-convert got outputs that differ in the last bf16 bit."""
-    total = d[0]
-    for i in range(1, d.shape[0]):
-        total = total + d[i]
-    return total
-
-
-def _local_lowering(ctx, lhs, rhs, *, platform: str, **params):
-    """Lowering of one device's product: the kernel where it applies, else XLA's dot."""
-    choice = None
-    if platform == "cuda" and _ext.cuda_lowering_blocker() is None:
-        choice = kernel_choice(*ctx.avals_in, params["dimension_numbers"], params["out_dtype"],
-                               params["precision"], params["config"])
-    if choice is None:
-        fn = functools.partial(_reference, **params)
-    else:
-        route, cfg = choice
-        fn = functools.partial(
-            _kernel_call, plan=route.plan, dimension_numbers=params["dimension_numbers"],
-            out_dtype=params["out_dtype"], config=cfg, route=route,
-        )
-    return mlir.lower_fun(fn, multiple_results=False)(ctx, lhs, rhs)
-
-
-def _for_export(ctx) -> bool:
-    return bool(getattr(getattr(ctx.module_context, "lowering_parameters", None), "for_export", False))
-
-
-def _lowering(ctx, lhs, rhs, *, platform: str, **params):
-    # NOTE: jax.export cannot serialize custom_partitioning (its partition callback lives in
-    # this process). An exported module holds the product itself, which XLA's partitioner
-    # treats as any custom call: it gives each device the whole operands.
-    if params["local"] or _for_export(ctx):
-        return _local_lowering(ctx, lhs, rhs, platform=platform, **params)
-    # The partitioner splits the product across devices; each device's share binds the
-    # primitive again with local=True.
-    partitioned = functools.partial(
-        gemm_sharding.partitioned_dot, local_dot=_local_dot(params["precision"]),
-        dimension_numbers=params["dimension_numbers"], out_dtype=params["out_dtype"],
-        config=params["config"],
-    )
-    return mlir.lower_fun(partitioned, multiple_results=False)(ctx, lhs, rhs)
 
 
 @functools.cache
@@ -640,16 +553,30 @@ def _batch_rule(args, dims, *, dimension_numbers, out_dtype, precision, config, 
     return _bind(lhs, rhs, ((lc, rc), (lb, rb)), out_dtype, precision, local), out_dim
 
 
-dot_general_p.def_impl(_impl)
-# NOTE: the lowering emits custom_partitioning, which needs the device assignment while
-# lowering; jit provides it only for primitives in this set (jax has no public hook for it).
-dispatch.prim_requires_devices_during_lowering.add(dot_general_p)
-dot_general_p.def_abstract_eval(_abstract_eval)
+def _kernel_fn(avals_in, params):
+    """The kernel call of one device's product, or None where XLA's dot runs it."""
+    choice = kernel_choice(*avals_in, params["dimension_numbers"], params["out_dtype"],
+                           params["precision"], params["config"])
+    if choice is None:
+        return None
+    route, cfg = choice
+    return functools.partial(_kernel_call, plan=route.plan,
+                             dimension_numbers=params["dimension_numbers"],
+                             out_dtype=params["out_dtype"], config=cfg, route=route)
+
+
+def _partitioned(params):
+    return functools.partial(
+        gemm_sharding.partitioned_dot, local_dot=_local_dot(params["precision"]),
+        dimension_numbers=params["dimension_numbers"], out_dtype=params["out_dtype"],
+        config=params["config"])
+
+
+dot_general_p = define_primitive("jax_tma_dot_general", abstract_eval=_abstract_eval,
+                                 reference=_reference, kernel_fn=_kernel_fn,
+                                 partitioned=_partitioned)
 ad.defbilinear(dot_general_p, _transpose_lhs, _transpose_rhs)
 batching.primitive_batchers[dot_general_p] = _batch_rule
-mlir.register_lowering(dot_general_p, functools.partial(_lowering, platform="default"))
-mlir.register_lowering(dot_general_p, functools.partial(_lowering, platform="cuda"),
-                       platform="cuda")
 
 
 # --------------------------------------------------------------------------------------
@@ -681,19 +608,6 @@ def _is_arraylike(x) -> bool:
     """What lax and jnp take as an operand: arrays, numpy scalars, Python numbers."""
     return (isinstance(x, (jax.Array, np.ndarray, np.generic, bool, numbers.Number))
             or hasattr(x, "__jax_array__"))
-
-
-def _as_config(config, op: str) -> GemmConfig | None:
-    """`config` as this module's GemmConfig. A GemmConfig of another copy of the class (made
-    before ``importlib.reload(jax_tma.gemm_config)``) is rebuilt from its fields, and checked
-    again."""
-    if config is None or isinstance(config, GemmConfig):
-        return config
-    names = [f.name for f in dataclasses.fields(GemmConfig)]
-    if (type(config).__name__ == GemmConfig.__name__ and dataclasses.is_dataclass(config)
-            and [f.name for f in dataclasses.fields(config)] == names):
-        return GemmConfig(**{name: getattr(config, name) for name in names})
-    raise TypeError(f"{op}: config must be a jax_tma.GemmConfig or None, got {config!r}")
 
 
 def _weak_as(out: jax.Array, expected) -> jax.Array:
@@ -730,7 +644,7 @@ def dot_general(lhs: Any, rhs: Any, dimension_numbers, precision=None,
         ``vmap``, which the heuristic configures); a ValueError names the shapes if it cannot
         compute it.
     """
-    config = _as_config(config, "jax_tma.dot_general")
+    config = as_config(config, "jax_tma.dot_general")
 
     def reference(x, y):
         return lax.dot_general(x, y, dimension_numbers, precision=precision,
@@ -783,7 +697,7 @@ def matmul(a: Any, b: Any, *, precision=None, preferred_element_type=None, out_s
       batch dims of `a` alone fold into M; other broadcasts, and calls with `out_sharding`,
       run ``jnp.matmul``. Errors are ``jnp.matmul``'s.
     """
-    config = _as_config(config, "jax_tma.matmul")
+    config = as_config(config, "jax_tma.matmul")
     if out_dtype is not None:
         if preferred_element_type is not None and jnp.dtype(out_dtype) != jnp.dtype(preferred_element_type):
             raise ValueError(

@@ -15,6 +15,12 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
+from jax_tma._core.device import (  # noqa: F401 - the heuristics' defaults
+    DEFAULT_DRAM_BYTES_PER_S,
+    DEFAULT_L2_BYTES,
+    DEFAULT_NUM_SMS,
+)
+
 KERNEL_INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # TMA needs 16-byte global strides: every stride of an operand except its unit one is a
 # multiple of this many 16-bit elements (the lowering pads an operand's rows when not).
@@ -23,7 +29,6 @@ STRIDE_ELEMS = 8
 # apart load at about half speed (see _MISALIGNED_ISSUE_BYTES_PER_S).
 PAD_ELEMS = 16
 BLOCK_K = 64
-DEFAULT_NUM_SMS = 132
 # (block_m, block_n, stages, cluster_m, has a direct-store variant) of the TileConfig
 # instantiations in csrc/kernels/sm90_gemm.h.
 _COMPILED_TILES = (
@@ -252,7 +257,6 @@ _BOX_COLS = 64  # a TMA box's row: 128 swizzled bytes of 16-bit elements
 # Streaming operands (decode-like shapes): about 65 GB/s per busy CTA, at most this share of
 # the device's peak DRAM bandwidth (two transfers per memory clock across the bus, as the driver
 # reports them). A split-K product pays _SPLIT_FIXED_S for the extra reduction kernel.
-DEFAULT_DRAM_BYTES_PER_S = 4.81e12  # an H200's, for a device that does not say
 _STREAMING_SHARE_OF_PEAK = 0.83
 _MEMORY_BYTES_PER_S_PER_CTA = 65e9
 # While every SM streams, TMA brings at most about this rate of operand tiles into one SM: it
@@ -284,7 +288,6 @@ _STREAM_K_MIN_SLICES = 4  # TileScheduler::kMinStreamKSlices
 # among them two the fit measured pairs 6 % faster on (4096 x 12288 x 8192, 8192 x 6144 x
 # 8192), so the charge keeps the order it was fitted on until it is refitted.
 _GROUP_M = 8
-DEFAULT_L2_BYTES = 50 * 2**20  # an H100's or H200's, for a device that does not say
 # Stream-K's CTAs start their ranges at scattered K offsets, so the last tiles that share a row
 # block of A or a column block of B read it at different times: what of those shared blocks L2
 # cannot hold is read again from memory, charged at this many times the excess at streaming
@@ -532,3 +535,14 @@ def ranked_configs(m: int, n: int, k: int, num_sms: int = DEFAULT_NUM_SMS,
     return sorted(scored_configs(m, n, k, out_dtype, out_strides, batch=batch), key=key)
 
 
+def as_config(config, op: str) -> GemmConfig | None:
+    """`config` as this module's GemmConfig. A GemmConfig of another copy of the class (made
+    before ``importlib.reload(jax_tma.gemm_config)``) is rebuilt from its fields, and checked
+    again."""
+    if config is None or isinstance(config, GemmConfig):
+        return config
+    names = [f.name for f in dataclasses.fields(GemmConfig)]
+    if (type(config).__name__ == GemmConfig.__name__ and dataclasses.is_dataclass(config)
+            and [f.name for f in dataclasses.fields(config)] == names):
+        return GemmConfig(**{name: getattr(config, name) for name in names})
+    raise TypeError(f"{op}: config must be a jax_tma.GemmConfig or None, got {config!r}")

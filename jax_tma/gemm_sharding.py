@@ -29,43 +29,8 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_tma._core.sharding import Axes, AxisClaims, spec_of
 from jax_tma.gemm_plan import free_axes
-
-Axes = tuple[str, ...]
-
-
-def _axes(entry) -> Axes:
-    if entry is None:
-        return ()
-    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
-
-
-def _spec_of(sharding, ndim: int) -> list[Axes]:
-    """Mesh axes of each dimension (replicated where the sharding is not a NamedSharding)."""
-    if not isinstance(sharding, NamedSharding):
-        return [()] * ndim
-    spec = list(sharding.spec) + [None] * (ndim - len(sharding.spec))
-    return [_axes(e) for e in spec]
-
-
-class _AxisClaims:
-    """Hands out a mesh's axes to one product's dimensions, each axis at most once, in the
-    order the dimensions are claimed."""
-
-    def __init__(self, mesh):
-        self.mesh = mesh
-        self.used: set[str] = set()
-
-    def __call__(self, candidates: Axes, size: int, unit: int = 1) -> Axes:
-        """The axes of `candidates` not claimed yet, now claimed, if their devices divide a
-        dimension of `size` into whole multiples of `unit`; else none (the dimension stays
-        whole)."""
-        axes = tuple(a for a in candidates if a not in self.used)
-        if not axes or size % (math.prod(self.mesh.shape[a] for a in axes) * unit):
-            return ()
-        self.used.update(axes)
-        return axes
-
 
 @dataclasses.dataclass(frozen=True)
 class _Choice:
@@ -82,7 +47,7 @@ def _choose(mesh, lhs_shape, rhs_shape, lhs_spec, rhs_spec, dimension_numbers) -
     """Shardings of both operands and the output for the operands' current shardings."""
     (lc, rc), (lb, rb) = dimension_numbers
     lf, rf = free_axes(len(lhs_shape), lc, lb), free_axes(len(rhs_shape), rc, rb)
-    claim = _AxisClaims(mesh)
+    claim = AxisClaims(mesh)
 
     batch = [claim(lhs_spec[i] or rhs_spec[j], lhs_shape[i]) for i, j in zip(lb, rb)]
     m = [claim(lhs_spec[i], lhs_shape[i]) for i in lf]
@@ -116,8 +81,8 @@ def _scatter_plan(mesh, choice: _Choice, requested: list[Axes], out_shape):
 
 def _choose_for(mesh, arg_shapes, dimension_numbers) -> _Choice:
     lhs, rhs = arg_shapes
-    return _choose(mesh, lhs.shape, rhs.shape, _spec_of(lhs.sharding, len(lhs.shape)),
-                   _spec_of(rhs.sharding, len(rhs.shape)), dimension_numbers)
+    return _choose(mesh, lhs.shape, rhs.shape, spec_of(lhs.sharding, len(lhs.shape)),
+                   spec_of(rhs.sharding, len(rhs.shape)), dimension_numbers)
 
 
 def _infer(local_dot, dimension_numbers, out_dtype, config, mesh, arg_shapes, result_shape):
@@ -128,7 +93,7 @@ def _infer(local_dot, dimension_numbers, out_dtype, config, mesh, arg_shapes, re
 
 def _partition(local_dot, dimension_numbers, out_dtype, config, mesh, arg_shapes, result_shape):
     choice = _choose_for(mesh, arg_shapes, dimension_numbers)
-    requested = _spec_of(result_shape.sharding, len(result_shape.shape))
+    requested = spec_of(result_shape.sharding, len(result_shape.shape))
     scatters, psum_axes = _scatter_plan(mesh, choice, requested, result_shape.shape)
     out_dims = list(choice.out)
     for d, axes in scatters:

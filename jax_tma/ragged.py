@@ -36,15 +36,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import dispatch
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad, batching
 
 from jax_tma import _ext, ragged_sharding
-from jax_tma import _aval
-from jax_tma._aval import result_aval
-from jax_tma.gemm import _as_config, _dram_bytes_per_s, _for_export, _l2_bytes, _num_sms
-from jax_tma.gemm_config import (KERNEL_INPUT_DTYPES, STRIDE_ELEMS, GemmConfig, estimate_seconds,
-                                 kernel_output_dtypes)
+from jax_tma._core import device
+from jax_tma._core.aval import result_aval
+from jax_tma._core.primitive import define_primitive, kernel_ffi_call
+from jax_tma.gemm_config import (KERNEL_INPUT_DTYPES, STRIDE_ELEMS, GemmConfig, as_config,
+                                 estimate_seconds, kernel_output_dtypes)
 
 KERNEL_TARGET = "jax_tma_ragged_dot_sm90"
 ROWS, CONTRACTION = "rows", "contraction"
@@ -89,14 +88,14 @@ def default_config(mode: str, rows: int, n: int, k: int, groups: int,
     G products of k x n contracted over rows / G. Both are scored by the dense GEMM's cost model
     (gemm_config.estimate_seconds) as a batch of G products; ties go to the deeper pipeline,
     then the cluster of 2."""
-    num_sms = _num_sms() if num_sms is None else num_sms
+    num_sms = device.num_sms() if num_sms is None else num_sms
     per_group = max(1, -(-rows // groups))
     m, kk = (per_group, k) if mode == ROWS else (k, per_group)
     best, best_key = None, None
     for cfg in RAGGED_CONFIGS:
         seconds = estimate_seconds(cfg, m, n, kk, num_sms, jnp.dtype(out_dtype).itemsize,
-                                   batch=groups, dram_bytes_per_s=_dram_bytes_per_s(),
-                                   l2_bytes=_l2_bytes())
+                                   batch=groups, dram_bytes_per_s=device.dram_bytes_per_s(),
+                                   l2_bytes=device.l2_bytes())
         key = (round(seconds, 9), -cfg.stages, -cfg.cluster_m)
         if best_key is None or key < best_key:
             best, best_key = cfg, key
@@ -107,9 +106,6 @@ def default_config(mode: str, rows: int, n: int, k: int, groups: int,
 # The primitive: x [B, M, K]; rows mode: w [Bw, G, K, N] (or [Bw, G, N, K] with w_k_major),
 # out [B, M, N]; contraction mode: w is dy [B, M, N], out [B, G, K, N]. Bw and the group sizes'
 # leading dim are 1 (shared by every batch entry) or B.
-
-ragged_dot_p = _aval.Primitive("jax_tma_ragged_dot")
-
 
 def _out_shape(x_shape, w_shape, gs_shape, mode, w_k_major):
     b, m, k = x_shape
@@ -145,15 +141,6 @@ def _reference(x, w, gs, *, mode, w_k_major, out_dtype, config, local):
                             preferred_element_type=out_dtype)
     # NOTE: lax batches ragged_dot only with every operand mapped.
     return jax.vmap(one)(x, _broadcast_batch(w, batch), _broadcast_batch(gs, batch))
-
-
-@functools.cache
-def _jitted_bind(**params):
-    return jax.jit(functools.partial(ragged_dot_p.bind, **params))
-
-
-def _impl(x, w, gs, **params):
-    return _jitted_bind(**params)(x, w, gs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,12 +219,7 @@ def _kernel_call(x, w, gs, *, plan: RaggedPlan, w_k_major: bool, out_dtype, conf
     out_types = (jax.ShapeDtypeStruct(out_shape, out_dtype),
                  jax.ShapeDtypeStruct((workspace_bytes(mode, plan.groups, plan.batch),),
                                       jnp.uint8))
-    if poison:
-        out, _ = jax.ffi.ffi_call(KERNEL_TARGET + "_into", out_types,
-                                  input_output_aliases={3: 0})(
-            x, w, gs, jnp.full(out_shape, jnp.nan, out_dtype), **attrs)
-    else:
-        out, _ = jax.ffi.ffi_call(KERNEL_TARGET, out_types)(x, w, gs, **attrs)
+    out, _ = kernel_ffi_call(KERNEL_TARGET, out_types, (x, w, gs), attrs, poison=poison)
     if plan.k_pad and mode == CONTRACTION:
         out = out[:, :, :plan.k]
     if plan.n_pad:
@@ -245,27 +227,19 @@ def _kernel_call(x, w, gs, *, plan: RaggedPlan, w_k_major: bool, out_dtype, conf
     return out
 
 
-def _local_lowering(ctx, x, w, gs, *, platform: str, **params):
-    plan = None
-    if platform == "cuda" and _ext.cuda_lowering_blocker() is None:
-        plan = kernel_plan(*ctx.avals_in, params["mode"], params["w_k_major"],
-                           params["out_dtype"])
+def _kernel_fn(avals_in, params):
+    """The kernel call of one device's product, or None where lax's form runs it."""
+    plan = kernel_plan(*avals_in, params["mode"], params["w_k_major"], params["out_dtype"])
     if plan is None:
-        fn = functools.partial(_reference, **params)
-    else:
-        fn = functools.partial(_kernel_call, plan=plan, w_k_major=params["w_k_major"],
-                               out_dtype=params["out_dtype"], config=params["config"])
-    return mlir.lower_fun(fn, multiple_results=False)(ctx, x, w, gs)
+        return None
+    return functools.partial(_kernel_call, plan=plan, w_k_major=params["w_k_major"],
+                             out_dtype=params["out_dtype"], config=params["config"])
 
 
-def _lowering(ctx, x, w, gs, *, platform: str, **params):
-    # jax.export cannot serialize custom_partitioning: an exported module holds the product.
-    if params["local"] or _for_export(ctx):
-        return _local_lowering(ctx, x, w, gs, platform=platform, **params)
-    partitioned = functools.partial(
+def _partitioned(params):
+    return functools.partial(
         ragged_sharding.partitioned_ragged_dot, local_op=_bind_local, mode=params["mode"],
         w_k_major=params["w_k_major"], out_dtype=params["out_dtype"], config=params["config"])
-    return mlir.lower_fun(partitioned, multiple_results=False)(ctx, x, w, gs)
 
 
 def _bind_local(x, w, gs, mode, w_k_major, out_dtype, config):
@@ -360,15 +334,12 @@ def _batch_rule(args, dims, *, mode, w_k_major, out_dtype, config, local):
     return out.reshape(size, batch, *out.shape[1:]), 0
 
 
-ragged_dot_p.def_impl(_impl)
-dispatch.prim_requires_devices_during_lowering.add(ragged_dot_p)
-ragged_dot_p.def_abstract_eval(_abstract_eval)
+ragged_dot_p = define_primitive("jax_tma_ragged_dot", abstract_eval=_abstract_eval,
+                                reference=_reference, kernel_fn=_kernel_fn,
+                                partitioned=_partitioned)
 ad.primitive_jvps[ragged_dot_p] = _jvp
 ad.primitive_transposes[ragged_dot_p] = _transpose
 batching.primitive_batchers[ragged_dot_p] = _batch_rule
-mlir.register_lowering(ragged_dot_p, functools.partial(_lowering, platform="default"))
-mlir.register_lowering(ragged_dot_p, functools.partial(_lowering, platform="cuda"),
-                       platform="cuda")
 
 
 # --------------------------------------------------------------------------------------
@@ -418,7 +389,7 @@ def ragged_dot_general(lhs: Any, rhs: Any, group_sizes: Any,
       config: a ``GemmConfig`` among ``RAGGED_CONFIGS`` for this product (not for those of its
         gradient or vmap); by default a heuristic picks one.
     """
-    config = _as_config(config, "jax_tma.ragged_dot_general")
+    config = as_config(config, "jax_tma.ragged_dot_general")
     if config is not None:
         _check_config(config)
     reference = functools.partial(

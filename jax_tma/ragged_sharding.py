@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_tma.gemm_sharding import Axes, _AxisClaims, _spec_of
+from jax_tma._core.sharding import Axes, AxisClaims, spec_of
 
 
 def _spec(dims) -> PartitionSpec:
@@ -41,7 +41,7 @@ def _choose(mesh, mode, w_k_major, shapes, specs):
     """Mesh axes per factor (b, m, k, n) from the operands' shardings, and the shardings of
     every operand and of the output that follow."""
     (x_shape, w_shape, gs_shape), (x_spec, w_spec, _) = shapes, specs
-    claim = _AxisClaims(mesh)
+    claim = AxisClaims(mesh)
 
     w_batched = w_shape[0] == x_shape[0] and (mode != "rows" or w_shape[0] > 1)
     gs_batched = gs_shape[0] == x_shape[0] and gs_shape[0] > 1
@@ -68,7 +68,7 @@ def _choose(mesh, mode, w_k_major, shapes, specs):
 
 def _choose_for(mesh, mode, w_k_major, arg_shapes):
     shapes = tuple(a.shape for a in arg_shapes)
-    specs = tuple(_spec_of(a.sharding, len(a.shape)) for a in arg_shapes)
+    specs = tuple(spec_of(a.sharding, len(a.shape)) for a in arg_shapes)
     return _choose(mesh, mode, w_k_major, shapes, specs)
 
 

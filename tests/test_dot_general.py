@@ -351,6 +351,7 @@ def _dense_loss(x, w):
 
 
 @needs_extension
+@pytest.mark.smoke
 def test_cuda_lowering_dense_backward_is_two_kernels():
     x, w = spec((256, 64)), spec((64, 128))
     _, pullback = jax.vjp(lambda x, w: jax_tma.dot_general(x, w, MATMUL), jnp.zeros(x.shape, BF16), jnp.zeros(w.shape, BF16))

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax import lax
 from jax.test_util import check_grads
 
 import jax_tma
@@ -45,6 +46,39 @@ def f64_act(name, z):
     if name == "silu":
         return z / (1 + np.exp(-z))
     raise ValueError(name)
+
+
+def f64_act_grad(name, z):
+    """d act / dz at z in float64, written out (not jax_tma's autodiff of its activation);
+    relu's slope at 0 is 0."""
+    z = np.asarray(z, np.float64)
+    if name is None:
+        return np.ones_like(z)
+    if name == "relu":
+        return (z > 0).astype(np.float64)
+    if name in ("gelu", "gelu_tanh"):
+        c = np.sqrt(2 / np.pi)
+        t = np.tanh(c * (z + 0.044715 * z ** 3))
+        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * c * (1 + 3 * 0.044715 * z ** 2)
+    if name == "gelu_erf":
+        from math import erf
+        return (0.5 * (1 + np.vectorize(erf)(z / np.sqrt(2)))
+                + z * np.exp(-0.5 * z * z) / np.sqrt(2 * np.pi))
+    if name == "silu":
+        s = 0.5 * (1 + np.tanh(0.5 * z))  # the logistic sigmoid, without exp's overflow
+        return s * (1 + z * (1 - s))
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu_tanh", "gelu_erf", "silu"])
+def test_reference_activation_grads_match_finite_differences(activation):
+    """The float64 derivatives above against central differences of f64_act (step 1e-5:
+    error ~1e-10), away from relu's kink."""
+    z = np.concatenate([np.linspace(-8, 8, 1601), [-30.0, -0.3, 0.3, 30.0]])
+    z = z[np.abs(z) > 1e-3]
+    h = 1e-5
+    numeric = (f64_act(activation, z + h) - f64_act(activation, z - h)) / (2 * h)
+    np.testing.assert_allclose(f64_act_grad(activation, z), numeric, rtol=1e-7, atol=1e-8)
 
 
 def f64_dense(x, w, bias=None, activation=None, residual=None):
@@ -129,7 +163,7 @@ def f64_gated_grads(dy, wd, gate, up, activation):
     (dy @ wd^T * up * act'(gate), dy @ wd^T * act(gate)), float64."""
     h = np.asarray(dy, np.float64) @ np.asarray(wd, np.float64).T
     gate64 = np.asarray(gate, np.float64)
-    slope = np.asarray(ep.activation_grad(activation, jnp.asarray(gate64)), np.float64)
+    slope = f64_act_grad(activation, gate64)
     return h * np.asarray(up, np.float64) * slope, h * f64_act(activation, gate64)
 
 
@@ -216,7 +250,7 @@ def test_bf16_gradients_match_float64(rng):
     _, vjp = jax.vjp(lambda x, w, b: jax_tma.dense(x, w, b, "gelu"), x, w, b)
     dx, dw, db = vjp(jnp.asarray(dy))
     z = np.asarray(x, np.float64) @ np.asarray(w, np.float64) + np.asarray(b, np.float64)
-    dz = np.asarray(dy, np.float64) * np.asarray(ep.activation_grad("gelu_tanh", jnp.asarray(z)), np.float64)
+    dz = np.asarray(dy, np.float64) * f64_act_grad("gelu_tanh", z)
     assert rel_error(dx, dz @ np.asarray(w, np.float64).T) <= 2 * TOL[BF16]
     assert rel_error(dw, np.asarray(x, np.float64).T @ dz) <= 2 * TOL[BF16]
     assert rel_error(db, dz.sum(0)) <= 2 * TOL[BF16]
@@ -315,6 +349,7 @@ def _spec(shape, dtype=BF16):
 
 
 @needs_extension
+@pytest.mark.smoke
 def test_cuda_lowering_is_one_fused_kernel():
     x, w, b = _spec((4096, 1024)), _spec((1024, 2048)), _spec((2048,))
     r = _spec((4096, 2048))
@@ -337,6 +372,7 @@ def test_cuda_lowering_reads_a_16bit_bias_as_it_is(dtype):
 
 
 @needs_extension
+@pytest.mark.smoke
 def test_cuda_lowering_of_the_gradients():
     x, w1, w2 = _spec((4096, 1024)), _spec((1024, 2048)), _spec((2048, 1024))
     hlo = cuda_hlo(jax.grad(lambda x, w: jnp.sum(jax_tma.dense(x, w, activation="gelu")), (0, 1)),
@@ -446,7 +482,7 @@ def test_kernel_activation_grad_matches_float64(rng, activation, config):
     out, = _poisoned(jnp.asarray(dy), jnp.asarray(w), jnp.asarray(z), kind=ep.GRADIENT,
                      activation=activation, has_aux=True, b_k_major=True, out_dtype=BF16,
                      config=config)
-    slope = np.asarray(ep.activation_grad(activation, jnp.asarray(z, F32)), np.float64)
+    slope = f64_act_grad(activation, z)
     ref = (np.asarray(dy, np.float64) @ np.asarray(w, np.float64).T) * slope
     assert rel_error(out, ref) <= TOL[BF16]
 
@@ -601,7 +637,7 @@ def test_kernel_several_tiles_per_cta(rng, kind, activation, residual, k):
     if kind == "gradient":  # out [m, n] = (x [m, k] @ w[n, k]^T) * act'(z [m, n])
         wt = np.ascontiguousarray(w.T)
         z = random_array(rng, (m, n), BF16)
-        slope = np.asarray(ep.activation_grad(activation, jnp.asarray(z, F32)), np.float64)
+        slope = f64_act_grad(activation, z)
         for config in configs:
             out, = _poisoned(jnp.asarray(x), jnp.asarray(wt), jnp.asarray(z), kind=ep.GRADIENT,
                              activation=activation, has_aux=True, b_k_major=True,
@@ -752,3 +788,50 @@ def test_export_round_trip(rng):
     assert exported.mlir_module().count(f"@{ep.KERNEL_TARGET}(") == 1
     out = exported.call(jax.device_put(x, jax.devices("cpu")[0]), w, b)
     assert rel_error(out, f64_dense(x, w, b, "gelu")) <= TOL[BF16]
+
+
+# lax's keywords on the fused ops: an output type other than the operands' or a precision the
+# kernel does not compute runs the unfused expression, which lax defines.
+@pytest.mark.parametrize("op", ["dense", "gated_dense", "mlp", "gated_mlp"])
+def test_preferred_element_type_and_precision_follow_lax(op, rng):
+    x = random_array(rng, (3, 5, 64), jnp.bfloat16)
+    w1 = random_array(rng, (64, 32), jnp.bfloat16)
+    w2 = random_array(rng, (64, 32), jnp.bfloat16)
+    wd = random_array(rng, (32, 16), jnp.bfloat16)
+    b1 = random_array(rng, (32,), jnp.bfloat16)
+    b2 = random_array(rng, (16,), jnp.bfloat16)
+    f32 = jnp.float32
+    mm = lambda a, b: np.asarray(a, np.float64) @ np.asarray(b, np.float64)  # noqa: E731
+    gelu = lambda z: 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))  # noqa: E731
+    silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
+    if op == "dense":
+        out = jax_tma.dense(x, w1, b1, "gelu", preferred_element_type=f32)
+        ref = gelu(mm(x, w1) + np.asarray(b1, np.float64))
+    elif op == "gated_dense":
+        out = jax_tma.gated_dense(x, w1, w2, "silu", preferred_element_type=f32)
+        ref = silu(mm(x, w1)) * mm(x, w2)
+    elif op == "mlp":
+        out = jax_tma.mlp(x, w1, b1, wd, b2, "gelu", preferred_element_type=f32)
+        ref = mm(gelu(mm(x, w1) + np.asarray(b1, np.float64)), wd) + np.asarray(b2, np.float64)
+    else:
+        out = jax_tma.gated_mlp(x, w1, w2, wd, "silu", preferred_element_type=f32)
+        ref = mm(silu(mm(x, w1)) * mm(x, w2), wd)
+    assert out.dtype == f32 and out.shape == ref.shape
+    assert rel_error(out, ref) < 1e-5
+    # A precision the kernel computes keeps the operands' type.
+    kw = dict(precision=lax.Precision.HIGHEST)
+    same = {"dense": lambda: jax_tma.dense(x, w1, b1, "gelu", **kw),
+            "gated_dense": lambda: jax_tma.gated_dense(x, w1, w2, **kw),
+            "mlp": lambda: jax_tma.mlp(x, w1, b1, wd, b2, **kw),
+            "gated_mlp": lambda: jax_tma.gated_mlp(x, w1, w2, wd, **kw)}[op]()
+    assert same.dtype == jnp.bfloat16
+    assert rel_error(same, ref) < 2e-2
+
+
+def test_mlp_takes_a_config_for_its_first_product():
+    x = jnp.ones((4, 64), jnp.bfloat16)
+    w1, w2 = jnp.ones((64, 32), jnp.bfloat16), jnp.ones((32, 16), jnp.bfloat16)
+    ok = jax_tma.mlp(x, w1, None, w2, None, "relu", config=ep.DENSE_CONFIGS[0])
+    assert ok.shape == (4, 16)
+    with pytest.raises((TypeError, ValueError), match="config"):
+        jax_tma.mlp(x, w1, None, w2, None, "relu", config="128x128")

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_tma
 from jax_tma import fp8
-from conftest import cuda_hlo, needs_extension, rel_error
+from conftest import cuda_hlo, needs_extension, random_array, rel_error
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E5M2 = np.dtype(ml_dtypes.float8_e5m2)
@@ -60,7 +60,50 @@ def test_kernel_switch(monkeypatch):
 
 
 def _f64(values, scale, block):
-    return np.asarray(fp8.dequantize_fp8(values, scale, block), np.float64)
+    """values * scale in float64 (exact: an FP8 value times an fp32 scale), the scales expanded
+    by hand from quantize_fp8's documented layouts, for values [..., R, C]:
+    None, (1, None), (None, 1): the scale broadcasts (shape (), [..., R, 1], [..., 1, C]);
+    (1, 128): scale [..., ceil(C / 128), R], element [r, c] scaled by scale[c // 128, r];
+    (128, 128): scale [..., ceil(C / 128), ceil(R / 128)], by scale[c // 128, r // 128]."""
+    v = np.asarray(values).astype(np.float64)
+    s = np.asarray(scale).astype(np.float64)
+    block = None if block is None else tuple(block)
+    if block not in ((1, 128), (128, 128)):
+        return v * s
+    rows, cols = v.shape[-2:]
+    col_block = np.arange(cols)[None, :] // 128
+    row = np.arange(rows)[:, None] // block[0]
+    assert s.shape == (*v.shape[:-2], -(-cols // 128), -(-rows // block[0])), (s.shape, v.shape)
+    return v * s[..., col_block, row]
+
+
+@pytest.mark.parametrize("block", [None, (1, None), (None, 1), (1, 128), (128, 128)], ids=str)
+def test_reference_dequantisation_follows_the_documented_layouts(rng, block):
+    """_f64 against an element-by-element loop over the layouts above (leading dims, partial
+    blocks on both axes), on scales that differ in every block."""
+    lead, rows, cols = 2, 130, 260
+    values = rng.standard_normal((lead, rows, cols)).astype(E4M3)
+    shape = {None: (), (1, None): (lead, rows, 1), (None, 1): (lead, 1, cols),
+             (1, 128): (lead, 3, rows), (128, 128): (lead, 3, 2)}[block]
+    scale = rng.uniform(0.5, 2.0, size=shape).astype(F32)
+
+    def scale_of(i, r, c):
+        if block is None:
+            return scale[()]
+        if block == (1, None):
+            return scale[i, r, 0]
+        if block == (None, 1):
+            return scale[i, 0, c]
+        if block == (1, 128):
+            return scale[i, c // 128, r]
+        return scale[i, c // 128, r // 128]
+
+    want = np.empty((lead, rows, cols))
+    for i in range(lead):
+        for r in range(rows):
+            for c in range(cols):
+                want[i, r, c] = float(values[i, r, c]) * float(scale_of(i, r, c))
+    assert np.array_equal(_f64(values, scale, block), want)
 
 
 def _data(rng, shape, spread=True):
@@ -282,6 +325,7 @@ def _spec(shape, dtype):
 
 @needs_extension
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.smoke
 def test_cuda_lowering_is_one_kernel(dtype):
     m, n, k = 4096, 2048, 1024
     a, b = _spec((m, k), dtype), _spec((n, k), dtype)
@@ -453,3 +497,22 @@ def test_kernel_gradients_run_the_bf16_kernel(rng):
     ref_dx, ref_dw = jax.grad(lambda x, w: jnp.sum((x.astype(F32) @ w.astype(F32)) ** 2),
                               (0, 1))(x, w)
     assert rel_error(dx, ref_dx) <= 0.1 and rel_error(dw, ref_dw) <= 0.1
+
+
+def test_preferred_element_type_is_lax_keyword_and_out_dtype_its_alias(rng):
+    a = jnp.asarray(random_array(rng, (128, 256), np.float32)).astype(jnp.float8_e4m3fn)
+    b = jnp.asarray(random_array(rng, (64, 256), np.float32)).astype(jnp.float8_e4m3fn)
+    one = jnp.float32(1)
+    by_keyword = jax_tma.fp8_dot_general(a, b, one, one, preferred_element_type=jnp.float32)
+    by_alias = jax_tma.fp8_dot_general(a, b, one, one, out_dtype=jnp.float32)
+    assert by_keyword.dtype == by_alias.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(by_keyword), np.asarray(by_alias))
+    ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64).T
+    assert rel_error(by_keyword, ref) < 1e-6
+    assert jax_tma.fp8_dot_general(a, b, one, one).dtype == jnp.bfloat16
+    mm = jax_tma.fp8_matmul(a, b.T, one, one, preferred_element_type=jnp.float32,
+                            precision=jax.lax.Precision.HIGHEST)
+    assert mm.dtype == jnp.float32 and rel_error(mm, ref) < 1e-6
+    with pytest.raises(ValueError, match="out_dtype is another name"):
+        jax_tma.fp8_matmul(a, b.T, one, one, out_dtype=jnp.float32,
+                           preferred_element_type=jnp.bfloat16)

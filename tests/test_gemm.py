@@ -22,6 +22,7 @@ import pytest
 
 import jax_tma
 from jax_tma import _ext, _testing, gemm, gemm_config, gemm_plan
+from jax_tma._core import device
 from conftest import cuda_hlo, f64_matmul, needs_extension, random_array, rel_error
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -256,6 +257,7 @@ def test_warns_once_when_kernels_unavailable():
     [(128, 256, 64, BF16, None), (7, 129, 8, F16, None), (1, 1, 8, BF16, np.float32),
      (4097, 7, 72, F16, None), (64, 64, 30, BF16, None)],
 )
+@pytest.mark.smoke
 def test_cuda_lowering_emits_kernel(m, n, k, dtype, out_dtype):
     hlo = cuda_hlo(lambda a, b: jax_tma.matmul(a, b, out_dtype=out_dtype), spec((m, k), dtype), spec((k, n), dtype))
     assert hlo.count(f"custom_call @{gemm.KERNEL_TARGET}(") == 1
@@ -332,11 +334,12 @@ def test_cuda_lowering_forced_config():
     # Stream-K: a workspace result of a flag per warpgroup (padded) and an fp32 tile per SM.
     sk = dataclasses.replace(cfg, stream_k=True)
     hlo = cuda_hlo(lambda a, b: jax_tma.matmul(a, b, config=sk), spec((8192, 64), BF16), spec((64, 8192), BF16))
-    sms = gemm._num_sms()
+    sms = device.num_sms()
     assert "stream_k = 1" in hlo
     assert f"tensor<{-(-sms * 8 // 256) * 256 + sms * 128 * 128 * 4}xui8>" in hlo
 
 
+@pytest.mark.smoke
 def test_extension_built_when_required():
     if os.environ.get("JAX_TMA_REQUIRE_EXTENSION") != "1":
         pytest.skip("JAX_TMA_REQUIRE_EXTENSION is not set")
@@ -434,12 +437,12 @@ def test_heuristic_reads_the_device_bandwidth():
     configuration that default_config picks for this device's bandwidth."""
     bandwidth = _ext.peak_dram_bytes_per_s(jax.devices()[0])
     assert bandwidth is not None and 1e12 < bandwidth < 2e13, bandwidth  # H100 3.35e12, H200 4.81e12
-    assert gemm._dram_bytes_per_s() == bandwidth
+    assert device.dram_bytes_per_s() == bandwidth
     l2 = _ext.l2_cache_bytes(jax.devices()[0])
     assert l2 is not None and 2**24 <= l2 <= 2**28, l2  # 50 MiB on an H100 or H200
-    assert gemm._l2_bytes() == l2
+    assert device.l2_bytes() == l2
     m, n, k = 128, 4096, 14336
-    cfg = gemm.default_config(m, n, k, gemm._num_sms(), BF16, dram_bytes_per_s=bandwidth)
+    cfg = gemm.default_config(m, n, k, device.num_sms(), BF16, dram_bytes_per_s=bandwidth)
     hlo = jax.jit(jax_tma.matmul).lower(spec((m, k), BF16), spec((k, n), BF16)).as_text()
     for attr in (f"block_m = {cfg.block_m}", f"block_n = {cfg.block_n}", f"stages = {cfg.stages}",
                  f"cluster_m = {cfg.cluster_m}", f"splits = {cfg.split_k}"):
@@ -922,6 +925,7 @@ def _export(fn, platforms, *specs):
                              disabled_checks=jax_tma.export_disabled_checks())(*specs)
 
 
+@pytest.mark.smoke
 def test_export_needs_the_documented_checks():
     specs = (spec((64, 32), BF16), spec((32, 48), BF16))
     names = {str(c) for c in jax_tma.export_disabled_checks()}

@@ -163,6 +163,7 @@ def test_grad_of_sharded_dense_layer():
         assert rel_error(o, r) <= 2e-2
 
 
+@pytest.mark.smoke
 def test_cuda_lowering_keeps_the_partitioning_wrapper():
     """Lowered for CUDA on a sharded mesh, the product is a custom_partitioning call."""
     mesh = _cpu_mesh((8,), ("x",))

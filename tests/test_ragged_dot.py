@@ -285,6 +285,7 @@ def _kernel_calls(hlo: str) -> int:
 
 
 @needs_extension
+@pytest.mark.smoke
 def test_cuda_lowering_calls_the_kernel():
     args = (_spec((4096, 1024), BF16), _spec((8, 1024, 512), BF16), _spec((8,), np.int32))
     assert _kernel_calls(cuda_hlo(jax_tma.ragged_dot, *args)) == 1
