@@ -26,8 +26,10 @@
 #include <cstdint>
 #include <string>
 
+#include "ffi/checks.h"
 #include "ffi/cuda_check.h"
 #include "ffi/device_info.h"
+#include "ffi/dispatch.h"
 #include "ffi/gemm_maps.h"
 #include "ffi/tensor_map.h"
 #include "kernels/sm90_dense.h"
@@ -45,6 +47,8 @@ struct DenseAttrs {
 };
 
 namespace {
+
+constexpr char kOp[] = "jax_tma dense";  // every message's prefix
 
 using ffi_util::str;
 using ffi_util::ViewDim;
@@ -74,12 +78,6 @@ bool bias_type(ffi::DataType t, VectorType* out) {
   return true;
 }
 
-template <class Tile>
-bool tile_matches(const DenseAttrs& p) {
-  return p.block_m == Tile::kBlockM && p.block_n == Tile::kBlockN && p.stages == Tile::kStages &&
-         p.cluster_m == Tile::kClusterM;
-}
-
 template <class Fusion>
 bool fusion_matches(const DenseAttrs& p) {
   return p.kind == static_cast<int64_t>(Fusion::kKind) &&
@@ -92,10 +90,7 @@ ffi::Error run(const DenseAttrs& p, DType in, const Buffers& buf, LaunchArgs arg
   const int64_t acc_n = Fusion::kGated ? 2 * p.n : p.n;  // accumulator columns
   const int64_t units = (p.m + Tile::kBlockM - 1) / Tile::kBlockM *
                         ((acc_n + Tile::kBlockN - 1) / Tile::kBlockN);
-  if (units > INT32_MAX / 2) {
-    return ffi::Error::InvalidArgument("jax_tma dense: " + str(units) +
-                                       " work units exceed the scheduler's int32 numbering");
-  }
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_work_units(kOp, units));
   if (p.stream_k && !Tile::kStreamK) {
     return ffi::Error::InvalidArgument("jax_tma dense: stream_k=1 needs a 128-row tile without "
                                        "a cluster");
@@ -106,21 +101,17 @@ ffi::Error run(const DenseAttrs& p, DType in, const Buffers& buf, LaunchArgs arg
   const int64_t out_bytes = p.m * p.n * sm90_gemm::dtype_bytes(in);  // one [m, n] operand
   CUtensorMap map_a, map_b, map_b2 = {}, map_d, map_aux = {}, map_aux2 = {}, map_pre = {},
               map_pre2 = {};
-  std::string err = ffi_util::encode_tensor_map(
-      &map_a, buf.a->untyped_data(),
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(
+      kOp, &map_a, buf.a->untyped_data(),
       ffi_util::operand_spec<Major::kK>(in, {p.m, p.k, "m"}, {p.k, 1, "k"}, {1, 0, "batch"},
-                                        box_a));
+                                        box_a)));
   const ViewDim b_n = Layout::kB == Major::kK ? ViewDim{p.n, p.k, "n"} : ViewDim{p.n, 1, "n"};
   const ViewDim b_k = Layout::kB == Major::kK ? ViewDim{p.k, 1, "k"} : ViewDim{p.k, p.n, "k"};
-  if (err.empty()) {
-    err = ffi_util::encode_tensor_map(
-        &map_b, buf.b->untyped_data(),
-        ffi_util::operand_spec<Layout::kB>(in, b_n, b_k, {1, 0, "batch"}, Boxes::kBoxB));
-  }
-  if (err.empty() && Fusion::kGated) {
-    err = ffi_util::encode_tensor_map(
-        &map_b2, buf.b2->untyped_data(),
-        ffi_util::operand_spec<Layout::kB>(in, b_n, b_k, {1, 0, "batch"}, Boxes::kBoxB));
+  const auto b_spec =
+      ffi_util::operand_spec<Layout::kB>(in, b_n, b_k, {1, 0, "batch"}, Boxes::kBoxB);
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(kOp, &map_b, buf.b->untyped_data(), b_spec));
+  if (Fusion::kGated) {
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(kOp, &map_b2, buf.b2->untyped_data(), b_spec));
   }
   // D, and the aux operand and second output in D's shape, in boxes of `box_rows` rows.
   const auto spec = [&](int box_rows) {
@@ -128,25 +119,24 @@ ffi::Error run(const DenseAttrs& p, DType in, const Buffers& buf, LaunchArgs arg
                                  {1, 0, "split"}, Tile::kEpilogueRowBytes, box_rows);
   };
   const auto out_spec = spec(Tile::kEpilogueRows);
-  if (err.empty()) err = ffi_util::encode_tensor_map(&map_d, buf.out->untyped_data(), out_spec);
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(kOp, &map_d, buf.out->untyped_data(), out_spec));
   // The gated gradient's epilogue warps load and store its [M, N] operands half a chunk at a
   // time (epilogue/epilogue_warps.cuh): boxes of half D's rows.
   const auto aux_spec = kGatedGrad ? spec(Tile::kEpilogueRows / 2) : out_spec;
-  if (err.empty() && p.has_aux) {
-    err = ffi_util::encode_tensor_map(&map_aux, buf.aux->untyped_data(), aux_spec);
+  if (p.has_aux) {
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(kOp, &map_aux, buf.aux->untyped_data(), aux_spec));
   }
-  if (err.empty() && kGatedGrad) {  // the up's pre-activations follow the gate's
+  if (kGatedGrad) {  // the up's pre-activations follow the gate's
     auto* up = static_cast<uint8_t*>(buf.aux->untyped_data()) + out_bytes;
-    err = ffi_util::encode_tensor_map(&map_aux2, up, aux_spec);
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(kOp, &map_aux2, up, aux_spec));
   }
-  if (err.empty() && (p.store_pre || kGatedGrad)) {
-    err = ffi_util::encode_tensor_map(&map_pre, buf.pre->untyped_data(), aux_spec);
+  if (p.store_pre || kGatedGrad) {
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(kOp, &map_pre, buf.pre->untyped_data(), aux_spec));
   }
-  if (err.empty() && p.store_pre && Fusion::kGated) {
+  if (p.store_pre && Fusion::kGated) {
     auto* up = static_cast<uint8_t*>(buf.pre->untyped_data()) + out_bytes;
-    err = ffi_util::encode_tensor_map(&map_pre2, up, out_spec);
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(kOp, &map_pre2, up, out_spec));
   }
-  if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma dense: " + err);
   args.shape.m = static_cast<int>(p.m);
   args.shape.n = static_cast<int>(acc_n);
   args.shape.k = static_cast<int>(p.k);
@@ -169,30 +159,34 @@ ffi::Error run(const DenseAttrs& p, DType in, const Buffers& buf, LaunchArgs arg
   return ffi_util::cuda_error(launched, "jax_tma dense launch");
 }
 
+#define JAX_TMA_KERNEL(TILE, LAYOUT, FUSION) \
+  ffi_util::Kernel<sm90_gemm::TILE, sm90_gemm::LAYOUT, sm90_gemm::FUSION>,
+using Kernels = ffi_util::KernelList<JAX_TMA_SM90_DENSE_KERNELS(JAX_TMA_KERNEL) void>;
+#undef JAX_TMA_KERNEL
+
 ffi::Error dispatch(const DenseAttrs& p, DType in, const Buffers& buf, const LaunchArgs& args) {
   const Major b_major = p.b_k_major ? Major::kK : Major::kMN;
-#define JAX_TMA_TRY_KERNEL(TILE, LAYOUT, FUSION)                                            \
-  if (tile_matches<sm90_gemm::TILE>(p) && fusion_matches<sm90_gemm::FUSION>(p) &&           \
-      sm90_gemm::LAYOUT::kB == b_major) {                                                   \
-    return run<sm90_gemm::TILE, sm90_gemm::LAYOUT, sm90_gemm::FUSION>(p, in, buf, args);    \
-  }
-  JAX_TMA_SM90_DENSE_KERNELS(JAX_TMA_TRY_KERNEL)
-#undef JAX_TMA_TRY_KERNEL
-  return ffi::Error::InvalidArgument(
-      "jax_tma dense: no compiled kernel with kind=" + str(p.kind) + ", activation=" +
-      str(p.activation) + ", b_k_major=" + str(p.b_k_major) + ", block_m=" + str(p.block_m) +
-      ", block_n=" + str(p.block_n) + ", stages=" + str(p.stages) + ", cluster_m=" +
-      str(p.cluster_m));
+  return ffi_util::dispatch(
+      Kernels{}, p,
+      [&](auto kernel) {
+        using K = decltype(kernel);
+        return fusion_matches<typename K::Variant>(p) && K::Layout::kB == b_major;
+      },
+      [&](auto kernel) {
+        using K = decltype(kernel);
+        return run<typename K::Tile, typename K::Layout, typename K::Variant>(p, in, buf, args);
+      },
+      [&] {
+        return ffi::Error::InvalidArgument(
+            "jax_tma dense: no compiled kernel with kind=" + str(p.kind) + ", activation=" +
+            str(p.activation) + ", b_k_major=" + str(p.b_k_major) + ", " +
+            ffi_util::describe_tile(p));
+      });
 }
 
 ffi::Error dense(cudaStream_t stream, int32_t device, const Buffers& buf, const DenseAttrs& p) {
   const std::string dims = "m=" + str(p.m) + ", n=" + str(p.n) + ", k=" + str(p.k);
-  for (int64_t v : {p.m, p.n, p.k}) {
-    if (v < 1 || v > INT32_MAX / 2) {
-      return ffi::Error::InvalidArgument("jax_tma dense: m, n and k must be in [1, 2^30), got " +
-                                         dims);
-    }
-  }
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_sizes(kOp, "m, n and k", {p.m, p.n, p.k}, 30, dims));
   DType in = DType::kF32;
   bool typed = ffi_util::to_dtype(buf.a->element_type(), &in) && in != DType::kF32;
   for (const ffi::AnyBuffer* b : {buf.b, buf.b2, buf.aux, static_cast<const ffi::AnyBuffer*>(buf.out),
@@ -208,26 +202,17 @@ ffi::Error dense(cudaStream_t stream, int32_t device, const Buffers& buf, const 
     return ffi::Error::InvalidArgument("jax_tma dense: bias must be fp32, bf16 or fp16");
   }
   const bool gated = p.kind == 3, gated_grad = p.kind == 5;
-  struct Need {
-    const char* name;
-    int64_t elements;
-    size_t have;
-  };
-  for (const Need& need :
-       {Need{"a", p.m * p.k, buf.a->element_count()},
-        Need{"b", p.k * p.n, buf.b->element_count()},
-        Need{"b2", gated ? p.k * p.n : 1, buf.b2->element_count()},
-        Need{"bias", p.has_bias ? p.n : 1, buf.bias->element_count()},
-        Need{"aux", p.has_aux ? (gated_grad ? 2 : 1) * p.m * p.n : 1, buf.aux->element_count()},
-        Need{"out", p.m * p.n, buf.out->element_count()},
-        Need{"pre", p.store_pre ? (gated ? 2 : 1) * p.m * p.n : gated_grad ? p.m * p.n : 1,
-             buf.pre->element_count()}}) {
-    if (static_cast<size_t>(need.elements) != need.have) {
-      return ffi::Error::InvalidArgument(std::string("jax_tma dense: ") + need.name + " holds " +
-                                         std::to_string(need.have) + " elements, the attributes "
-                                         "need " + str(need.elements) + " (" + dims + ")");
-    }
-  }
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_element_counts(
+      kOp,
+      {{"a", p.m * p.k, buf.a->element_count()},
+       {"b", p.k * p.n, buf.b->element_count()},
+       {"b2", gated ? p.k * p.n : 1, buf.b2->element_count()},
+       {"bias", p.has_bias ? p.n : 1, buf.bias->element_count()},
+       {"aux", p.has_aux ? (gated_grad ? 2 : 1) * p.m * p.n : 1, buf.aux->element_count()},
+       {"out", p.m * p.n, buf.out->element_count()},
+       {"pre", p.store_pre ? (gated ? 2 : 1) * p.m * p.n : gated_grad ? p.m * p.n : 1,
+        buf.pre->element_count()}},
+      dims));
   if (p.k % 8 || p.n % 8) {
     return ffi::Error::InvalidArgument(
         "jax_tma dense: TMA needs rows of 16-byte multiples: k and n must be multiples of 8 (" +
@@ -241,17 +226,8 @@ ffi::Error dense(cudaStream_t stream, int32_t device, const Buffers& buf, const 
         ", has_aux=" + str(p.has_aux) + ", store_pre=" + str(p.store_pre) +
         " (kind 1: any; kinds 2 and 5: aux, no bias or store_pre; kind 3: store_pre only)");
   }
-  const auto& info = ffi_util::device_info(device);
-  if (!info.error.empty()) return ffi::Error::Internal("jax_tma dense: " + info.error);
-  if (info.major != 9 || info.minor != 0) {
-    return ffi::Error::InvalidArgument(
-        "jax_tma dense: the sm_90a kernel needs a compute capability 9.0 GPU, device " +
-        std::to_string(device) + " is " + std::to_string(info.major) + "." +
-        std::to_string(info.minor));
-  }
-  if (std::string use = ffi_util::use_device(device); !use.empty()) {
-    return ffi::Error::Internal("jax_tma dense: " + use);
-  }
+  const ffi_util::DeviceInfo* info = nullptr;
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_sm90_device(kOp, device, &info));
   LaunchArgs args{};
   args.shape.batch = 1;
   args.shape.splits = 1;
@@ -260,25 +236,22 @@ ffi::Error dense(cudaStream_t stream, int32_t device, const Buffers& buf, const 
   args.stream_k = p.stream_k == 1;
   args.workspace = buf.workspace->untyped_data();
   args.workspace_bytes = static_cast<int64_t>(buf.workspace->size_bytes());
-  args.num_sms = info.num_sms;
+  args.num_sms = info->num_sms;
   args.stream = stream;
   return dispatch(p, in, buf, args);
 }
 
-ffi::Error dense_sm90(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                      ffi::AnyBuffer b2, ffi::AnyBuffer bias, ffi::AnyBuffer aux,
-                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> pre,
-                      ffi::Result<ffi::AnyBuffer> workspace, DenseAttrs attrs) {
-  return dense(stream, device, Buffers{&a, &b, &b2, &bias, &aux, &*out, &*pre, &*workspace},
-               attrs);
-}
-
-ffi::Error dense_sm90_into(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
-                           ffi::AnyBuffer b, ffi::AnyBuffer b2, ffi::AnyBuffer bias,
-                           ffi::AnyBuffer aux, ffi::AnyBuffer /*out_in, aliased to out*/,
-                           ffi::AnyBuffer /*pre_in, aliased to pre*/,
-                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> pre,
-                           ffi::Result<ffi::AnyBuffer> workspace, DenseAttrs attrs) {
+// The handlers' implementation (the binding follows from its parameters: ffi/dispatch.h).
+ffi::Error dense_sm90(cudaStream_t stream, int32_t device,
+                      ffi::AnyBuffer a,                       // x or dy
+                      ffi::AnyBuffer b,                       // w
+                      ffi::AnyBuffer b2,                      // gated up weights
+                      ffi::AnyBuffer bias,                    // fp32, bf16 or fp16
+                      ffi::AnyBuffer aux,                     // residual or pre-activation
+                      ffi::Result<ffi::AnyBuffer> out,        // out
+                      ffi::Result<ffi::AnyBuffer> pre,        // pre
+                      ffi::Result<ffi::AnyBuffer> workspace,  // stream-K workspace
+                      DenseAttrs attrs) {
   return dense(stream, device, Buffers{&a, &b, &b2, &bias, &aux, &*out, &*pre, &*workspace},
                attrs);
 }
@@ -305,36 +278,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
 
 namespace jax_tma::ffi_handlers {
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DenseSm90, dense_sm90,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
-                                  .Ctx<ffi::DeviceOrdinal>()  // device of the call
-                                  .Arg<ffi::AnyBuffer>()      // a
-                                  .Arg<ffi::AnyBuffer>()      // b
-                                  .Arg<ffi::AnyBuffer>()      // b2 (gated up weights)
-                                  .Arg<ffi::AnyBuffer>()      // bias, fp32/bf16/fp16
-                                  .Arg<ffi::AnyBuffer>()      // aux
-                                  .Ret<ffi::AnyBuffer>()      // out
-                                  .Ret<ffi::AnyBuffer>()      // pre
-                                  .Ret<ffi::AnyBuffer>()      // stream-K workspace
-                                  .Attrs<DenseAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(DenseSm90Into, dense_sm90_into,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
-                                  .Ctx<ffi::DeviceOrdinal>()  // device of the call
-                                  .Arg<ffi::AnyBuffer>()      // a
-                                  .Arg<ffi::AnyBuffer>()      // b
-                                  .Arg<ffi::AnyBuffer>()      // b2 (gated up weights)
-                                  .Arg<ffi::AnyBuffer>()      // bias, fp32/bf16/fp16
-                                  .Arg<ffi::AnyBuffer>()      // aux
-                                  .Arg<ffi::AnyBuffer>()      // out_in
-                                  .Arg<ffi::AnyBuffer>()      // pre_in
-                                  .Ret<ffi::AnyBuffer>()      // out, aliases out_in
-                                  .Ret<ffi::AnyBuffer>()      // pre, aliases pre_in
-                                  .Ret<ffi::AnyBuffer>()      // stream-K workspace
-                                  .Attrs<DenseAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// DenseSm90Into takes out_in and pre_in after aux, aliased to out and pre.
+JAX_TMA_DEFINE_HANDLER_PAIR(DenseSm90, DenseSm90Into, dense_sm90, 2);
 
 }  // namespace jax_tma::ffi_handlers

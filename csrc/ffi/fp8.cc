@@ -26,8 +26,10 @@
 #include <cstdint>
 #include <string>
 
+#include "ffi/checks.h"
 #include "ffi/cuda_check.h"
 #include "ffi/device_info.h"
+#include "ffi/dispatch.h"
 #include "ffi/gemm_maps.h"
 #include "ffi/tensor_map.h"
 #include "kernels/sm90_fp8.h"
@@ -45,6 +47,8 @@ struct Fp8Attrs {
 };
 
 namespace {
+
+constexpr char kOp[] = "jax_tma fp8";  // every message's prefix
 
 using ffi_util::str;
 using sm90_gemm::DType;
@@ -65,12 +69,6 @@ struct Buffers {
   ffi::AnyBuffer* out;
 };
 
-template <class Tile>
-bool tile_matches(const Fp8Attrs& p) {
-  return p.block_m == Tile::kBlockM && p.block_n == Tile::kBlockN && p.stages == Tile::kStages &&
-         p.cluster_m == Tile::kClusterM;
-}
-
 template <class T, class Tile, bool kPromote>
 cudaError_t launch_out(DType out, const LaunchArgs& args, const Fp8Launch& fp8) {
   if (out == DType::kF32) return sm90_gemm::launch_fp8<T, float, Tile, kPromote>(args, fp8);
@@ -82,10 +80,7 @@ ffi::Error run(const Fp8Attrs& p, DType in, DType out, const Buffers& buf, Launc
   using Boxes = sm90_gemm::OperandBoxes<Tile, sm90_gemm::LayoutNT>;
   const int64_t units = (p.m + Tile::kBlockM - 1) / Tile::kBlockM *
                         ((p.n + Tile::kBlockN - 1) / Tile::kBlockN) * p.batch * p.splits;
-  if (units > INT32_MAX / 2) {
-    return ffi::Error::InvalidArgument("jax_tma fp8: " + str(units) +
-                                       " work units exceed the scheduler's int32 numbering");
-  }
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_work_units(kOp, units));
   const int64_t kb = (p.k + kScaleBlock - 1) / kScaleBlock;
   const int64_t nb = (p.n + kScaleBlock - 1) / kScaleBlock;
   const int64_t batch_a = p.a_batched ? p.batch : 1;
@@ -126,10 +121,10 @@ ffi::Error run(const Fp8Attrs& p, DType in, DType out, const Buffers& buf, Launc
                                      {p.splits, p.batch * p.m * p.n, "split"},
                                      Tile::kEpilogueRowBytes, Tile::kEpilogueRows),
                true}}) {
-    if (!m.used) continue;
-    std::string err = ffi_util::encode_tensor_map(m.map, m.base, m.spec);
-    if (!err.empty()) return ffi::Error::InvalidArgument(std::string("jax_tma fp8, ") + m.name +
-                                                         ": " + err);
+    if (m.used) {
+      JAX_TMA_RETURN_IF_ERROR(
+          ffi_util::encode(std::string("jax_tma fp8, ") + m.name, m.map, m.base, m.spec));
+    }
   }
   args.tmap_a = &map_a;
   args.tmap_b = &map_b;
@@ -153,25 +148,29 @@ ffi::Error run(const Fp8Attrs& p, DType in, DType out, const Buffers& buf, Launc
 }
 
 std::string describe(const Fp8Attrs& p) {
-  return "block_m=" + str(p.block_m) + ", block_n=" + str(p.block_n) + ", stages=" +
-         str(p.stages) + ", cluster_m=" + str(p.cluster_m) + ", promote=" + str(p.promote);
+  return ffi_util::describe_tile(p) + ", promote=" + str(p.promote);
 }
+
+#define JAX_TMA_KERNEL(ARG, TILE) ffi_util::Kernel<sm90_gemm::TILE>,
+using Tiles = ffi_util::KernelList<JAX_TMA_SM90_FP8_TILES(JAX_TMA_KERNEL, _) void>;
+#undef JAX_TMA_KERNEL
 
 ffi::Error dispatch(const Fp8Attrs& p, DType in, DType out, const Buffers& buf,
                     const LaunchArgs& args) {
   if (!p.promote) {
-    if (tile_matches<sm90_gemm::Fp8UnpromotedTile>(p) && in == DType::kF8E4M3 &&
+    if (ffi_util::tile_matches<sm90_gemm::Fp8UnpromotedTile>(p) && in == DType::kF8E4M3 &&
         out == DType::kF32) {
       return run<sm90_gemm::Fp8UnpromotedTile, false>(p, in, out, buf, args);
     }
     return ffi::Error::InvalidArgument("jax_tma fp8: promote=0 is compiled for one tile only "
                                        "(e4m3, fp32 output), not " + describe(p));
   }
-#define JAX_TMA_TRY_TILE(ARG, TILE) \
-  if (tile_matches<sm90_gemm::TILE>(p)) return run<sm90_gemm::TILE>(p, in, out, buf, args);
-  JAX_TMA_SM90_FP8_TILES(JAX_TMA_TRY_TILE, _)
-#undef JAX_TMA_TRY_TILE
-  return ffi::Error::InvalidArgument("jax_tma fp8: no compiled tile with " + describe(p));
+  return ffi_util::dispatch(
+      Tiles{}, p, [](auto) { return true; },
+      [&](auto kernel) { return run<typename decltype(kernel)::Tile>(p, in, out, buf, args); },
+      [&] {
+        return ffi::Error::InvalidArgument("jax_tma fp8: no compiled tile with " + describe(p));
+      });
 }
 
 bool fp8_dtype(ffi::DataType t, DType* out) {
@@ -185,12 +184,8 @@ bool fp8_dtype(ffi::DataType t, DType* out) {
 ffi::Error fp8_gemm(cudaStream_t stream, int32_t device, const Buffers& buf, const Fp8Attrs& p) {
   const std::string dims = "m=" + str(p.m) + ", n=" + str(p.n) + ", k=" + str(p.k) +
                            ", batch=" + str(p.batch) + ", splits=" + str(p.splits);
-  for (int64_t v : {p.m, p.n, p.k, p.batch}) {
-    if (v < 1 || v > INT32_MAX / 2) {
-      return ffi::Error::InvalidArgument(
-          "jax_tma fp8: m, n, k and batch must be in [1, 2^30), got " + dims);
-    }
-  }
+  JAX_TMA_RETURN_IF_ERROR(
+      ffi_util::check_sizes(kOp, "m, n, k and batch", {p.m, p.n, p.k, p.batch}, 30, dims));
   DType in, in_b, out = DType::kF32;
   if (!fp8_dtype(buf.a->element_type(), &in) || !fp8_dtype(buf.b->element_type(), &in_b) ||
       in != in_b) {
@@ -231,37 +226,19 @@ ffi::Error fp8_gemm(cudaStream_t stream, int32_t device, const Buffers& buf, con
   }
   const int64_t batch_a = p.a_batched ? p.batch : 1;
   const int64_t batch_b = p.b_batched ? p.batch : 1;
-  struct Need {
-    const char* name;
-    int64_t elements;
-    size_t have;
-  };
-  for (const Need& need :
-       {Need{"a", batch_a * p.m * p.k, buf.a->element_count()},
-        Need{"b", batch_b * p.n * p.k, buf.b->element_count()},
-        Need{"sa", p.has_sa ? batch_a * kb * p.sa_ld : 1, buf.sa->element_count()},
-        Need{"sb", p.has_sb ? batch_b * kb * p.sb_ld : 1, buf.sb->element_count()},
-        Need{"row_scale", p.row_scale == 2 ? p.m : 1, buf.row_scale->element_count()},
-        Need{"col_scale", p.col_scale == 2 ? p.n : 1, buf.col_scale->element_count()},
-        Need{"bias", p.has_bias ? p.n : 1, buf.bias->element_count()},
-        Need{"out", p.splits * p.batch * p.m * p.n, buf.out->element_count()}}) {
-    if (static_cast<size_t>(need.elements) != need.have) {
-      return ffi::Error::InvalidArgument(std::string("jax_tma fp8: ") + need.name + " holds " +
-                                         std::to_string(need.have) + " elements, the attributes "
-                                         "need " + str(need.elements) + " (" + dims + ")");
-    }
-  }
-  const auto& info = ffi_util::device_info(device);
-  if (!info.error.empty()) return ffi::Error::Internal("jax_tma fp8: " + info.error);
-  if (info.major != 9 || info.minor != 0) {
-    return ffi::Error::InvalidArgument(
-        "jax_tma fp8: the sm_90a kernel needs a compute capability 9.0 GPU, device " +
-        std::to_string(device) + " is " + std::to_string(info.major) + "." +
-        std::to_string(info.minor));
-  }
-  if (std::string use = ffi_util::use_device(device); !use.empty()) {
-    return ffi::Error::Internal("jax_tma fp8: " + use);
-  }
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_element_counts(
+      kOp,
+      {{"a", batch_a * p.m * p.k, buf.a->element_count()},
+       {"b", batch_b * p.n * p.k, buf.b->element_count()},
+       {"sa", p.has_sa ? batch_a * kb * p.sa_ld : 1, buf.sa->element_count()},
+       {"sb", p.has_sb ? batch_b * kb * p.sb_ld : 1, buf.sb->element_count()},
+       {"row_scale", p.row_scale == 2 ? p.m : 1, buf.row_scale->element_count()},
+       {"col_scale", p.col_scale == 2 ? p.n : 1, buf.col_scale->element_count()},
+       {"bias", p.has_bias ? p.n : 1, buf.bias->element_count()},
+       {"out", p.splits * p.batch * p.m * p.n, buf.out->element_count()}},
+      dims));
+  const ffi_util::DeviceInfo* info = nullptr;
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_sm90_device(kOp, device, &info));
   LaunchArgs args{};
   auto& shape = args.shape;
   shape.m = static_cast<int>(p.m);
@@ -275,24 +252,22 @@ ffi::Error fp8_gemm(cudaStream_t stream, int32_t device, const Buffers& buf, con
   shape.d_m_stride = p.n;
   shape.d_batch_stride = p.m * p.n;
   shape.d_split_stride = p.batch * p.m * p.n;
-  args.num_sms = info.num_sms;
+  args.num_sms = info->num_sms;
   args.stream = stream;
   return dispatch(p, in, out, buf, args);
 }
 
-ffi::Error fp8_gemm_sm90(cudaStream_t stream, int32_t device, ffi::AnyBuffer a, ffi::AnyBuffer b,
-                         ffi::AnyBuffer sa, ffi::AnyBuffer sb, ffi::AnyBuffer row_scale,
-                         ffi::AnyBuffer col_scale, ffi::AnyBuffer bias,
-                         ffi::Result<ffi::AnyBuffer> out, Fp8Attrs attrs) {
-  return fp8_gemm(stream, device,
-                  Buffers{&a, &b, &sa, &sb, &row_scale, &col_scale, &bias, &*out}, attrs);
-}
-
-ffi::Error fp8_gemm_sm90_into(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
-                              ffi::AnyBuffer b, ffi::AnyBuffer sa, ffi::AnyBuffer sb,
-                              ffi::AnyBuffer row_scale, ffi::AnyBuffer col_scale,
-                              ffi::AnyBuffer bias, ffi::AnyBuffer /*out_in, aliased to out*/,
-                              ffi::Result<ffi::AnyBuffer> out, Fp8Attrs attrs) {
+// The handlers' implementation (the binding follows from its parameters: ffi/dispatch.h).
+ffi::Error fp8_gemm_sm90(cudaStream_t stream, int32_t device,
+                         ffi::AnyBuffer a,                 // FP8
+                         ffi::AnyBuffer b,                 // FP8, a's type
+                         ffi::AnyBuffer sa,                // fp32 block scales of a
+                         ffi::AnyBuffer sb,                // fp32 block scales of b
+                         ffi::AnyBuffer row_scale,         // fp32
+                         ffi::AnyBuffer col_scale,         // fp32
+                         ffi::AnyBuffer bias,              // fp32
+                         ffi::Result<ffi::AnyBuffer> out,  // bf16 or fp32
+                         Fp8Attrs attrs) {
   return fp8_gemm(stream, device,
                   Buffers{&a, &b, &sa, &sb, &row_scale, &col_scale, &bias, &*out}, attrs);
 }
@@ -324,35 +299,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
 
 namespace jax_tma::ffi_handlers {
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8GemmSm90, fp8_gemm_sm90,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
-                                  .Ctx<ffi::DeviceOrdinal>()  // device of the call
-                                  .Arg<ffi::AnyBuffer>()      // a, FP8
-                                  .Arg<ffi::AnyBuffer>()      // b, FP8
-                                  .Arg<ffi::AnyBuffer>()      // sa, fp32
-                                  .Arg<ffi::AnyBuffer>()      // sb, fp32
-                                  .Arg<ffi::AnyBuffer>()      // row_scale, fp32
-                                  .Arg<ffi::AnyBuffer>()      // col_scale, fp32
-                                  .Arg<ffi::AnyBuffer>()      // bias, fp32
-                                  .Ret<ffi::AnyBuffer>()      // out
-                                  .Attrs<Fp8Attrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Fp8GemmSm90Into, fp8_gemm_sm90_into,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
-                                  .Ctx<ffi::DeviceOrdinal>()  // device of the call
-                                  .Arg<ffi::AnyBuffer>()      // a, FP8
-                                  .Arg<ffi::AnyBuffer>()      // b, FP8
-                                  .Arg<ffi::AnyBuffer>()      // sa, fp32
-                                  .Arg<ffi::AnyBuffer>()      // sb, fp32
-                                  .Arg<ffi::AnyBuffer>()      // row_scale, fp32
-                                  .Arg<ffi::AnyBuffer>()      // col_scale, fp32
-                                  .Arg<ffi::AnyBuffer>()      // bias, fp32
-                                  .Arg<ffi::AnyBuffer>()      // out_in
-                                  .Ret<ffi::AnyBuffer>()      // out, aliases out_in
-                                  .Attrs<Fp8Attrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// Fp8GemmSm90Into takes out_in after bias, aliased to out.
+JAX_TMA_DEFINE_HANDLER_PAIR(Fp8GemmSm90, Fp8GemmSm90Into, fp8_gemm_sm90, 1);
 
 }  // namespace jax_tma::ffi_handlers

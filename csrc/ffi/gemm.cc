@@ -27,8 +27,10 @@
 #include <string>
 #include <utility>
 
+#include "ffi/checks.h"
 #include "ffi/cuda_check.h"
 #include "ffi/device_info.h"
+#include "ffi/dispatch.h"
 #include "ffi/gemm_maps.h"
 #include "ffi/tensor_map.h"
 #include "kernels/sm90_gemm.h"
@@ -49,6 +51,8 @@ struct GemmAttrs {
 
 namespace {
 
+constexpr char kOp[] = "jax_tma gemm";  // every message's prefix
+
 using ffi_util::operand_spec;
 using ffi_util::str;
 using ffi_util::ViewDim;
@@ -64,12 +68,6 @@ struct LayoutChoice {
 template <class Layout>
 bool layout_matches(const LayoutChoice& c) {
   return Layout::kA == c.a && Layout::kB == c.b;
-}
-
-template <class Tile>
-bool tile_matches(const GemmAttrs& p) {
-  return p.block_m == Tile::kBlockM && p.block_n == Tile::kBlockN && p.stages == Tile::kStages &&
-         p.cluster_m == Tile::kClusterM && p.epilogue == static_cast<int64_t>(Tile::kEpilogue);
 }
 
 template <class In, class Tile, class Layout>
@@ -96,17 +94,14 @@ ffi::Error run(const GemmAttrs& p, Call call) {
         "jax_tma gemm: stream_k=1 needs a 128-row tile without a cluster (cluster_m=1), got "
         "block_m=" + str(p.block_m) + ", cluster_m=" + str(p.cluster_m));
   }
-  // NOTE: the scheduler numbers (split, batch entry, tile) units in int32, and steps past the
-  // last one by the grid's cluster count.
+  // The scheduler's units: (split, batch entry, cluster of M tiles, N tile).
   const int64_t m_blocks = (p.m + Tile::kBlockM - 1) / Tile::kBlockM;
   const int64_t units = (m_blocks + Tile::kClusterM - 1) / Tile::kClusterM *
                         ((p.n + Tile::kBlockN - 1) / Tile::kBlockN) * p.batch * p.splits;
-  if (units > INT32_MAX / 2) {
-    return ffi::Error::InvalidArgument(
-        "jax_tma gemm: " + str(units) + " work units (splits=" + str(p.splits) + " x batch=" +
-        str(p.batch) + " x tiles of m=" + str(p.m) + ", n=" + str(p.n) +
-        ") exceed the scheduler's int32 numbering");
-  }
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_work_units(kOp, units, "", [&] {
+    return " (splits=" + str(p.splits) + " x batch=" + str(p.batch) + " x tiles of m=" + str(p.m) +
+           ", n=" + str(p.n) + ")";
+  }));
   const int64_t batch_a = call.args.shape.a_batched ? p.batch : 1;
   const int64_t batch_b = call.args.shape.b_batched ? p.batch : 1;
   const int a_rows = Boxes::a_rows(p.m);
@@ -120,10 +115,10 @@ ffi::Error run(const GemmAttrs& p, Call call) {
       call.in, {p.n, p.b_n_stride, "b_n_stride"}, {p.k, p.b_k_stride, "b_k_stride"},
       {batch_b, p.b_batch_stride, "b_batch_stride"}, Boxes::kBoxB);
   CUtensorMap map_a, map_b, map_d = {};
-  std::string err = ffi_util::encode_tensor_map(&map_a, call.a->untyped_data(), spec_a);
-  if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma gemm, operand a: " + err);
-  err = ffi_util::encode_tensor_map(&map_b, call.b->untyped_data(), spec_b);
-  if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma gemm, operand b: " + err);
+  JAX_TMA_RETURN_IF_ERROR(
+      ffi_util::encode("jax_tma gemm, operand a", &map_a, call.a->untyped_data(), spec_a));
+  JAX_TMA_RETURN_IF_ERROR(
+      ffi_util::encode("jax_tma gemm, operand b", &map_b, call.b->untyped_data(), spec_b));
   if constexpr (Tile::kEpilogue == sm90_gemm::EpilogueKind::kTmaStore) {
     // D [splits, batch, M, N] in boxes of one epilogue chunk: 64 rows x 128 bytes.
     const auto spec_d = ffi_util::output_spec(
@@ -131,8 +126,7 @@ ffi::Error run(const GemmAttrs& p, Call call) {
         {p.batch, p.d_batch_stride, "d_batch_stride"},
         {p.splits, p.d_split_stride, "d_split_stride"}, Tile::kEpilogueRowBytes,
         Tile::kEpilogueRows);
-    err = ffi_util::encode_tensor_map(&map_d, call.d, spec_d);
-    if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma gemm, output: " + err);
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode("jax_tma gemm, output", &map_d, call.d, spec_d));
   }
   call.args.tmap_a = &map_a;
   call.args.tmap_b = &map_b;
@@ -144,19 +138,20 @@ ffi::Error run(const GemmAttrs& p, Call call) {
   return ffi_util::cuda_error(launched, "jax_tma gemm launch");
 }
 
+#define JAX_TMA_KERNEL(TILE, LAYOUT) ffi_util::Kernel<sm90_gemm::TILE, sm90_gemm::LAYOUT>,
+using Kernels = ffi_util::KernelList<JAX_TMA_SM90_GEMM_KERNELS(JAX_TMA_KERNEL) void>;
+#undef JAX_TMA_KERNEL
+
 // run<Tile, Layout> for the compiled kernel that the attributes and strides name.
 ffi::Error dispatch(const GemmAttrs& p, const Call& call) {
-#define JAX_TMA_TRY_KERNEL(TILE, LAYOUT)                                   \
-  if (tile_matches<sm90_gemm::TILE>(p) &&                                  \
-      layout_matches<sm90_gemm::LAYOUT>(call.layout)) {                    \
-    return run<sm90_gemm::TILE, sm90_gemm::LAYOUT>(p, call);               \
-  }
-  JAX_TMA_SM90_GEMM_KERNELS(JAX_TMA_TRY_KERNEL)
-#undef JAX_TMA_TRY_KERNEL
-  return ffi::Error::InvalidArgument(
-      "jax_tma gemm: no compiled configuration with block_m=" + str(p.block_m) +
-      ", block_n=" + str(p.block_n) + ", stages=" + str(p.stages) + ", cluster_m=" +
-      str(p.cluster_m) + ", epilogue=" + str(p.epilogue));
+  return ffi_util::dispatch(
+      Kernels{}, p,
+      [&](auto kernel) { return layout_matches<typename decltype(kernel)::Layout>(call.layout); },
+      [&](auto kernel) {
+        using K = decltype(kernel);
+        return run<typename K::Tile, typename K::Layout>(p, call);
+      },
+      [&] { return ffi_util::no_configuration(kOp, p, ", epilogue=" + str(p.epilogue)); });
 }
 
 // An operand's layout from its strides: the dimension with unit stride is the contiguous one;
@@ -168,31 +163,25 @@ bool major_of(int64_t k_stride, int64_t mn_stride, Major tie, Major* major) {
   return true;
 }
 
-ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& a,
-                     const ffi::AnyBuffer& b, ffi::AnyBuffer& d, ffi::AnyBuffer& workspace,
-                     const GemmAttrs& p) {
+// The handlers' implementation (the binding follows from its parameters: ffi/dispatch.h).
+ffi::Error gemm_sm90(cudaStream_t stream, int32_t device,
+                     ffi::AnyBuffer a,                       // flat, strided view
+                     ffi::AnyBuffer b,                       // flat, strided view
+                     ffi::Result<ffi::AnyBuffer> d_result,   // flat, strided view
+                     ffi::Result<ffi::AnyBuffer> workspace,  // stream-K workspace
+                     GemmAttrs p) {
+  ffi::AnyBuffer& d = *d_result;
   const std::string dims =
       "m=" + str(p.m) + ", n=" + str(p.n) + ", k=" + str(p.k) + ", batch=" + str(p.batch);
-  for (int64_t v : {p.m, p.n, p.k, p.batch}) {
-    if (v < 1 || v > INT32_MAX) {
-      return ffi::Error::InvalidArgument(
-          "jax_tma gemm: m, n, k and batch must be in [1, 2^31), got " + dims);
-    }
-  }
-  struct Named {
-    const char* name;
-    int64_t value;
-  };
-  for (const Named& s : {Named{"a_batch_stride", p.a_batch_stride}, {"a_m_stride", p.a_m_stride},
-                         {"a_k_stride", p.a_k_stride}, {"b_batch_stride", p.b_batch_stride},
-                         {"b_k_stride", p.b_k_stride}, {"b_n_stride", p.b_n_stride},
-                         {"d_split_stride", p.d_split_stride},
-                         {"d_batch_stride", p.d_batch_stride}, {"d_m_stride", p.d_m_stride}}) {
-    if (s.value < 0) {
-      return ffi::Error::InvalidArgument(std::string("jax_tma gemm: strides must be >= 0, got ") +
-                                         s.name + "=" + str(s.value));
-    }
-  }
+  JAX_TMA_RETURN_IF_ERROR(
+      ffi_util::check_sizes(kOp, "m, n, k and batch", {p.m, p.n, p.k, p.batch}, 31, dims));
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_non_negative(
+      kOp, "strides",
+      {{"a_batch_stride", p.a_batch_stride}, {"a_m_stride", p.a_m_stride},
+       {"a_k_stride", p.a_k_stride}, {"b_batch_stride", p.b_batch_stride},
+       {"b_k_stride", p.b_k_stride}, {"b_n_stride", p.b_n_stride},
+       {"d_split_stride", p.d_split_stride}, {"d_batch_stride", p.d_batch_stride},
+       {"d_m_stride", p.d_m_stride}}));
 
   Call call{};
   DType in_b;
@@ -251,7 +240,7 @@ ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& 
        {ffi_util::check_in_bounds("a", view_a, a.element_count(), context),
         ffi_util::check_in_bounds("b", view_b, b.element_count(), context),
         ffi_util::check_in_bounds("d", view_d, d.element_count(), context)}) {
-    if (!e.empty()) return ffi::Error::InvalidArgument("jax_tma gemm: " + e);
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::invalid_if(kOp, e));
   }
   // Writing one output element twice would race.
   for (const ViewDim& v : view_d) {
@@ -281,19 +270,10 @@ ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& 
                              {p.splits, p.d_split_stride, "d_split_stride"}},
                             sm90_gemm::dtype_bytes(call.out));
   }
-  if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma gemm: " + err + " (" + dims + ")");
+  if (!err.empty()) return ffi_util::invalid_if(kOp, err + " (" + dims + ")");
 
-  const auto& info = ffi_util::device_info(device);
-  if (!info.error.empty()) return ffi::Error::Internal("jax_tma gemm: " + info.error);
-  if (info.major != 9 || info.minor != 0) {
-    return ffi::Error::InvalidArgument(
-        "jax_tma gemm: the sm_90a kernel needs a compute capability 9.0 GPU, device " +
-        std::to_string(device) + " is " + std::to_string(info.major) + "." +
-        std::to_string(info.minor));
-  }
-  if (std::string use = ffi_util::use_device(device); !use.empty()) {
-    return ffi::Error::Internal("jax_tma gemm: " + use);
-  }
+  const ffi_util::DeviceInfo* info = nullptr;
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_sm90_device(kOp, device, &info));
 
   call.a = &a;
   call.b = &b;
@@ -310,25 +290,12 @@ ffi::Error gemm_sm90(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& 
   shape.d_m_stride = p.d_m_stride;
   shape.d_batch_stride = p.d_batch_stride;
   shape.d_split_stride = p.d_split_stride;
-  call.args.num_sms = info.num_sms;
+  call.args.num_sms = info->num_sms;
   call.args.stream = stream;
   call.args.stream_k = p.stream_k == 1;
-  call.args.workspace = workspace.untyped_data();
-  call.args.workspace_bytes = static_cast<int64_t>(workspace.size_bytes());
+  call.args.workspace = workspace->untyped_data();
+  call.args.workspace_bytes = static_cast<int64_t>(workspace->size_bytes());
   return dispatch(p, call);
-}
-
-ffi::Error gemm_sm90_out(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
-                         ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> d,
-                         ffi::Result<ffi::AnyBuffer> workspace, GemmAttrs attrs) {
-  return gemm_sm90(stream, device, a, b, *d, *workspace, attrs);
-}
-
-ffi::Error gemm_sm90_into(cudaStream_t stream, int32_t device, ffi::AnyBuffer a,
-                          ffi::AnyBuffer b, ffi::AnyBuffer /*d_in, aliased to d*/,
-                          ffi::Result<ffi::AnyBuffer> d, ffi::Result<ffi::AnyBuffer> workspace,
-                          GemmAttrs attrs) {
-  return gemm_sm90(stream, device, a, b, *d, *workspace, attrs);
 }
 
 }  // namespace
@@ -360,27 +327,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
 
 namespace jax_tma::ffi_handlers {
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmSm90, gemm_sm90_out,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
-                                  .Ctx<ffi::DeviceOrdinal>()  // device of the call
-                                  .Arg<ffi::AnyBuffer>()      // a (flat, strided view)
-                                  .Arg<ffi::AnyBuffer>()      // b (flat, strided view)
-                                  .Ret<ffi::AnyBuffer>()      // d (flat, strided view)
-                                  .Ret<ffi::AnyBuffer>()      // stream-K workspace
-                                  .Attrs<GemmAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(GemmSm90Into, gemm_sm90_into,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
-                                  .Ctx<ffi::DeviceOrdinal>()  // device of the call
-                                  .Arg<ffi::AnyBuffer>()      // a
-                                  .Arg<ffi::AnyBuffer>()      // b
-                                  .Arg<ffi::AnyBuffer>()      // d_in
-                                  .Ret<ffi::AnyBuffer>()      // d, aliases d_in
-                                  .Ret<ffi::AnyBuffer>()      // stream-K workspace
-                                  .Attrs<GemmAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// GemmSm90Into takes d_in after b, aliased to d.
+JAX_TMA_DEFINE_HANDLER_PAIR(GemmSm90, GemmSm90Into, gemm_sm90, 1);
 
 }  // namespace jax_tma::ffi_handlers

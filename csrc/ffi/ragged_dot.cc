@@ -19,9 +19,12 @@
 
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
+#include "ffi/checks.h"
 #include "ffi/cuda_check.h"
 #include "ffi/device_info.h"
+#include "ffi/dispatch.h"
 #include "ffi/gemm_maps.h"
 #include "ffi/tensor_map.h"
 #include "kernels/sm90_gemm.h"
@@ -39,6 +42,8 @@ struct RaggedAttrs {
 };
 
 namespace {
+
+constexpr char kOp[] = "jax_tma ragged_dot";  // every message's prefix
 
 using ffi_util::str;
 using ffi_util::ViewDim;
@@ -65,12 +70,6 @@ cudaError_t launch_out(const Call& call) {
   return sm90_gemm::launch_ragged<In, In, Tile, Layout, kMode>(call.args, call.ragged);
 }
 
-template <class Tile>
-bool tile_matches(const RaggedAttrs& p) {
-  return p.block_m == Tile::kBlockM && p.block_n == Tile::kBlockN && p.stages == Tile::kStages &&
-         p.cluster_m == Tile::kClusterM;
-}
-
 template <class Tile, class Layout, RaggedMode kMode>
 ffi::Error run(const RaggedAttrs& p, Call call) {
   using Boxes = sm90_gemm::OperandBoxes<Tile, Layout>;
@@ -78,21 +77,16 @@ ffi::Error run(const RaggedAttrs& p, Call call) {
   const int64_t stacked = p.batch * p.rows;
   const int64_t weights = p.weights_batched ? p.batch * p.groups : p.groups;
   const int64_t segments = sm90_gemm::ragged_segments(kMode, p.groups, p.batch);
-  // NOTE: work units are numbered in int32 and stepped past by the grid's cluster count. In
-  // rows mode each segment's row blocks round up once, and the numbering pads at most two
-  // blocks per batch entry and one at the end: stacked / block_m + segments + 2 batch + 1.
+  // NOTE: in rows mode each segment's row blocks round up once, and the numbering pads at most
+  // two blocks per batch entry and one at the end: stacked / block_m + segments + 2 batch + 1.
   const int64_t n_blocks = (p.n + Tile::kBlockN - 1) / Tile::kBlockN;
   const int64_t units =
       kRows ? (stacked / Tile::kBlockM + segments + 2 * p.batch + 1) * n_blocks
             : (p.k + Tile::kBlockM - 1) / Tile::kBlockM * n_blocks * segments;
-  if (units > INT32_MAX / 2) {
-    return ffi::Error::InvalidArgument("jax_tma ragged_dot: up to " + str(units) +
-                                       " work units exceed the scheduler's int32 numbering");
-  }
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_work_units(kOp, units, "up to "));
   const int in_bytes = sm90_gemm::dtype_bytes(call.in);
   const int out_bytes = sm90_gemm::dtype_bytes(call.out);
   CUtensorMap map_a, map_b, map_d;
-  std::string err;
   void* x = call.x->untyped_data();
   void* w = call.w->untyped_data();
   if constexpr (kRows) {
@@ -100,24 +94,20 @@ ffi::Error run(const RaggedAttrs& p, Call call) {
     // the stacked output rows (the prepare kernel moves and cuts it per segment).
     const int box_a[3] = {Boxes::kBoxA[0], Boxes::a_rows(stacked), 1};
     call.args.shape.a_stage_bytes = Boxes::a_stage_bytes(stacked);
-    err = ffi_util::encode_tensor_map(
-        &map_a, x,
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(
+        kOp, &map_a, x,
         ffi_util::operand_spec<Major::kK>(call.in, {stacked, p.k, "rows"}, {p.k, 1, "k"},
-                                          {1, 0, "batch"}, box_a));
-    if (err.empty()) {
-      const ViewDim w_n = Layout::kB == Major::kK ? ViewDim{p.n, p.k, "n"} : ViewDim{p.n, 1, "n"};
-      const ViewDim w_k = Layout::kB == Major::kK ? ViewDim{p.k, 1, "k"} : ViewDim{p.k, p.n, "k"};
-      err = ffi_util::encode_tensor_map(
-          &map_b, w,
-          ffi_util::operand_spec<Layout::kB>(call.in, w_n, w_k, {weights, p.k * p.n, "groups"},
-                                             Boxes::kBoxB));
-    }
-    if (err.empty()) {
-      err = ffi_util::encode_tensor_map(
-          &map_d, call.out_data,
-          ffi_util::output_spec(call.out, {p.n, 1, "n"}, {stacked, p.n, "rows"}, {1, 0, "batch"},
-                                {1, 0, "split"}, Tile::kEpilogueRowBytes, Tile::kEpilogueRows));
-    }
+                                          {1, 0, "batch"}, box_a)));
+    const ViewDim w_n = Layout::kB == Major::kK ? ViewDim{p.n, p.k, "n"} : ViewDim{p.n, 1, "n"};
+    const ViewDim w_k = Layout::kB == Major::kK ? ViewDim{p.k, 1, "k"} : ViewDim{p.k, p.n, "k"};
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(
+        kOp, &map_b, w,
+        ffi_util::operand_spec<Layout::kB>(call.in, w_n, w_k, {weights, p.k * p.n, "groups"},
+                                           Boxes::kBoxB)));
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(
+        kOp, &map_d, call.out_data,
+        ffi_util::output_spec(call.out, {p.n, 1, "n"}, {stacked, p.n, "rows"}, {1, 0, "batch"},
+                              {1, 0, "split"}, Tile::kEpilogueRowBytes, Tile::kEpilogueRows)));
     call.args.shape.m = static_cast<int>(stacked);
     call.args.shape.k = static_cast<int>(p.k);
     call.ragged.templates[0] = call.ragged.templates[1] = &map_d;
@@ -126,23 +116,19 @@ ffi::Error run(const RaggedAttrs& p, Call call) {
   } else {
     // Templates of A (x read M-major: the product's M is x's k) and B (dy), both over the
     // stacked rows that the prepare kernel cuts per segment; D: [segments, k, n].
-    err = ffi_util::encode_tensor_map(
-        &map_a, x,
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(
+        kOp, &map_a, x,
         ffi_util::operand_spec<Major::kMN>(call.in, {p.k, 1, "k"}, {stacked, p.k, "rows"},
-                                           {1, 0, "batch"}, Boxes::kBoxA));
-    if (err.empty()) {
-      err = ffi_util::encode_tensor_map(
-          &map_b, w,
-          ffi_util::operand_spec<Major::kMN>(call.in, {p.n, 1, "n"}, {stacked, p.n, "rows"},
-                                             {1, 0, "batch"}, Boxes::kBoxB));
-    }
-    if (err.empty()) {
-      err = ffi_util::encode_tensor_map(
-          &map_d, call.out_data,
-          ffi_util::output_spec(call.out, {p.n, 1, "n"}, {p.k, p.n, "k"},
-                                {segments, p.k * p.n, "groups"}, {1, 0, "split"},
-                                Tile::kEpilogueRowBytes, Tile::kEpilogueRows));
-    }
+                                           {1, 0, "batch"}, Boxes::kBoxA)));
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(
+        kOp, &map_b, w,
+        ffi_util::operand_spec<Major::kMN>(call.in, {p.n, 1, "n"}, {stacked, p.n, "rows"},
+                                           {1, 0, "batch"}, Boxes::kBoxB)));
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(
+        kOp, &map_d, call.out_data,
+        ffi_util::output_spec(call.out, {p.n, 1, "n"}, {p.k, p.n, "k"},
+                              {segments, p.k * p.n, "groups"}, {1, 0, "split"},
+                              Tile::kEpilogueRowBytes, Tile::kEpilogueRows)));
     call.args.shape.m = static_cast<int>(p.k);
     call.args.shape.k = 0;
     call.args.shape.a_stage_bytes = Boxes::a_stage_bytes(Boxes::kABoxMN);
@@ -153,7 +139,6 @@ ffi::Error run(const RaggedAttrs& p, Call call) {
     call.ragged.row_bytes[0] = p.k * in_bytes;
     call.ragged.row_bytes[1] = p.n * in_bytes;
   }
-  if (!err.empty()) return ffi::Error::InvalidArgument("jax_tma ragged_dot: " + err);
   call.args.shape.n = static_cast<int>(p.n);
   call.args.tmap_a = &map_a;
   call.args.tmap_b = &map_b;
@@ -165,25 +150,38 @@ ffi::Error run(const RaggedAttrs& p, Call call) {
   return ffi_util::cuda_error(launched, "jax_tma ragged_dot launch");
 }
 
+// Each kernel's variant is its mode, as a type.
+#define JAX_TMA_KERNEL(TILE, LAYOUT, MODE) \
+  ffi_util::Kernel<sm90_gemm::TILE, sm90_gemm::LAYOUT, std::integral_constant<RaggedMode, MODE>>,
+using Kernels = ffi_util::KernelList<JAX_TMA_SM90_RAGGED_KERNELS(JAX_TMA_KERNEL) void>;
+#undef JAX_TMA_KERNEL
+
 ffi::Error dispatch(const RaggedAttrs& p, const Call& call) {
   const auto mode = static_cast<RaggedMode>(p.mode);
   const bool w_k_major = p.w_k_major != 0;
-#define JAX_TMA_TRY_KERNEL(TILE, LAYOUT, MODE)                                               \
-  if (tile_matches<sm90_gemm::TILE>(p) && mode == MODE &&                                    \
-      (MODE == RaggedMode::kContraction || (sm90_gemm::LAYOUT::kB == Major::kK) == w_k_major)) { \
-    return run<sm90_gemm::TILE, sm90_gemm::LAYOUT, MODE>(p, call);                           \
-  }
-  JAX_TMA_SM90_RAGGED_KERNELS(JAX_TMA_TRY_KERNEL)
-#undef JAX_TMA_TRY_KERNEL
-  return ffi::Error::InvalidArgument(
-      "jax_tma ragged_dot: no compiled configuration with block_m=" + str(p.block_m) +
-      ", block_n=" + str(p.block_n) + ", stages=" + str(p.stages) + ", cluster_m=" +
-      str(p.cluster_m));
+  return ffi_util::dispatch(
+      Kernels{}, p,
+      [&](auto kernel) {
+        using K = decltype(kernel);
+        constexpr RaggedMode kMode = K::Variant::value;
+        return mode == kMode && (kMode == RaggedMode::kContraction ||
+                                 (K::Layout::kB == Major::kK) == w_k_major);
+      },
+      [&](auto kernel) {
+        using K = decltype(kernel);
+        return run<typename K::Tile, typename K::Layout, K::Variant::value>(p, call);
+      },
+      [&] { return ffi_util::no_configuration(kOp, p); });
 }
 
-ffi::Error ragged_dot(cudaStream_t stream, int32_t device, const ffi::AnyBuffer& x,
-                      const ffi::AnyBuffer& w, const ffi::AnyBuffer& group_sizes,
-                      ffi::AnyBuffer* out, ffi::AnyBuffer* workspace, const RaggedAttrs& p) {
+// The handlers' implementation (the binding follows from its parameters: ffi/dispatch.h).
+ffi::Error ragged_dot_sm90(cudaStream_t stream, int32_t device,
+                           ffi::AnyBuffer x,                       // bf16 or fp16
+                           ffi::AnyBuffer w,                       // w (rows) or dy (contraction)
+                           ffi::AnyBuffer group_sizes,             // int32
+                           ffi::Result<ffi::AnyBuffer> out,        // out
+                           ffi::Result<ffi::AnyBuffer> workspace,  // ragged_workspace_bytes
+                           RaggedAttrs p) {
   const std::string dims = "rows=" + str(p.rows) + ", n=" + str(p.n) + ", k=" + str(p.k) +
                            ", groups=" + str(p.groups) + ", batch=" + str(p.batch);
   if (p.mode != 0 && p.mode != 1) {
@@ -191,12 +189,8 @@ ffi::Error ragged_dot(cudaStream_t stream, int32_t device, const ffi::AnyBuffer&
                                        "(contraction), got " + str(p.mode));
   }
   const auto mode = static_cast<RaggedMode>(p.mode);
-  for (int64_t v : {p.rows, p.n, p.k, p.groups, p.batch}) {
-    if (v < 1 || v > INT32_MAX) {
-      return ffi::Error::InvalidArgument(
-          "jax_tma ragged_dot: rows, n, k, groups and batch must be in [1, 2^31), got " + dims);
-    }
-  }
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_sizes(kOp, "rows, n, k, groups and batch",
+                                                {p.rows, p.n, p.k, p.groups, p.batch}, 31, dims));
   if (p.batch * p.rows > INT32_MAX || p.batch * p.groups > INT32_MAX / 2) {
     return ffi::Error::InvalidArgument(
         "jax_tma ragged_dot: batch x rows and batch x groups must fit in int32, got " + dims);
@@ -220,24 +214,14 @@ ffi::Error ragged_dot(cudaStream_t stream, int32_t device, const ffi::AnyBuffer&
   const int64_t w_cols = rows_mode ? (p.w_k_major ? p.k : p.n) : p.n;
   const int64_t out_elems =
       rows_mode ? p.batch * p.rows * p.n : p.batch * p.groups * p.k * p.n;
-  struct Need {
-    const char* name;
-    int64_t elements;
-    size_t have;
-  };
-  for (const Need& need :
-       {Need{"x", p.batch * p.rows * p.k, x.element_count()},
-        Need{rows_mode ? "w" : "dy", w_rows * w_cols, w.element_count()},
-        Need{"group_sizes", (p.group_sizes_batched ? p.batch : 1) * p.groups,
-             group_sizes.element_count()},
-        Need{"out", out_elems, out->element_count()}}) {
-    if (static_cast<size_t>(need.elements) != need.have) {
-      return ffi::Error::InvalidArgument(std::string("jax_tma ragged_dot: ") + need.name +
-                                         " holds " + std::to_string(need.have) +
-                                         " elements, the attributes need " + str(need.elements) +
-                                         " (" + dims + ")");
-    }
-  }
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_element_counts(
+      kOp,
+      {{"x", p.batch * p.rows * p.k, x.element_count()},
+       {rows_mode ? "w" : "dy", w_rows * w_cols, w.element_count()},
+       {"group_sizes", (p.group_sizes_batched ? p.batch : 1) * p.groups,
+        group_sizes.element_count()},
+       {"out", out_elems, out->element_count()}},
+      dims));
   const int64_t need_workspace = sm90_gemm::ragged_workspace_bytes(mode, p.groups, p.batch);
   if (static_cast<int64_t>(workspace->size_bytes()) < need_workspace) {
     return ffi::Error::InvalidArgument("jax_tma ragged_dot: the workspace holds " +
@@ -251,23 +235,14 @@ ffi::Error ragged_dot(cudaStream_t stream, int32_t device, const ffi::AnyBuffer&
         "jax_tma ragged_dot: TMA needs rows of 16-byte multiples: k and n must be multiples of 8 "
         "(" + dims + ")");
   }
-  const auto& info = ffi_util::device_info(device);
-  if (!info.error.empty()) return ffi::Error::Internal("jax_tma ragged_dot: " + info.error);
-  if (info.major != 9 || info.minor != 0) {
-    return ffi::Error::InvalidArgument(
-        "jax_tma ragged_dot: the sm_90a kernel needs a compute capability 9.0 GPU, device " +
-        std::to_string(device) + " is " + std::to_string(info.major) + "." +
-        std::to_string(info.minor));
-  }
-  if (std::string use = ffi_util::use_device(device); !use.empty()) {
-    return ffi::Error::Internal("jax_tma ragged_dot: " + use);
-  }
+  const ffi_util::DeviceInfo* info = nullptr;
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_sm90_device(kOp, device, &info));
   call.x = &x;
   call.w = &w;
   call.out_data = out->untyped_data();
   call.args.shape.batch = 1;
   call.args.shape.splits = 1;
-  call.args.num_sms = info.num_sms;
+  call.args.num_sms = info->num_sms;
   call.args.stream = stream;
   call.ragged.mode = mode;
   call.ragged.group_sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
@@ -278,21 +253,6 @@ ffi::Error ragged_dot(cudaStream_t stream, int32_t device, const ffi::AnyBuffer&
   call.ragged.rows = static_cast<int>(p.rows);
   call.ragged.workspace = workspace->untyped_data();
   return dispatch(p, call);
-}
-
-ffi::Error ragged_dot_sm90(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                           ffi::AnyBuffer w, ffi::AnyBuffer group_sizes,
-                           ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-                           RaggedAttrs attrs) {
-  return ragged_dot(stream, device, x, w, group_sizes, &*out, &*workspace, attrs);
-}
-
-ffi::Error ragged_dot_sm90_into(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                                ffi::AnyBuffer w, ffi::AnyBuffer group_sizes,
-                                ffi::AnyBuffer /*out_in, aliased to out*/,
-                                ffi::Result<ffi::AnyBuffer> out,
-                                ffi::Result<ffi::AnyBuffer> workspace, RaggedAttrs attrs) {
-  return ragged_dot(stream, device, x, w, group_sizes, &*out, &*workspace, attrs);
 }
 
 }  // namespace
@@ -316,29 +276,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
 
 namespace jax_tma::ffi_handlers {
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedDotSm90, ragged_dot_sm90,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
-                                  .Ctx<ffi::DeviceOrdinal>()  // device of the call
-                                  .Arg<ffi::AnyBuffer>()      // x
-                                  .Arg<ffi::AnyBuffer>()      // w (rows) or dy (contraction)
-                                  .Arg<ffi::AnyBuffer>()      // group_sizes, int32
-                                  .Ret<ffi::AnyBuffer>()      // out
-                                  .Ret<ffi::AnyBuffer>()      // workspace
-                                  .Attrs<RaggedAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedDotSm90Into, ragged_dot_sm90_into,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // launch stream
-                                  .Ctx<ffi::DeviceOrdinal>()  // device of the call
-                                  .Arg<ffi::AnyBuffer>()      // x
-                                  .Arg<ffi::AnyBuffer>()      // w (rows) or dy (contraction)
-                                  .Arg<ffi::AnyBuffer>()      // group_sizes, int32
-                                  .Arg<ffi::AnyBuffer>()      // out_in
-                                  .Ret<ffi::AnyBuffer>()      // out, aliases out_in
-                                  .Ret<ffi::AnyBuffer>()      // workspace
-                                  .Attrs<RaggedAttrs>(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// RaggedDotSm90Into takes out_in after group_sizes, aliased to out.
+JAX_TMA_DEFINE_HANDLER_PAIR(RaggedDotSm90, RaggedDotSm90Into, ragged_dot_sm90, 1);
 
 }  // namespace jax_tma::ffi_handlers
