@@ -33,8 +33,8 @@ import jax_tma
 from jax_tma import _timing, gemm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_gemm import (  # noqa: E402
-    banner, environment, harness_arguments, parse_shapes, pyplot, save_figure, write_report)
+from _lib.harness import harness_arguments, parse_shapes  # noqa: E402
+from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
 
 SHAPES = [(6144, 3072, 24576), (1536, 1536, 1536), (2048, 13824, 5120), (12288, 12288, 4096),
           (1000, 1000, 1000), (777, 1234, 3000), (4096, 24576, 3072), (16, 8192, 8192, 128),

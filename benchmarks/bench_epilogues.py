@@ -48,9 +48,8 @@ from jax_tma import _timing
 from jax_tma import epilogues as ep
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_gemm import (  # noqa: E402
-    banner, environment, harness_arguments, parse_shapes, pyplot, save_figure, sweep_label,
-    write_report)
+from _lib.harness import harness_arguments, parse_shapes, sweep_label  # noqa: E402
+from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
 
 SHAPES = [(16384, 14336, 4096), (8192, 4096, 4096), (4096, 11008, 4096), (8192, 28672, 8192),
           (16, 14336, 4096), (64, 14336, 4096)]

@@ -38,8 +38,8 @@ import jax_tma
 from jax_tma import _timing, fp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_gemm import (  # noqa: E402
-    banner, environment, harness_arguments, parse_shapes, pyplot, save_figure, write_report)
+from _lib.harness import harness_arguments, parse_shapes  # noqa: E402
+from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
 
 SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 14336, 4096), (4096, 7168, 16384),
           (4096, 24576, 1536), (64, 28672, 4096), (128, 7168, 16384)]

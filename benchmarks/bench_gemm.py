@@ -81,13 +81,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import importlib.metadata
 import json
 import math
 import os
 import pathlib
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -99,6 +97,10 @@ import numpy as np
 
 import jax_tma
 from jax_tma import _timing, gemm
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _lib.harness import parse_shapes, part, part_bounds  # noqa: E402
+from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
 
 SUITE = [
     # square
@@ -381,39 +383,6 @@ def _parse(argv=None) -> argparse.Namespace:
     return args
 
 
-def parse_shapes(p: argparse.ArgumentParser, values: list[str], names: tuple[str, ...] = (
-        "M,N,K", "B,M,N,K")) -> list[tuple[int, ...]]:
-    """The --shapes `values` of a benchmark ("1024,1024,64") as tuples of positive ints, each
-    with as many sizes as one of the forms `names`; anything else is a usage error (`p.error`,
-    exit 2) naming the forms and what was given."""
-    try:
-        shapes = [tuple(int(x) for x in s.split(",")) for s in values]
-    except ValueError:
-        shapes = []
-    lengths = {name.count(",") + 1 for name in names}
-    if not shapes or any(len(s) not in lengths or min(s) < 1 for s in shapes):
-        p.error(f"--shapes takes {' or '.join(names)} of positive ints, got {' '.join(values)}")
-    return shapes
-
-
-def sweep_label(config) -> str:
-    """A forced configuration's contender name in the --sweep tables of bench_ragged_dot and
-    bench_epilogues: "jax_tma 128x256x3x2" (block_m, block_n, stages, cluster_m)."""
-    return "jax_tma " + "x".join(map(str, config.tile))
-
-
-def part_bounds(total: int, index: int, count: int) -> tuple[int, int]:
-    """[start, stop) of the `index`-th (from 1) of `count` contiguous chunks of `total` items,
-    whose lengths differ by at most one."""
-    return (index - 1) * total // count, index * total // count
-
-
-def part(shapes: list, index: int, count: int) -> list:
-    """The `index`-th (from 1) of `count` contiguous chunks of `shapes` (part_bounds): the
-    chunks of 1..count, in order, are `shapes`."""
-    return shapes[slice(*part_bounds(len(shapes), index, count))]
-
-
 def _pallas_contender(dtype):
     """The Hopper matmul shipped with Pallas (fixed tiles), or None where it does not import."""
     try:
@@ -593,73 +562,6 @@ def _print_breakdown(shape, contenders, ops) -> None:
             print(f"    {t * 1e6:9.2f} us  {kernel[:150]}")
 
 
-def _run(cmd: list[str]) -> str | None:
-    try:
-        return subprocess.run(cmd, capture_output=True, text=True, check=True,
-                              timeout=60).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def _cuda_versions() -> dict:
-    """CUDA runtime and driver API versions as jax's CUDA plugin reports them ("13.0"), or
-    None where there is no plugin."""
-    found = {"cuda_runtime": None, "cuda_driver": None}
-    for module in ("jax_cuda13_plugin._versions", "jax_cuda12_plugin._versions",
-                   "jaxlib.cuda._versions"):
-        try:
-            versions = importlib.import_module(module)
-        except ImportError:
-            continue
-        for key in found:
-            try:
-                v = int(getattr(versions, f"{key}_get_version")())
-                found[key] = f"{v // 1000}.{v % 1000 // 10}"
-            except Exception:  # noqa: BLE001 - an older plugin without this query
-                pass
-        break
-    if found["cuda_driver"] is None:  # the "CUDA Version" of nvidia-smi's banner
-        banner = _run(["nvidia-smi"]) or ""
-        match = re.search(r"CUDA Version:\s*([\d.]+)", banner)
-        found["cuda_driver"] = match.group(1) if match else None
-    return found
-
-
-def environment(commit: str | None = None) -> dict:
-    """Device, driver, CUDA, jax and commit of this run (shared by the benchmarks here).
-
-    ``commit`` overrides ``git rev-parse HEAD``: the checkout on a GPU machine may carry a stale
-    .git while its working tree is another commit.
-    """
-    dev = jax.devices()[0]
-    env = {"device": dev.device_kind, "platform": dev.platform,
-           "device_count": jax.device_count(), "jax": jax.__version__,
-           "jaxlib": jaxlib_version(), "timing": _timing.timing_method(),
-           "date": time.strftime("%Y-%m-%d")}
-    driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
-    env["driver"] = driver.splitlines()[0] if driver else None
-    env.update(_cuda_versions())
-    if commit:
-        env["commit"], env["commit_source"] = commit, "--commit"
-    else:
-        env["commit"] = _run(["git", "rev-parse", "HEAD"])
-        status = _run(["git", "status", "--porcelain", "--untracked-files=no"])
-        env["commit_source"] = "git rev-parse HEAD" + (
-            " (working tree has uncommitted changes)" if status else "")
-    status = jax_tma.kernel_status()
-    env["jax_tma_kernel"] = status.available
-    if not status.available:
-        env["jax_tma_kernel_reason"] = status.reason
-    return env
-
-
-def jaxlib_version() -> str | None:
-    try:
-        return importlib.metadata.version("jaxlib")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _ratios(rows: list[Row], contender: str = "jax_tma") -> dict[tuple[int, ...], float]:
     """XLA time / `contender`'s time of each shape both timed, in the order of `rows`."""
     found = {(r.shape, r.contender): r.seconds for r in rows if r.seconds}
@@ -742,60 +644,6 @@ def _table(rows: list[Row], env: dict, dtype: str, about: str = "") -> str:
                         what += f" ({r.path})"
                 lines.append(f"- {_label(r.shape)}: {what}")
     return "\n".join(lines)
-
-
-def harness_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of the benchmarks that time contenders with _timing.compare over random
-    operand sets (bench_ragged_dot, bench_epilogues, bench_fp8, bench_autotune)."""
-    p.add_argument("--sets", type=int, default=2, help="distinct operand sets per timed call")
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--iterations", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--commit", help="commit to record (default: git rev-parse HEAD)")
-    p.add_argument("--out", type=pathlib.Path, help="results root (default benchmarks/results)")
-
-
-def banner(env: dict, dtype: str) -> str:
-    """One line naming the device, its software and the run's dtype, timing and kernel path."""
-    return (f"{env['device']} | driver {env['driver']} | CUDA {env['cuda_runtime']} | "
-            f"jax {env['jax']} | {dtype} | timing {env['timing']} | jax_tma kernel "
-            f"{'on' if env['jax_tma_kernel'] else 'off (XLA path)'}")
-
-
-def results_dir(out_root: pathlib.Path | None, env: dict) -> pathlib.Path:
-    """`out_root` (default benchmarks/results) / the device's name, created."""
-    out = (out_root or pathlib.Path("benchmarks/results")) / env["device"].lower().replace(" ", "-")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
-def write_report(out_root: pathlib.Path | None, env: dict, stem: str, payload: dict, table: str,
-                 plot) -> None:
-    """Writes <stem>.json (`payload`), <stem>.md (`table`) and, where `plot(path)` draws one,
-    <stem>.png under results_dir(out_root, env)."""
-    out = results_dir(out_root, env)
-    (out / f"{stem}.json").write_text(json.dumps(payload, indent=1))
-    (out / f"{stem}.md").write_text(table + "\n")
-    plotted = plot(out / f"{stem}.png")
-    print(f"wrote {out}/{stem}.json, .md" + (", .png" if plotted else ""))
-
-
-def pyplot():
-    """matplotlib.pyplot on the file-only Agg backend, or None without matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
-def save_figure(plt, fig, path: pathlib.Path) -> bool:
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
 
 
 def _plot(rows: list[Row], path: pathlib.Path, title: str) -> bool:

@@ -46,7 +46,7 @@ import jax_tma
 from jax_tma import _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_gemm import banner, environment, pyplot, save_figure, write_report  # noqa: E402
+from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
 CHECK_TOLERANCE = 2e-2  # relative loss and gradient difference between the two steps

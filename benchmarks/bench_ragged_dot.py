@@ -35,9 +35,8 @@ import jax_tma
 from jax_tma import _ext, _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_gemm import (  # noqa: E402
-    banner, environment, harness_arguments, parse_shapes, pyplot, save_figure, sweep_label,
-    write_report)
+from _lib.harness import harness_arguments, parse_shapes, sweep_label  # noqa: E402
+from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
 
 SUITE = [  # (M, K, N, G, sizes, form)
     (16384, 4096, 14336, 8, "uniform", "rows"),

@@ -186,11 +186,19 @@ def _cudart() -> ctypes.CDLL:
 
 
 def _bench_gemm():
-    """bench_gemm, beside this script: its operand sets, environment record and report files
-    (imported late, so that --summarize needs no jax)."""
+    """bench_gemm, beside this script: its operand sets (imported late, so that --summarize
+    needs no jax)."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
     import bench_gemm
     return bench_gemm
+
+
+def _report():
+    """The benchmarks' run record and report files (benchmarks/_lib/report.py; imported late,
+    so that --summarize needs no jax)."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    from _lib import report
+    return report
 
 
 def _bench_epilogues():
@@ -287,9 +295,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         raise SystemExit(f"profile_gemm: --config {args.config}: {e}") from None
     ncu = _ncu()
-    bench_gemm = _bench_gemm()
-    env = bench_gemm.environment(args.commit)
-    out = bench_gemm.results_dir(args.out, env)
+    report_files = _report()
+    env = report_files.environment(args.commit)
+    out = report_files.results_dir(args.out, env)
     parts = [args.pattern] if args.pattern != "matmul" else []
     if args.config:
         parts.append(args.config.replace(",", "-"))
@@ -326,7 +334,7 @@ def main(argv=None) -> int:
                + "Nsight Compute, clocks and caches left alone")
     text = table(rows, caption)
     print(text)
-    bench_gemm.write_report(args.out, env, stem,
+    report_files.write_report(args.out, env, stem,
                             {"environment": env,
                              "kernels": [dict(k, call=label) for label, k in rows]},
                             text, plot=lambda path: False)

@@ -5,6 +5,7 @@
 #
 #   bash scripts/gpu_check.sh            # everything
 #   PYTEST_ARGS="-k kernel" bash scripts/gpu_check.sh
+#   SPLIT_GPUS=2 bash scripts/gpu_check.sh   # the suite split over two GPUs
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR="${OUT:-gpu_check_logs}"
@@ -29,9 +30,30 @@ grep -E "ptxas (warning|error)|spill|C75[01][0-9]" "$LOG_DIR/build.log" || echo 
 echo "build took $(( $(date +%s) - start )) s"
 
 echo "== tests"
-JAX_TMA_REQUIRE_GPU=1 JAX_TMA_REQUIRE_EXTENSION=1 "$PY" -m pytest -q -rfE ${PYTEST_ARGS:-} tests \
-  2>&1 | tee "$LOG_DIR/pytest.log"
-test_rc=${PIPESTATUS[0]}
+export JAX_TMA_REQUIRE_GPU=1 JAX_TMA_REQUIRE_EXTENSION=1
+if [ "${SPLIT_GPUS:-1}" = 2 ]; then
+  # Two GPUs: the files with GPU tests in two halves of about equal time, one per GPU, then
+  # the tests that need both (test_benchmarks and test_packaging have none: CI runs them).
+  half_a="tests/test_gemm.py tests/test_tma_copy.py tests/test_debug_build.py
+    tests/test_primitives.py tests/test_pipelines.py tests/test_autotune.py
+    tests/test_ragged_dot.py tests/test_fuzz.py tests/test_sass.py tests/test_ptxas.py"
+  half_b="tests/test_epilogues.py tests/test_fp8.py tests/test_dot_general.py tests/test_flax.py
+    tests/test_gemm_sharding.py tests/test_expert_parallel.py"
+  CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -q -rfE -p no:cacheprovider ${PYTEST_ARGS:-} $half_a \
+    >"$LOG_DIR/pytest_a.log" 2>&1 &
+  CUDA_VISIBLE_DEVICES=1 "$PY" -m pytest -q -rfE -p no:cacheprovider ${PYTEST_ARGS:-} $half_b \
+    >"$LOG_DIR/pytest_b.log" 2>&1 &
+  wait -n; rc_1=$?; wait -n; rc_2=$?
+  "$PY" -m pytest -q -rfE -p no:cacheprovider tests/test_gemm_sharding.py -k two_gpus \
+    >"$LOG_DIR/pytest_two.log" 2>&1
+  rc_3=$?
+  tail -n 3 "$LOG_DIR/pytest_a.log" "$LOG_DIR/pytest_b.log" "$LOG_DIR/pytest_two.log"
+  cat "$LOG_DIR"/pytest_*.log >"$LOG_DIR/pytest.log"
+  test_rc=$(( rc_1 | rc_2 | rc_3 ))
+else
+  "$PY" -m pytest -q -rfE ${PYTEST_ARGS:-} tests 2>&1 | tee "$LOG_DIR/pytest.log"
+  test_rc=${PIPESTATUS[0]}
+fi
 
 echo "== demo"
 "$PY" -m jax_tma 2>&1 | tee "$LOG_DIR/demo.log"

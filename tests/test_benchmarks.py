@@ -157,11 +157,11 @@ def test_bench_gemm_rejects_bad_shapes(shapes):
     ("bench_ragged_dot", "M,K,N,G", ["64,32,16,4"], ["64,32,16"]),
 ])
 def test_benchmarks_share_one_shapes_parser(script, forms, good, bad, capsys):
-    """Every benchmark's --shapes goes through bench_gemm.parse_shapes: positive ints in one of
-    the script's forms, else a usage error that names them."""
+    """Every benchmark's --shapes goes through benchmarks/_lib/harness.parse_shapes: positive
+    ints in one of the script's forms, else a usage error that names them."""
     import argparse
 
-    bench = _bench_module("bench_gemm")
+    bench = _bench_module("_lib.harness")
     parser = argparse.ArgumentParser(prog=script)
     names = tuple(forms.split(" or "))
     assert bench.parse_shapes(parser, good, names) == [
@@ -174,14 +174,15 @@ def test_benchmarks_share_one_shapes_parser(script, forms, good, bad, capsys):
             capsys.readouterr().err)
     source = (REPO / "benchmarks" / f"{script}.py").read_text()
     assert "parse_shapes(p, " in source
-    if script != "bench_gemm":  # the helper's home
-        assert "s.split(\",\")" not in source
+    if script != "bench_gemm":  # which also splits its --splits list
+        assert "s.split(\",\")" not in source  # shapes are parsed in _lib/harness.py only
 
 
 def _bench_module(name: str):
-    """benchmarks/<name>.py imported from this checkout (registered in sys.modules, where
-    dataclasses look their module up)."""
-    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    """benchmarks/<name>.py (dots: folders) imported from this checkout (registered in
+    sys.modules, where dataclasses look their module up)."""
+    path = REPO / "benchmarks" / f"{name.replace('.', '/')}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)
