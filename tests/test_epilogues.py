@@ -800,23 +800,24 @@ def test_preferred_element_type_and_precision_follow_lax(op, rng):
     wd = random_array(rng, (32, 16), jnp.bfloat16)
     b1 = random_array(rng, (32,), jnp.bfloat16)
     b2 = random_array(rng, (16,), jnp.bfloat16)
-    f32 = jnp.float32
+    # fp32 out at HIGHEST: the fp32 products (mlp's second) are then fp32 on GPUs too, not TF32.
+    f32 = dict(preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
     mm = lambda a, b: np.asarray(a, np.float64) @ np.asarray(b, np.float64)  # noqa: E731
     gelu = lambda z: 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))  # noqa: E731
     silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
     if op == "dense":
-        out = jax_tma.dense(x, w1, b1, "gelu", preferred_element_type=f32)
+        out = jax_tma.dense(x, w1, b1, "gelu", **f32)
         ref = gelu(mm(x, w1) + np.asarray(b1, np.float64))
     elif op == "gated_dense":
-        out = jax_tma.gated_dense(x, w1, w2, "silu", preferred_element_type=f32)
+        out = jax_tma.gated_dense(x, w1, w2, "silu", **f32)
         ref = silu(mm(x, w1)) * mm(x, w2)
     elif op == "mlp":
-        out = jax_tma.mlp(x, w1, b1, wd, b2, "gelu", preferred_element_type=f32)
+        out = jax_tma.mlp(x, w1, b1, wd, b2, "gelu", **f32)
         ref = mm(gelu(mm(x, w1) + np.asarray(b1, np.float64)), wd) + np.asarray(b2, np.float64)
     else:
-        out = jax_tma.gated_mlp(x, w1, w2, wd, "silu", preferred_element_type=f32)
+        out = jax_tma.gated_mlp(x, w1, w2, wd, "silu", **f32)
         ref = mm(silu(mm(x, w1)) * mm(x, w2), wd)
-    assert out.dtype == f32 and out.shape == ref.shape
+    assert out.dtype == jnp.float32 and out.shape == ref.shape
     assert rel_error(out, ref) < 1e-5
     # A precision the kernel computes keeps the operands' type.
     kw = dict(precision=lax.Precision.HIGHEST)
