@@ -13,6 +13,7 @@ shift
 benches=${*:-gemm ragged_dot epilogues fp8}
 out="${OUT:-bench_compare_out}"
 mkdir -p "$out/ab"
+out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1
 build() {  # tree, target
   python3 -m pip install -q --no-build-isolation --no-deps --target "$2" "$1" \
@@ -26,7 +27,7 @@ suite() {  # tree, package dir, GPU, tag
     extra=""
     [ "$b" = gemm ] && extra="--no-pallas"
     (cd /tmp && CUDA_VISIBLE_DEVICES=$3 PYTHONPATH=$2 python3 "$1/benchmarks/bench_$b.py" --quick \
-      $extra --out "$root/$out/ab/$4" --commit "$4" >"$root/$out/ab/$4_$b.log" 2>&1) \
+      $extra --out "$out/ab/$4" --commit "$4" >"$out/ab/$4_$b.log" 2>&1) \
       || echo "$4 bench_$b failed"
   done
 }
