@@ -16,7 +16,7 @@ mkdir -p "$out/ab"
 out=$(cd "$out" && pwd)
 export PYTHONUNBUFFERED=1
 build() {  # tree, target
-  python3 -m pip install -q --no-build-isolation --no-deps --target "$2" "$1" \
+  python3 -m pip install -q --upgrade --no-build-isolation --no-deps --target "$2" "$1" \
     >"$out/ab/build_$(basename "$2").log" 2>&1
 }
 build "$root" /tmp/ab_new & build "$old" /tmp/ab_old &
