@@ -16,6 +16,7 @@ import importlib.util
 import os
 import pathlib
 import re
+import sys
 import warnings
 from typing import Any
 
@@ -189,7 +190,8 @@ def kernel_status() -> KernelStatus:
     if _REGISTRATION_ERROR is not None:
         return KernelStatus(False, _REGISTRATION_ERROR, desc)
     if device.platform != "gpu" or not cuda_devices():
-        return KernelStatus(False, f"no CUDA GPU: the default backend is {device.platform}", desc)
+        return KernelStatus(False, f"kernels compiled, but no CUDA GPU here: the default backend "
+                                   f"is {device.platform}", desc)
     reason = non_hopper_reason(cuda_devices())
     if reason is not None:
         return KernelStatus(False, reason, desc)
@@ -204,8 +206,22 @@ def warn_if_unavailable() -> None:
         warnings.warn(
             f"jax_tma: Hopper kernels are not in use ({status.reason}); ops run through XLA.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=_caller_stacklevel(),
         )
+
+
+def _caller_stacklevel() -> int:
+    """warnings.warn's stacklevel of the first frame outside jax_tma and jax, counted from
+    warn_if_unavailable's caller: the user's line, also when the op is traced under jit."""
+    skip = tuple(os.path.dirname(m.__file__) + os.sep for m in (jax, _package()))
+    frame, level = sys._getframe(2), 2  # warnings.warn counts itself as level 1
+    while frame is not None and frame.f_code.co_filename.startswith(skip):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _package():
+    return importlib.import_module(__package__)
 
 
 def cuda_lowering_blocker() -> str | None:

@@ -248,6 +248,20 @@ def test_warns_once_when_kernels_unavailable():
     assert len(msgs) == 1 and status.reason in msgs[0]
 
 
+def test_unavailable_warning_points_at_the_callers_line():
+    """Under jit too: the warning names this file, not a frame inside jax or jax_tma."""
+    status = jax_tma.kernel_status()
+    if status.available:
+        pytest.skip("kernels are available here; nothing to warn about")
+    _ext.warn_if_unavailable.cache_clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = jnp.ones((8, 8), BF16)
+        jax.jit(lambda x: jax_tma.matmul(x, x))(a)
+    found = [w for w in caught if "jax_tma" in str(w.message)]
+    assert len(found) == 1 and found[0].filename == __file__, [w.filename for w in found]
+
+
 # ---------------------------------------------------------------- CUDA lowering (CPU)
 
 
