@@ -234,31 +234,28 @@ def test_default_config_heuristic():
     assert gemm.default_config(4095, 4097, 4096).has_direct_store
 
 
-def test_warns_once_when_kernels_unavailable():
-    status = jax_tma.kernel_status()
-    if status.available:
+def _unavailable_warnings(call) -> list:
+    """The jax_tma warnings that `call()` raises in a fresh process state (skips where the
+    kernels are available: nothing to warn about)."""
+    if jax_tma.kernel_status().available:
         pytest.skip("kernels are available here; nothing to warn about")
     _ext.warn_if_unavailable.cache_clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        a = jnp.ones((8, 8), BF16)
-        jax_tma.matmul(a, a)
-        jax_tma.matmul(a, a)
-    msgs = [str(w.message) for w in caught if "jax_tma" in str(w.message)]
-    assert len(msgs) == 1 and status.reason in msgs[0]
+        call()
+    return [w for w in caught if "jax_tma" in str(w.message)]
+
+
+def test_warns_once_when_kernels_unavailable():
+    a = jnp.ones((8, 8), BF16)
+    found = _unavailable_warnings(lambda: (jax_tma.matmul(a, a), jax_tma.matmul(a, a)))
+    assert len(found) == 1 and jax_tma.kernel_status().reason in str(found[0].message)
 
 
 def test_unavailable_warning_points_at_the_callers_line():
     """Under jit too: the warning names this file, not a frame inside jax or jax_tma."""
-    status = jax_tma.kernel_status()
-    if status.available:
-        pytest.skip("kernels are available here; nothing to warn about")
-    _ext.warn_if_unavailable.cache_clear()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        a = jnp.ones((8, 8), BF16)
-        jax.jit(lambda x: jax_tma.matmul(x, x))(a)
-    found = [w for w in caught if "jax_tma" in str(w.message)]
+    a = jnp.ones((8, 8), BF16)
+    found = _unavailable_warnings(lambda: jax.jit(lambda x: jax_tma.matmul(x, x))(a))
     assert len(found) == 1 and found[0].filename == __file__, [w.filename for w in found]
 
 
