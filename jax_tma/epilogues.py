@@ -137,7 +137,8 @@ def default_config(kind: str, activation, m: int, n: int, k: int,
             if stream_k and m < cfg.block_m:
                 continue
             c = dataclasses.replace(cfg, stream_k=stream_k)
-            seconds = estimate_seconds(c, m, acc_n, k, num_sms, dram_bytes_per_s=device.dram_bytes_per_s(),
+            seconds = estimate_seconds(c, m, acc_n, k, num_sms,
+                                       dram_bytes_per_s=device.dram_bytes_per_s(),
                                        l2_bytes=device.l2_bytes())
             key = (round(seconds, 9), -c.stages, -c.cluster_m, int(stream_k))
             if best_key is None or key < best_key:

@@ -803,7 +803,8 @@ def test_preferred_element_type_and_precision_follow_lax(op, rng):
     # fp32 out at HIGHEST: the fp32 products (mlp's second) are then fp32 on GPUs too, not TF32.
     f32 = dict(preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
     mm = lambda a, b: np.asarray(a, np.float64) @ np.asarray(b, np.float64)  # noqa: E731
-    gelu = lambda z: 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))  # noqa: E731
+    gelu = lambda z: 0.5 * z * (  # noqa: E731
+        1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
     silu = lambda z: z / (1 + np.exp(-z))  # noqa: E731
     if op == "dense":
         out = jax_tma.dense(x, w1, b1, "gelu", **f32)

@@ -98,7 +98,8 @@ def main(argv: list[str]) -> int:
     output = result.stdout + result.stderr
     # Compiler messages other than the resource report reach the build log as they would without
     # this launcher.
-    passed_on = "".join(line for line in output.splitlines(keepends=True) if not _is_report_line(line))
+    passed_on = "".join(line for line in output.splitlines(keepends=True)
+                        if not _is_report_line(line))
     sys.stderr.write(passed_on)
 
     path = obj + REPORT_SUFFIX
