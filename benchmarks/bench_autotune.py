@@ -30,7 +30,8 @@ import jax.numpy as jnp
 from jax import lax
 
 import jax_tma
-from jax_tma import _timing, gemm
+from jax_tma import _timing
+from jax_tma.ops.gemm import primitive as gemm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _lib.harness import harness_arguments, parse_shapes  # noqa: E402

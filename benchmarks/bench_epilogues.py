@@ -45,16 +45,16 @@ import numpy as np
 
 import jax_tma
 from jax_tma import _timing
-from jax_tma import epilogues as ep
+from jax_tma.ops.dense import config as ep_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _lib.harness import harness_arguments, parse_shapes, sweep_label  # noqa: E402
+from _lib.patterns import NT, PATTERNS, fused, pattern_forms, pattern_operands  # noqa: E402
 from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
 
 SHAPES = [(16384, 14336, 4096), (8192, 4096, 4096), (4096, 11008, 4096), (8192, 28672, 8192),
           (16, 14336, 4096), (64, 14336, 4096)]
 DRY_RUN = [(64, 128, 64)]
-PATTERNS = ("gelu", "residual", "swiglu", "swiglu_grad")
 
 
 @dataclasses.dataclass
@@ -72,23 +72,11 @@ class Row:
         return 2.0 * m * width * k / self.seconds / 1e12
 
 
-def fused(pattern, config=None):
-    """jax_tma's fused op for `pattern` on `config` (None: the default's pick); for swiglu the
-    config's block_n counts the gate's and the up's columns."""
-    if pattern == "swiglu_grad":  # gated_mlp's backward product (operands: _grad_operands)
-        return lambda dy, wd, pre: ep._gated_grad_product(dy, wd, pre, "silu", config)
-    if pattern == "gelu":
-        return lambda x, w, b, r, w2, wc: jax_tma.dense(x, w, b, "gelu", config=config)
-    if pattern == "residual":
-        return lambda x, w, b, r, w2, wc: jax_tma.dense(x, w, b, residual=r, config=config)
-    return lambda x, w, b, r, w2, wc: jax_tma.gated_dense(x, w, w2, "silu", config=config)
-
-
 def swept_configs(pattern: str = "gelu") -> list:
     """Every compiled configuration of `pattern`'s fused kernel, and stream-K on those that
     take it."""
-    compiled = ep._configs_for(ep.GATED_GRADIENT if pattern == "swiglu_grad" else ep.FORWARD,
-                               "silu")
+    kind = ep_config.GATED_GRADIENT if pattern == "swiglu_grad" else ep_config.FORWARD
+    compiled = ep_config.configs_for(kind, "silu")
     return [*compiled, *(dataclasses.replace(c, stream_k=True)
                          for c in compiled if c.takes_stream_k)]
 
@@ -108,7 +96,7 @@ def _swept(pattern) -> dict:
     swept_label, and jax_tma's plain product."""
     found = {swept_label(cfg): fused(pattern, cfg) for cfg in swept_configs(pattern)}
     if pattern == "swiglu_grad":
-        found[PLAIN] = lambda dy, wd, pre: jax_tma.dot_general(dy, wd, _NT)
+        found[PLAIN] = lambda dy, wd, pre: jax_tma.dot_general(dy, wd, NT)
     elif pattern == "swiglu":
         found[PLAIN] = lambda x, w, b, r, w2, wc: jax_tma.matmul(x, wc)
     else:
@@ -133,7 +121,7 @@ def _read_weights(pattern):
 
 
 def _contenders(pattern, sweep: bool = False, floor: bool = False):
-    found = _forms(pattern)
+    found = pattern_forms(pattern)
     if sweep:
         found.update(_swept(pattern))
     if floor:
@@ -147,85 +135,13 @@ def weight_bytes(pattern, shape) -> int:
     return 2 * k * n * (2 if pattern == "swiglu" else 1)
 
 
-_NT = (((1,), (1,)), ((), ()))  # dy [M, K] @ wd [N, K]^T
-
-
-def _gated_grad_xla(dy, wd, pre):
-    """XLA's form of the gated gradient: the product, then one fusion writing both
-    cotangents (fp32 math, as gated_mlp's XLA path)."""
-    h = jax.lax.dot_general(dy, wd, _NT).astype(jnp.float32)
-    g, u = pre[0].astype(jnp.float32), pre[1].astype(jnp.float32)
-    s = jax.nn.sigmoid(g)
-    return ((h * u * (s * (1 + g * (1 - s)))).astype(dy.dtype), (h * g * s).astype(dy.dtype))
-
-
-def _forms(pattern):
-    dot = lambda a, b: a @ b  # noqa: E731 - XLA's plain bf16 product: the floor
-    if pattern == "swiglu_grad":
-        return {
-            "jax_tma": fused("swiglu_grad"),
-            "xla": _gated_grad_xla,
-            "xla_dot": lambda dy, wd, pre: jax.lax.dot_general(dy, wd, _NT),
-        }
-    if pattern == "gelu":
-        return {
-            "jax_tma": fused("gelu"),
-            "xla": lambda x, w, b, r, w2, wc: jax.nn.gelu(x @ w + b),
-            "xla_dot": lambda x, w, b, r, w2, wc: dot(x, w),
-        }
-    if pattern == "residual":
-        return {
-            "jax_tma": fused("residual"),
-            "xla": lambda x, w, b, r, w2, wc: x @ w + b + r,
-            "xla_dot": lambda x, w, b, r, w2, wc: dot(x, w),
-        }
-    def concat_form(x, w, b, r, w2, wc):
-        gu = x @ wc
-        half = gu.shape[-1] // 2
-        return jax.nn.silu(gu[..., :half]) * gu[..., half:]
-
-    return {
-        "jax_tma": fused("swiglu"),
-        "xla": lambda x, w, b, r, w2, wc: jax.nn.silu(x @ w) * (x @ w2),
-        "xla_concat": concat_form,
-        "xla_dot": lambda x, w, b, r, w2, wc: dot(x, wc),
-    }
-
-
-def _normal_sets(seed, count, specs):
-    """`count` tuples of bf16 arrays, one per (shape, divisor) of `specs`: standard normals over
-    the divisor, each set drawing len(specs) consecutive keys of one split of `seed`."""
-    keys = jax.random.split(jax.random.key(seed), len(specs) * count)
-    sets = []
-    for i in range(count):
-        kk = keys[len(specs) * i: len(specs) * (i + 1)]
-        sets.append(tuple(
-            (jax.random.normal(key, shape, jnp.float32) / divisor).astype(jnp.bfloat16)
-            for key, (shape, divisor) in zip(kk, specs)))
-    return sets
-
-
-def _grad_operands(shape, count, seed):
-    """(dy [M, K], wd [N, K], pre [2, M, N]) sets for swiglu_grad."""
-    m, n, k = shape
-    return _normal_sets(seed, count, [((m, k), 1.0), ((n, k), np.sqrt(k)), ((2, m, n), 0.5)])
-
-
-def _operand_sets(shape, count, seed):
-    m, n, k = shape
-    specs = [((m, k), 1.0), ((k, n), np.sqrt(k)), ((n,), 1.0), ((m, n), 1.0), ((k, n), np.sqrt(k))]
-    return [(x, w, b, r, w2, jnp.concatenate([w, w2], axis=1))
-            for x, w, b, r, w2 in _normal_sets(seed, count, specs)]
-
-
 def _flat(result) -> np.ndarray:
     """A contender's result (one array or a tuple of them) as one float32 vector."""
     return np.concatenate([np.asarray(r, np.float32).ravel() for r in jax.tree.leaves(result)])
 
 
 def bench(pattern, shape, args) -> list[Row]:
-    make = _grad_operands if pattern == "swiglu_grad" else _operand_sets
-    sets = make(shape, args.sets, args.seed)
+    sets = pattern_operands(pattern, shape, args.sets, args.seed)
     contenders = _contenders(pattern, args.sweep, args.floor)
     xla = _flat(jax.jit(contenders["xla"])(*sets[0]))
     notes = {}
@@ -257,8 +173,8 @@ def _table(rows: list[Row], env: dict) -> str:
             "; weights read: XLA's sum over the weights the product reads (a kernel that only "
             "reads them), and the rate at which it and jax_tma go through them" if floor else ""),
         "",
-        "| pattern | M×N×K | jax_tma µs | jax_tma TFLOP/s | XLA µs | XLA dot µs | × XLA | vs dot |"
-        + (" weights read µs | read TB/s | jax_tma TB/s |" if floor else ""),
+        "| pattern | M×N×K | jax_tma µs | jax_tma TFLOP/s | XLA µs | XLA dot µs "
+        "| × XLA | vs dot |" + (" weights read µs | read TB/s | jax_tma TB/s |" if floor else ""),
         "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if floor else ""),
     ]
     groups: dict = {}

@@ -35,7 +35,9 @@ import numpy as np
 from jax import lax
 
 import jax_tma
-from jax_tma import _timing, fp8
+from jax_tma import _timing
+from jax_tma.ops.fp8 import config as fp8_config
+from jax_tma.ops.fp8 import primitive as fp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _lib.harness import harness_arguments, parse_shapes  # noqa: E402
@@ -147,13 +149,13 @@ def sweep(shape, args) -> list[Row]:
     split) and on the heuristic's choice, timed together: the data to tune the heuristic with."""
     sets = _operand_sets(shape, args.sets, args.seed)
     m, n, k = shape
-    default = fp8.default_config(m, n, k).describe()
+    default = fp8_config.default_config(m, n, k).describe()
     contenders = {
         "default tensor " + default:
             lambda a, b, sa, sb, s_a, s_b, *rest: jax_tma.fp8_dot_general(a, b, s_a, s_b, NT),
         "default block " + default:
             lambda a, b, sa, sb, *rest: jax_tma.fp8_dot_general(a, b, sa, sb, NT)}
-    for cfg in fp8.FP8_CONFIGS:
+    for cfg in fp8_config.FP8_CONFIGS:
         if cfg.cluster_m > 1 and -(-m // cfg.block_m) < 2:
             continue
         name = "x".join(map(str, cfg.tile))

@@ -24,7 +24,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_tma
-from jax_tma import _timing, gemm
+from jax_tma import _timing
+from jax_tma.ops.gemm import plan as gemm_plan
+from jax_tma.ops.gemm import primitive as gemm
 
 
 def _parse() -> argparse.Namespace:
@@ -56,7 +58,7 @@ def main() -> int:
         return 1
     mesh = Mesh(np.array(gpus), ("x",))
     sets = _timing.random_operands(jax.random.key(0), [(m, k), (k, n)], jnp.bfloat16, args.products)
-    dot = lambda a, b: jax_tma.dot_general(a, b, gemm.MATMUL_DIMS)  # noqa: E731
+    dot = lambda a, b: jax_tma.dot_general(a, b, gemm_plan.MATMUL_DIMS)  # noqa: E731
     layouts = {
         "1 GPU": (None, None),
         f"{len(gpus)} GPUs, M sharded": (P("x", None), P()),
@@ -89,8 +91,8 @@ def main() -> int:
     (out_dir / "bench_sharded_gemm.json").write_text(json.dumps(report, indent=2))
     lines = [f"{m}×{n}×{k} bf16 on {len(gpus)}× {device}, jax {jax.__version__}, wall time", "",
              "| layout | ms | TFLOP/s | speedup over 1 GPU | kernel |", "|---|---|---|---|---|"]
-    lines += [f"| {r['layout']} | {r['median_s'] * 1e3:.3f} | {r['tflops']:.1f} | {r['speedup']:.2f}× "
-              f"| {'yes' if r['kernel'] else 'no'} |" for r in rows]
+    lines += [f"| {r['layout']} | {r['median_s'] * 1e3:.3f} | {r['tflops']:.1f} "
+              f"| {r['speedup']:.2f}× | {'yes' if r['kernel'] else 'no'} |" for r in rows]
     (out_dir / "bench_sharded_gemm.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -30,6 +30,7 @@ import argparse
 import csv
 import ctypes
 import glob
+import importlib
 import io
 import os
 import pathlib
@@ -185,27 +186,12 @@ def _cudart() -> ctypes.CDLL:
     raise RuntimeError("profile_gemm: no libcudart.so found for cudaProfilerStart")
 
 
-def _bench_gemm():
-    """bench_gemm, beside this script: its operand sets (imported late, so that --summarize
-    needs no jax)."""
+def _shared(name: str):
+    """benchmarks/_lib/<name>.py, what the benchmarks share (imported late, so that --summarize
+    needs no jax): report (the run record and report files), operands (bench_gemm's operand
+    sets), patterns (bench_epilogues' fused patterns, their operands and contenders)."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    import bench_gemm
-    return bench_gemm
-
-
-def _report():
-    """The benchmarks' run record and report files (benchmarks/_lib/report.py; imported late,
-    so that --summarize needs no jax)."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    from _lib import report
-    return report
-
-
-def _bench_epilogues():
-    """bench_epilogues, beside this script: the fused patterns' operands and contenders."""
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    import bench_epilogues
-    return bench_epilogues
+    return importlib.import_module(f"_lib.{name}")
 
 
 def _forced_config(args):
@@ -219,8 +205,9 @@ def _forced_config(args):
     bm, bn, stages, cluster = args.config_tuple
     config = jax_tma.GemmConfig(block_m=bm, block_n=bn, stages=stages, cluster_m=cluster)
     if args.pattern != "matmul":
-        bench = _bench_epilogues()
-        jax.eval_shape(bench.fused(args.pattern, config), *bench._operand_sets((8, 8, 8), 1, 0)[0])
+        patterns = _shared("patterns")
+        jax.eval_shape(patterns.fused(args.pattern, config),
+                       *patterns.pattern_operands(args.pattern, (8, 8, 8), 1, 0)[0])
     return config
 
 
@@ -232,20 +219,21 @@ def _work(args, shape, config) -> list:
     import jax_tma
     label = "×".join(map(str, shape))
     if args.pattern == "matmul":
-        ops = _bench_gemm()._operand_sets(shape, jnp.bfloat16, jax.random.PRNGKey(sum(shape)))
+        ops = _shared("operands").gemm_operand_sets(shape, jnp.bfloat16,
+                                                    jax.random.PRNGKey(sum(shape)))
         if config is not None:
             return [(f"{label} jax_tma {args.config}",
                      jax.jit(lambda a, b, c=config: jax_tma.matmul(a, b, config=c)), ops)]
         return [(f"{label} jax_tma", jax.jit(jax_tma.matmul), ops),
                 (f"{label} XLA", jax.jit(jnp.matmul), ops)]
-    bench = _bench_epilogues()
-    ops = bench._operand_sets(shape, 2, sum(shape))
+    patterns = _shared("patterns")
+    ops = patterns.pattern_operands(args.pattern, shape, 2, sum(shape))
     label += f" {args.pattern}"
     if config is not None:
-        return [(f"{label} jax_tma {args.config}", jax.jit(bench.fused(args.pattern, config)),
+        return [(f"{label} jax_tma {args.config}", jax.jit(patterns.fused(args.pattern, config)),
                  ops)]
     return [(f"{label} {name}", jax.jit(fn), ops)
-            for name, fn in bench._contenders(args.pattern).items()]
+            for name, fn in patterns.pattern_forms(args.pattern).items()]
 
 
 def child(args) -> int:
@@ -295,7 +283,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         raise SystemExit(f"profile_gemm: --config {args.config}: {e}") from None
     ncu = _ncu()
-    report_files = _report()
+    report_files = _shared("report")
     env = report_files.environment(args.commit)
     out = report_files.results_dir(args.out, env)
     parts = [args.pattern] if args.pattern != "matmul" else []

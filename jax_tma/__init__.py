@@ -22,15 +22,25 @@ Public API:
   autotune(lhs, rhs, dimension_numbers): times every configuration of a product on the device
     and caches the fastest for the kernel's later lowerings (JAX_TMA_AUTOTUNE=1: at trace time).
   export_disabled_checks(): what ``jax.export`` needs to serialize the kernels' custom calls.
+  flax: Flax layers on the fused kernels (``jax_tma.flax``, imported on first use; needs flax).
+
+Layout: jax_tma/_core (what every op is built on), jax_tma/ops/<op> (one package per op).
 """
+
+import importlib
 
 from jax_tma._export import export_disabled_checks
 from jax_tma._ext import KernelStatus, kernel_status
-from jax_tma.autotuning import TuneResult, autotune
-from jax_tma.epilogues import DENSE_CONFIGS, dense, gated_dense, gated_mlp, mlp
-from jax_tma.fp8 import FP8_CONFIGS, Fp8Config, fp8_dot_general, fp8_matmul, quantize_fp8
-from jax_tma.gemm import COMPILED_CONFIGS, GemmConfig, default_config, dot_general, matmul
-from jax_tma.ragged import RAGGED_CONFIGS, ragged_dot, ragged_dot_general
+from jax_tma.ops.dense.api import dense, gated_dense, gated_mlp, mlp
+from jax_tma.ops.dense.config import DENSE_CONFIGS
+from jax_tma.ops.fp8.api import fp8_dot_general, fp8_matmul
+from jax_tma.ops.fp8.config import FP8_CONFIGS, Fp8Config
+from jax_tma.ops.fp8.quantize import quantize_fp8
+from jax_tma.ops.gemm.api import dot_general, matmul
+from jax_tma.ops.gemm.autotune import TuneResult, autotune
+from jax_tma.ops.gemm.config import COMPILED_CONFIGS, GemmConfig, default_config
+from jax_tma.ops.ragged.api import ragged_dot, ragged_dot_general
+from jax_tma.ops.ragged.config import RAGGED_CONFIGS
 
 __version__ = "0.1.0"
 
@@ -59,3 +69,13 @@ __all__ = [
     "ragged_dot_general",
     "RAGGED_CONFIGS",
 ]
+
+
+def __getattr__(name: str):
+    # jax_tma.flax without a prior `import jax_tma.flax`: imported on first use, since flax is
+    # an optional dependency the rest of the package does not need.
+    if name == "flax":
+        import importlib  # noqa: PLC0415
+
+        return importlib.import_module("jax_tma.flax")
+    raise AttributeError(f"module 'jax_tma' has no attribute {name!r}")

@@ -16,7 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_tma
-from jax_tma import _timing, gemm
+from jax_tma import _timing
+from jax_tma.ops.gemm import primitive as gemm
+from jax_tma.ops.gemm.plan import MATMUL_DIMS
 
 
 def _parse() -> argparse.Namespace:
@@ -51,7 +53,7 @@ def main() -> None:
     hlo = jax.jit(ours).lower(*sets[0]).compile().as_text()
     avals = jax.ShapeDtypeStruct((m, k), dtype), jax.ShapeDtypeStruct((k, n), dtype)
     # The kernel's route and configuration, before the rule that leaves products to XLA.
-    choice = gemm.kernel_choice(*avals, gemm.MATMUL_DIMS, dtype, xla_when_faster=False)
+    choice = gemm.kernel_choice(*avals, MATMUL_DIMS, dtype, xla_when_faster=False)
     on_kernel = gemm.KERNEL_TARGET in hlo
     if on_kernel:
         print(f"path: jax_tma kernel ({gemm.KERNEL_TARGET}; {choice[1].describe()})")
@@ -79,7 +81,8 @@ def main() -> None:
     t_ours, t_xla = timings["jax_tma"], timings["xla"]
     print(f"timing: {_timing.timing_method()} (median per product, {t_ours.samples} samples, "
           f"rounds alternating between the two)")
-    f_ours, f_xla = _timing.tflops(m, n, k, t_ours.median_s), _timing.tflops(m, n, k, t_xla.median_s)
+    f_ours = _timing.tflops(m, n, k, t_ours.median_s)
+    f_xla = _timing.tflops(m, n, k, t_xla.median_s)
     print(f"jax_tma.matmul: {t_ours.median_s * 1e6:10.1f} us  {f_ours:7.1f} TFLOP/s")
     print(f"XLA dot:        {t_xla.median_s * 1e6:10.1f} us  {f_xla:7.1f} TFLOP/s")
     print(f"speed ratio jax_tma / XLA: {t_xla.median_s / t_ours.median_s:.3f}x")

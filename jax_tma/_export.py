@@ -3,19 +3,23 @@
 jax.export serializes only the custom calls that jax guarantees stable; jax_tma's FFI targets
 (named ``jax_tma_*``, fixed for a release) pass with the checks listed here. The lowerings
 themselves need nothing else: an exported module holds each product (custom_partitioning, whose
-callbacks cannot be serialized, is left out of it; see gemm._lowering).
+callbacks cannot be serialized, is left out of it; see _core/primitive.define_primitive).
 """
 
 from __future__ import annotations
 
 import jax
 
-from jax_tma import epilogues, fp8, gemm, ragged
+from jax_tma.ops.dense import primitive as dense
+from jax_tma.ops.fp8 import primitive as fp8
+from jax_tma.ops.gemm import primitive as gemm
+from jax_tma.ops.ragged import primitive as ragged
 
-# Each op's target and its "_into" variant (which writes over a given buffer: tests).
+# Each op's target (registered by the extension _jax_tma) and its "_into" variant, which writes
+# over a given buffer (tests; registered by the test extension _jax_tma_testing).
 FFI_TARGETS: tuple[str, ...] = (
     *gemm.FFI_TARGETS,
-    *(op.KERNEL_TARGET + suffix for op in (epilogues, fp8, ragged) for suffix in ("", "_into")),
+    *(op.KERNEL_TARGET + suffix for op in (dense, fp8, ragged) for suffix in ("", "_into")),
 )
 
 

@@ -1,4 +1,9 @@
-"""Loads the compiled extension, registers its FFI targets and says whether kernels can run.
+"""Loads the compiled extensions, registers their FFI targets and says whether kernels can run.
+
+The production extension ``_jax_tma`` (the ops' targets) is registered on import. The test
+extension ``_jax_tma_testing`` (the ops' ``_into`` variants, which write over a given buffer, and
+the ``jax_tma_test_*`` primitive test kernels) is registered by ``register_testing``, which
+jax_tma._testing calls; a wheel built with JAX_TMA_BUILD_TESTING=0 has none.
 
 Everything that decides "kernel or XLA" on the process level lives here: whether the
 extension was built, whether the running jaxlib accepts its FFI API version, whether the
@@ -63,24 +68,53 @@ def _jaxlib_version() -> str:
         return "(unknown version)"
 
 
-def _register() -> str | None:
-    """Registers every FFI target of the extension; returns why it could not, or None."""
-    if _C is None:
-        return _IMPORT_ERROR
+def _register(module: Any, what: str) -> str | None:
+    """Registers every FFI target of a compiled extension (`what` names it in the error);
+    returns why it could not, or None."""
     runtime_minor = _runtime_ffi_api_minor()
-    if runtime_minor is not None and _C.ffi_api_minor > runtime_minor:
+    if runtime_minor is not None and module.ffi_api_minor > runtime_minor:
         return (
-            f"the extension was built against XLA FFI API 0.{_C.ffi_api_minor} but the "
+            f"{what} was built against XLA FFI API 0.{module.ffi_api_minor} but the "
             f"installed jaxlib {_jaxlib_version()} provides 0.{runtime_minor}; rebuild "
             "jax_tma against this jaxlib"
         )
-    targets = {**_C.registrations(), **_C.testing_registrations()}
-    for name, capsule in targets.items():
+    for name, capsule in module.registrations().items():
         jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
     return None
 
 
-_REGISTRATION_ERROR = _register()
+_REGISTRATION_ERROR = _IMPORT_ERROR if _C is None else _register(_C, "the extension")
+
+
+@functools.cache
+def testing_error() -> str | None:
+    """Why the test-only FFI targets (``jax_tma_*_into``, ``jax_tma_test_*``) are not
+    registered, or None when they are. The first call imports ``_jax_tma_testing`` and
+    registers its targets (what register_testing does); later calls return the same answer."""
+    if _REGISTRATION_ERROR is not None:
+        return f"the test extension needs the jax_tma extension, and {_REGISTRATION_ERROR}"
+    name = f"{__package__}._jax_tma_testing"
+    spec = importlib.util.find_spec(name)
+    if spec is None:
+        return (
+            f"the jax_tma test extension {name} is not built: the install was given "
+            "JAX_TMA_BUILD_TESTING=0 (a wheel for users). Reinstall without it to run the "
+            "primitive tests, the NaN-poisoned output tests and the copy benchmark"
+        )
+    try:
+        module = importlib.import_module(name)
+    except ImportError as err:
+        return f"the jax_tma test extension {spec.origin} is built but fails to load: {err}"
+    return _register(module, "the test extension")
+
+
+def register_testing() -> str | None:
+    """Registers the FFI targets of the test extension ``_jax_tma_testing``: the ops' ``_into``
+    variants (poison=True) and the primitive test kernels. Safe to call any number of times.
+    Returns None once they are registered, otherwise why not (a missing or unloadable
+    extension, named), which testing_error() also returns; the calls that need them then fail
+    in XLA for want of a handler."""
+    return testing_error()
 
 
 _TRUE_WORDS = ("1", "true", "yes", "on", "y", "t")
@@ -111,8 +145,8 @@ def env_flag(name: str, *, default: bool, on: str, off: str) -> bool:
 def kernel_always() -> bool:
     """True when ``JAX_TMA_KERNEL_ALWAYS`` asks the GEMM lowering to take the kernel for every
     product it can compute, also those it leaves to XLA's dot as faster there
-    (gemm_config.xla_reason): tests of the kernel on small products, measurements. Read at
-    lowering time (env_flag's words; unset: XLA takes those products)."""
+    (jax_tma.ops.gemm.config.xla_reason): tests of the kernel on small products, measurements.
+    Read at lowering time (env_flag's words; unset: XLA takes those products)."""
     return env_flag("JAX_TMA_KERNEL_ALWAYS", default=False,
                     on="to run the kernel also where XLA's dot is faster",
                     off="to leave XLA's dot the products it computes faster")

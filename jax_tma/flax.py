@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_tma import epilogues
+from jax_tma.ops.dense import api as dense_api
 
 _default_kernel_init = nn.initializers.lecun_normal()
 
@@ -62,7 +62,7 @@ class Dense(nn.Module):
         kernel, bias = _dense_params(self, "", x.shape[-1], self.features)
         dtype = self.dtype or jnp.result_type(x, kernel)
         x, kernel, bias, residual = _cast(dtype, x, kernel, bias, residual)
-        return epilogues.dense(x, kernel, bias, self.activation, residual)
+        return dense_api.dense(x, kernel, bias, self.activation, residual)
 
 
 class MLP(nn.Module):
@@ -83,7 +83,7 @@ class MLP(nn.Module):
         w2, b2 = _dense_params(self, "down_", self.d_ff, d)
         dtype = self.dtype or jnp.result_type(x, w1)
         x, w1, b1, w2, b2, residual = _cast(dtype, x, w1, b1, w2, b2, residual)
-        return epilogues.mlp(x, w1, b1, w2, b2, self.activation, residual)
+        return dense_api.mlp(x, w1, b1, w2, b2, self.activation, residual)
 
 
 class GatedMLP(nn.Module):
@@ -103,7 +103,7 @@ class GatedMLP(nn.Module):
         wd = self.param("down_kernel", self.kernel_init, (self.d_ff, d), self.param_dtype)
         dtype = self.dtype or jnp.result_type(x, wg)
         x, wg, wu, wd, residual = _cast(dtype, x, wg, wu, wd, residual)
-        return epilogues.gated_mlp(x, wg, wu, wd, self.activation, residual)
+        return dense_api.gated_mlp(x, wg, wu, wd, self.activation, residual)
 
 
 def _nnx_param(init, rngs: nnx.Rngs, shape, dtype):
@@ -125,7 +125,7 @@ class NnxDense(nnx.Module):
         bias = None if self.bias is None else self.bias[...]
         dtype = self.dtype or jnp.result_type(x, kernel)
         x, kernel, bias, residual = _cast(dtype, x, kernel, bias, residual)
-        return epilogues.dense(x, kernel, bias, self.activation, residual)
+        return dense_api.dense(x, kernel, bias, self.activation, residual)
 
 
 class NnxMLP(nnx.Module):
@@ -146,7 +146,7 @@ class NnxMLP(nnx.Module):
         b2 = None if self.down.bias is None else self.down.bias[...]
         dtype = self.dtype or jnp.result_type(x, w1)
         x, w1, b1, w2, b2, residual = _cast(dtype, x, w1, b1, w2, b2, residual)
-        return epilogues.mlp(x, w1, b1, w2, b2, self.activation, residual)
+        return dense_api.mlp(x, w1, b1, w2, b2, self.activation, residual)
 
 
 class NnxGatedMLP(nnx.Module):
@@ -164,4 +164,4 @@ class NnxGatedMLP(nnx.Module):
         wg, wu, wd = self.gate[...], self.up[...], self.down[...]
         dtype = self.dtype or jnp.result_type(x, wg)
         x, wg, wu, wd, residual = _cast(dtype, x, wg, wu, wd, residual)
-        return epilogues.gated_mlp(x, wg, wu, wd, self.activation, residual)
+        return dense_api.gated_mlp(x, wg, wu, wd, self.activation, residual)

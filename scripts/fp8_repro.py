@@ -24,9 +24,10 @@ SCALES = ("none", "a", "b", "both")
 
 
 def cases():
-    from jax_tma import fp8  # noqa: PLC0415 (the driver does not import jax)
+    # NOTE: imported here: the driver does not import jax.
+    from jax_tma.ops.fp8 import config as fp8_config  # noqa: PLC0415
 
-    return [(cfg, scales, shape) for cfg in fp8.FP8_CONFIGS for scales in SCALES
+    return [(cfg, scales, shape) for cfg in fp8_config.FP8_CONFIGS for scales in SCALES
             for shape in SHAPES]
 
 
@@ -38,7 +39,8 @@ def run_case(case) -> str:
     import numpy as np  # noqa: PLC0415
 
     import jax_tma  # noqa: PLC0415
-    from jax_tma import fp8  # noqa: PLC0415
+    from jax_tma.ops.fp8 import primitive as fp8  # noqa: PLC0415
+    from jax_tma.ops.fp8 import quantize as fp8_quantize  # noqa: PLC0415
 
     cfg, scales, (m, n, k) = case
     rng = np.random.default_rng(0)
@@ -48,8 +50,8 @@ def run_case(case) -> str:
     b_block = (128, 128) if scales in ("b", "both") else None
     a, sa = jax_tma.quantize_fp8(x, a_block)
     b, sb = jax_tma.quantize_fp8(w, b_block)
-    ref = (np.asarray(fp8.dequantize_fp8(a, sa, a_block), np.float64)
-           @ np.asarray(fp8.dequantize_fp8(b, sb, b_block), np.float64).T)
+    ref = (np.asarray(fp8_quantize.dequantize_fp8(a, sa, a_block), np.float64)
+           @ np.asarray(fp8_quantize.dequantize_fp8(b, sb, b_block), np.float64).T)
     rest = []
     if a_block:
         rest.append(sa)

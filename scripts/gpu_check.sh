@@ -34,17 +34,16 @@ export JAX_TMA_REQUIRE_GPU=1 JAX_TMA_REQUIRE_EXTENSION=1
 if [ "${SPLIT_GPUS:-1}" = 2 ]; then
   # Two GPUs: the files with GPU tests in two halves of about equal time, one per GPU, then
   # the tests that need both (test_benchmarks and test_packaging have none: CI runs them).
-  half_a="tests/test_gemm.py tests/test_tma_copy.py tests/test_debug_build.py
-    tests/test_primitives.py tests/test_pipelines.py tests/test_autotune.py
-    tests/test_ragged_dot.py tests/test_fuzz.py tests/test_sass.py tests/test_ptxas.py"
-  half_b="tests/test_epilogues.py tests/test_fp8.py tests/test_dot_general.py tests/test_flax.py
-    tests/test_gemm_sharding.py tests/test_expert_parallel.py"
+  half_a="tests/ops/gemm/test_gemm.py tests/ops/gemm/test_autotune.py tests/ops/gemm/test_fuzz.py
+    tests/ops/ragged/test_ragged_dot.py tests/kernels"
+  half_b="tests/ops/dense tests/ops/fp8 tests/ops/gemm/test_dot_general.py
+    tests/ops/gemm/test_gemm_sharding.py tests/ops/ragged/test_expert_parallel.py tests/integration"
   CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -q -rfE -p no:cacheprovider ${PYTEST_ARGS:-} $half_a \
     >"$LOG_DIR/pytest_a.log" 2>&1 &
   CUDA_VISIBLE_DEVICES=1 "$PY" -m pytest -q -rfE -p no:cacheprovider ${PYTEST_ARGS:-} $half_b \
     >"$LOG_DIR/pytest_b.log" 2>&1 &
   wait -n; rc_1=$?; wait -n; rc_2=$?
-  "$PY" -m pytest -q -rfE -p no:cacheprovider tests/test_gemm_sharding.py -k two_gpus \
+  "$PY" -m pytest -q -rfE -p no:cacheprovider tests/ops/gemm/test_gemm_sharding.py -k two_gpus \
     >"$LOG_DIR/pytest_two.log" 2>&1
   rc_3=$?
   tail -n 3 "$LOG_DIR/pytest_a.log" "$LOG_DIR/pytest_b.log" "$LOG_DIR/pytest_two.log"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs each selected test in its own process, so a crash names the test that caused it.
-#   bash scripts/run_isolated.sh tests/test_primitives.py
+#   bash scripts/run_isolated.sh tests/kernels/test_primitives.py
 set -u
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"

@@ -26,9 +26,15 @@ import ml_dtypes
 import numpy as np
 
 import jax_tma
-from jax_tma import _testing, fp8, gemm
-from jax_tma import epilogues as ep
-from jax_tma import ragged as rd
+from jax_tma import _testing
+from jax_tma.ops.fp8 import config as fp8_config
+from jax_tma.ops.fp8 import primitive as fp8
+from jax_tma.ops.fp8 import quantize as fp8_quantize
+from jax_tma.ops.gemm import config as gemm_config
+from jax_tma.ops.dense import config as ep_config
+from jax_tma.ops.dense import primitive as ep
+from jax_tma.ops.ragged import config as rd_config
+from jax_tma.ops.ragged import primitive as rd
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 LAYOUTS = {  # lhs shape, rhs shape, dimension numbers of A @ B for M, N, K
@@ -53,9 +59,9 @@ def _f64(x):
 
 def _dense_cases(rng, m, n, k) -> list[Case]:
     cases = []
-    configs = list(gemm.COMPILED_CONFIGS)
+    configs = list(gemm_config.COMPILED_CONFIGS)
     configs += [jax_tma.GemmConfig(128, 128, 6, 1, split_k=3),
-                *(dataclasses.replace(c, stream_k=True) for c in gemm.COMPILED_CONFIGS
+                *(dataclasses.replace(c, stream_k=True) for c in gemm_config.COMPILED_CONFIGS
                   if c.takes_stream_k)]
     for layout, (lhs_of, rhs_of, dims) in LAYOUTS.items():
         lhs = rng.standard_normal(lhs_of(m, k)).astype(BF16)
@@ -70,7 +76,7 @@ def _dense_cases(rng, m, n, k) -> list[Case]:
     # Direct-store epilogue: 100 bf16 columns are 200-byte rows.
     lhs = rng.standard_normal((m, k)).astype(BF16)
     rhs = rng.standard_normal((k, 100)).astype(BF16)
-    for cfg in gemm.COMPILED_CONFIGS:
+    for cfg in gemm_config.COMPILED_CONFIGS:
         if cfg.has_direct_store:
             run = (lambda cfg=cfg, lhs=lhs, rhs=rhs:
                    _testing.gemm_poisoned(lhs, rhs, BF16, config=cfg))
@@ -91,16 +97,16 @@ def _fused_cases(rng, m, n, k) -> list[Case]:
     # The float64 products every tile's references share.
     xw, xw2, xwt = x64 @ _f64(w), x64 @ _f64(w2), x64 @ _f64(wt).T
     cases = []
-    for cfg in ep.DENSE_CONFIGS:
+    for cfg in ep_config.DENSE_CONFIGS:
         for act in ("none", "relu", "gelu_tanh", "gelu_erf", "silu"):
             activation = None if act == "none" else act
-            if act == "gelu_erf" and cfg.tile not in ep._NARROW_TILES:
+            if act == "gelu_erf" and cfg.tile not in ep_config._NARROW_TILES:
                 continue
             ref = _f64(ep.activate(activation, jnp.asarray(xw + bias, jnp.float32)))
             ref = ref + _f64(aux)
             run = (lambda cfg=cfg, activation=activation: ep._kernel_call(
                 jnp.asarray(x), jnp.asarray(w), jnp.asarray(bias), jnp.asarray(aux),
-                kind=ep.FORWARD, activation=activation, has_bias=True, has_aux=True,
+                kind=ep_config.FORWARD, activation=activation, has_bias=True, has_aux=True,
                 save_pre=True, b_k_major=False, out_dtype=BF16, config=cfg, poison=True)[0])
             cases.append(Case(f"dense forward {act} {cfg.describe()}", run, ref, 1e-2))
         # On 128-row tiles the epilogue warps finish these: bias + gelu alone, and the residual
@@ -110,7 +116,7 @@ def _fused_cases(rng, m, n, k) -> list[Case]:
             ref = ref + _f64(aux) if has_aux else ref
             operands = (x, w, bias, aux) if has_aux else (x, w, bias)
             run = (lambda cfg=cfg, has_aux=has_aux, operands=operands: ep._kernel_call(
-                *map(jnp.asarray, operands), kind=ep.FORWARD, activation="gelu_tanh",
+                *map(jnp.asarray, operands), kind=ep_config.FORWARD, activation="gelu_tanh",
                 has_bias=True, has_aux=has_aux, save_pre=False, b_k_major=False, out_dtype=BF16,
                 config=cfg, poison=True)[0])
             name = "bias + gelu" + (" + residual" if has_aux else "")
@@ -119,28 +125,28 @@ def _fused_cases(rng, m, n, k) -> list[Case]:
             slope = _f64(ep.activation_grad(act, jnp.asarray(z, jnp.float32)))
             ref = xwt * slope
             run = (lambda cfg=cfg, act=act: ep._kernel_call(
-                jnp.asarray(x), jnp.asarray(wt), jnp.asarray(z), kind=ep.GRADIENT,
+                jnp.asarray(x), jnp.asarray(wt), jnp.asarray(z), kind=ep_config.GRADIENT,
                 activation=act, has_bias=False, has_aux=True, save_pre=False, b_k_major=True,
                 out_dtype=BF16, config=cfg, poison=True)[0])
             cases.append(Case(f"dense gradient {act} {cfg.describe()}", run, ref, 1e-2))
         for act in ("silu", "gelu_tanh", "gelu_erf"):
             ref = _f64(ep.activate(act, jnp.asarray(xw, jnp.float32))) * xw2
             run = (lambda cfg=cfg, act=act: ep._kernel_call(
-                jnp.asarray(x), jnp.asarray(w), jnp.asarray(w2), kind=ep.GATED, activation=act,
-                has_bias=False, has_aux=False, save_pre=True, b_k_major=False, out_dtype=BF16,
-                config=cfg, poison=True)[0])
+                jnp.asarray(x), jnp.asarray(w), jnp.asarray(w2), kind=ep_config.GATED,
+                activation=act, has_bias=False, has_aux=False, save_pre=True, b_k_major=False,
+                out_dtype=BF16, config=cfg, poison=True)[0])
             cases.append(Case(f"dense gated {act} {cfg.describe()}", run, ref, 1e-2))
     # The gated gradient (epilogue warps only, on the ring tiles): both cotangents, from the
     # gate and up pre-activations [2, m, n]; m = 300 leaves a CTA's last tile a warpgroup
     # without rows.
     pre = rng.standard_normal((2, m, n)).astype(BF16)
-    for cfg in ep._configs_for(ep.GATED_GRADIENT, "silu"):
+    for cfg in ep_config.configs_for(ep_config.GATED_GRADIENT, "silu"):
         for act in ("silu", "gelu_tanh"):
             slope = _f64(ep.activation_grad(act, jnp.asarray(pre[0], jnp.float32)))
             up_ct = xwt * _f64(ep.activate(act, jnp.asarray(pre[0], jnp.float32)))
             ref = np.concatenate([(xwt * _f64(pre[1]) * slope).ravel(), up_ct.ravel()])
             run = (lambda cfg=cfg, act=act: jnp.concatenate([o.ravel() for o in ep._kernel_call(
-                jnp.asarray(x), jnp.asarray(wt), jnp.asarray(pre), kind=ep.GATED_GRADIENT,
+                jnp.asarray(x), jnp.asarray(wt), jnp.asarray(pre), kind=ep_config.GATED_GRADIENT,
                 activation=act, has_bias=False, has_aux=True, save_pre=False, b_k_major=True,
                 out_dtype=BF16, config=cfg, poison=True)]))
             cases.append(Case(f"dense gated gradient {act} {cfg.describe()}", run, ref, 1e-2))
@@ -161,11 +167,11 @@ def _ragged_cases(rng, m, n, k, g) -> list[Case]:
         rows_ref[rows] = _f64(x[rows]) @ _f64(w[i])
         grad_ref[i] = _f64(x[rows]).T @ _f64(dy[rows])
     cases = []
-    for cfg in rd.RAGGED_CONFIGS:
+    for cfg in rd_config.RAGGED_CONFIGS:
         for mode, w_k_major, second, ref in (
-                (rd.ROWS, False, w, rows_ref),
-                (rd.ROWS, True, np.ascontiguousarray(np.swapaxes(w, 1, 2)), rows_ref),
-                (rd.CONTRACTION, False, dy, grad_ref)):
+                (rd_config.ROWS, False, w, rows_ref),
+                (rd_config.ROWS, True, np.ascontiguousarray(np.swapaxes(w, 1, 2)), rows_ref),
+                (rd_config.CONTRACTION, False, dy, grad_ref)):
             def run(cfg=cfg, mode=mode, w_k_major=w_k_major, second=second):
                 args = (jnp.asarray(x)[None], jnp.asarray(second)[None],
                         jnp.asarray(sizes)[None])
@@ -185,13 +191,13 @@ def _fp8_cases(rng, m, n, k) -> list[Case]:
     w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32)
     cases = []
-    for dtype in fp8.FP8_DTYPES:
+    for dtype in fp8_config.FP8_DTYPES:
         a, sa = (np.asarray(v) for v in jax_tma.quantize_fp8(x, (1, 128), dtype))
         b, sb = (np.asarray(v) for v in jax_tma.quantize_fp8(w, (128, 128), dtype))
-        ref = (_f64(fp8.dequantize_fp8(a, sa, (1, 128)))
-               @ _f64(fp8.dequantize_fp8(b, sb, (128, 128))).T + bias)
-        for cfg in fp8.FP8_CONFIGS:
-            for out_dtype in fp8.OUT_DTYPES:
+        ref = (_f64(fp8_quantize.dequantize_fp8(a, sa, (1, 128)))
+               @ _f64(fp8_quantize.dequantize_fp8(b, sb, (128, 128))).T + bias)
+        for cfg in fp8_config.FP8_CONFIGS:
+            for out_dtype in fp8_config.OUT_DTYPES:
                 run = (lambda a=a, b=b, sa=sa, sb=sb, cfg=cfg, out_dtype=out_dtype:
                        fp8._kernel_call(jnp.asarray(a), jnp.asarray(b), jnp.asarray(sa),
                                         jnp.asarray(sb), jnp.asarray(bias), has_sa=True,
@@ -202,7 +208,7 @@ def _fp8_cases(rng, m, n, k) -> list[Case]:
                 cases.append(Case(name, run, ref, 1e-2))
     a, sa = (np.asarray(v) for v in jax_tma.quantize_fp8(x, None))
     b, sb = (np.asarray(v) for v in jax_tma.quantize_fp8(w, None))
-    ref = _f64(fp8.dequantize_fp8(a, sa)) @ _f64(fp8.dequantize_fp8(b, sb)).T
+    ref = _f64(fp8_quantize.dequantize_fp8(a, sa)) @ _f64(fp8_quantize.dequantize_fp8(b, sb)).T
     run = (lambda: fp8._kernel_call(
         jnp.asarray(a), jnp.asarray(b), jnp.asarray(sa), jnp.asarray(sb), has_sa=False,
         has_sb=False, row_scale=fp8.SCALAR, col_scale=fp8.SCALAR, has_bias=False,

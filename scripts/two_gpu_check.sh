@@ -17,7 +17,7 @@ if ! "$PY" -m pip install --no-build-isolation --no-deps -e . >"$LOG_DIR/build2.
 fi
 
 echo "== two-GPU tests"
-JAX_TMA_REQUIRE_GPU=1 "$PY" -m pytest -q -rfE tests/test_gemm_sharding.py -k two_gpus 2>&1 \
+JAX_TMA_REQUIRE_GPU=1 "$PY" -m pytest -q -rfE tests/ops/gemm/test_gemm_sharding.py -k two_gpus 2>&1 \
   | tee "$LOG_DIR/pytest2.log" || status=1
 grep -q " passed" "$LOG_DIR/pytest2.log" && ! grep -q "skipped" "$LOG_DIR/pytest2.log" || status=1
 

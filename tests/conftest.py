@@ -1,8 +1,12 @@
-"""Shared test helpers: Hopper-GPU gating, random operands and float64 references."""
+"""pytest setup for the whole suite: the environment set before jax starts, Hopper-GPU gating of
+the tests marked `gpu`, and the fixtures. Test modules import their helpers from support.py."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
+import re
 import zlib
 
 # Eight CPU devices for the sharding tests (meshes of 8, 4x2 and 2x4), set before jax starts;
@@ -27,23 +31,52 @@ import numpy as np
 import pytest
 
 from jax_tma import _ext
-
-# Tests that read the extension (CUDA lowering, SASS): skipped without it, unless
-# JAX_TMA_REQUIRE_EXTENSION=1 (CI with nvcc) makes a missing extension a failure.
-needs_extension = pytest.mark.skipif(
-    _ext.extension_error() is not None and os.environ.get("JAX_TMA_REQUIRE_EXTENSION") != "1",
-    reason="extension not built",
-)
+# Registers the test extension's targets: jax_tma._testing's and the ops' poison=True paths.
+import jax_tma._testing  # noqa: F401
+from support import hopper_available
 
 
-def cuda_hlo(fn, *args) -> str:
-    """StableHLO of fn(*args) lowered for CUDA (works on a machine without a GPU)."""
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+_TEST_TARGET_USE = re.compile(r"\b_testing\.|\bpoison=")
 
 
-def hopper_available() -> bool:
-    devices = _ext.cuda_devices()
-    return bool(devices) and _ext.non_hopper_reason(devices) is None
+@functools.cache
+def _test_target_users(module) -> re.Pattern:
+    """What a call into a test-only FFI target looks like in `module`: jax_tma._testing's
+    functions, an op's poison=True path, a script (a module-level string) run in a subprocess
+    that calls either, or a module function that uses any of these (helpers of helpers
+    included)."""
+    sources = {}
+    scripts = []
+    for name, value in vars(module).items():
+        if inspect.isfunction(value) and value.__module__ == module.__name__:
+            sources[name] = _source(value)
+        elif isinstance(value, str) and _TEST_TARGET_USE.search(value):
+            scripts.append(rf"|\b{re.escape(name)}\b")
+    users: set[str] = set()
+    while True:
+        pattern = _TEST_TARGET_USE.pattern + "".join(scripts)
+        pattern += "".join(rf"|\b{re.escape(u)}\(" for u in users)
+        found = {n for n, src in sources.items() if re.search(pattern, src)}
+        if found <= users:
+            return re.compile(pattern)
+        users |= found
+
+
+def _source(fn) -> str:
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):  # made at run time: nothing to read
+        return ""
+
+
+def _uses_test_targets(item) -> bool:
+    """Whether a test runs a test-only FFI target (registered by the test extension
+    _jax_tma_testing), judged from its source."""
+    fn = getattr(item, "function", None)
+    module = getattr(item, "module", None)
+    if fn is None or module is None:
+        return False
+    return bool(_test_target_users(module).search(_source(fn)))
 
 
 def pytest_collection_modifyitems(config, items):
@@ -53,6 +86,14 @@ def pytest_collection_modifyitems(config, items):
     so a GPU run can never pass by skipping.
     """
     if hopper_available():
+        # GPU tests of the test-only targets skip without the test extension (a wheel built
+        # with JAX_TMA_BUILD_TESTING=0), unless JAX_TMA_REQUIRE_EXTENSION=1 makes that a failure.
+        if _ext.testing_error() is None or os.environ.get("JAX_TMA_REQUIRE_EXTENSION") == "1":
+            return
+        skip = pytest.mark.skip(reason=f"test extension missing: {_ext.testing_error()}")
+        for item in items:
+            if "gpu" in item.keywords and _uses_test_targets(item):
+                item.add_marker(skip)
         return
     if os.environ.get("JAX_TMA_REQUIRE_GPU") == "1":
         raise pytest.UsageError("JAX_TMA_REQUIRE_GPU=1 but no Hopper (sm_90) GPU is visible")
@@ -60,22 +101,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def random_array(rng: np.random.Generator, shape, dtype) -> np.ndarray:
-    """Standard-normal values rounded to `dtype` (never zeros)."""
-    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
-
-
-def f64_matmul(a, b) -> np.ndarray:
-    return np.asarray(a, np.float64) @ np.asarray(b, np.float64)
-
-
-def rel_error(x, ref) -> float:
-    """Frobenius-norm relative error; NaN anywhere in x gives NaN (which fails any bound)."""
-    x = np.asarray(x, np.float64)
-    ref = np.asarray(ref, np.float64)
-    return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """nvcc compilation for Bazel without rules_cuda: one action per .cu file with the flags of
-cmake/kernels/CMakeLists.txt (tests/test_packaging.py checks they agree), run through the same
+cmake/kernels/CMakeLists.txt (tests/tooling/test_packaging.py checks they agree), run through the same
 launcher (tools/nvcc_ptxas_report.py: ptxas's report beside each object, the compile fails on a
 spill or serialized wgmma), objects wrapped in a cc_library so cc_binary links them like any
 other."""

@@ -1,7 +1,8 @@
 """Finds the CUDA compiler the way every jax_tma build and test does.
 
-One rule, used by CMakeLists.txt (run as a script), tests/test_ptxas.py and tests/test_sass.py
-(imported) and the Bazel repository rule in third_party/local_config.bzl (run as a script):
+One rule, used by CMakeLists.txt (run as a script), tests/kernels/test_ptxas.py and
+tests/kernels/test_sass.py (imported) and the Bazel repository rule in third_party/local_config.bzl
+(run as a script):
 
 1. ``CUDACXX`` if set (CMake's own variable for the CUDA compiler); it must name an executable.
 2. ``nvcc`` on ``PATH``.

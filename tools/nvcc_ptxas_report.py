@@ -5,7 +5,8 @@ C7510/C7511 (serialized wgmma), which ptxas prints as information that -Werror d
 a non-zero stack frame, spill store or spill load.
 
 CMake runs it as the kernel library's CUDA_COMPILER_LAUNCHER (cmake/kernels/CMakeLists.txt), the
-Bazel build around nvcc in third_party/cuda_rules.bzl; tests/test_ptxas.py reads the reports.
+Bazel build around nvcc in third_party/cuda_rules.bzl; tests/kernels/test_ptxas.py reads the
+reports.
 
 Usage: python3 tools/nvcc_ptxas_report.py [--no-check] NVCC [nvcc arguments ... -o OBJECT]
   --no-check  write the report but do not fail on it (the debug build: its bounded mbarrier

@@ -13,10 +13,11 @@
 // sum and the activation each round to the output type (gated: the activation, then the
 // product with up), the activation itself computed in fp32 (epilogue/fusion.cuh).
 // A residual arrives by TMA, chunk by chunk, in a ring of two more chunks (AuxRing) where the
-// kernel has the shared memory for it (kernels/sm90_gemm.cuh); elsewhere the consumers' epilogue
-// reads it into their staging buffers (epilogue/tma_store.cuh). The gradient fusions read their
-// saved pre-activations through the ring too (they are offloaded only where it fits); the gated
-// gradient's pair of them fills both slots, and its second output leaves from the up's slot.
+// kernel has the shared memory for it (kernels/sm90_gemm_kernel.cuh); elsewhere the consumers'
+// epilogue reads it into their staging buffers (epilogue/tma_store.cuh). The gradient fusions
+// read their saved pre-activations through the ring too (they are offloaded only where it fits);
+// the gated gradient's pair of them fills both slots, and its second output leaves from the up's
+// slot.
 #pragma once
 
 #include <cuda.h>
@@ -31,6 +32,7 @@
 #include "pipeline/named_barrier.cuh"
 #include "pipeline/tma_store_pipeline.cuh"
 #include "ptx/ldmatrix.cuh"
+#include "ptx/pack.cuh"
 #include "ptx/stmatrix.cuh"
 #include "ptx/tma.cuh"
 
@@ -147,7 +149,7 @@ struct EpilogueWarps {
       const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const float2 p = unpack_pair<T>(w[i]);
+        const float2 p = ptx::unpack_pair<T>(w[i]);
         z[2 * i] += p.x;
         z[2 * i + 1] += p.y;
       }
@@ -233,7 +235,7 @@ struct EpilogueWarps {
           float z[8];
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            const float2 p = unpack_pair<Out>(w[i]);
+            const float2 p = ptx::unpack_pair<Out>(w[i]);
             z[2 * i] = p.x;
             z[2 * i + 1] = p.y;
           }
@@ -247,7 +249,7 @@ struct EpilogueWarps {
           for (int i = 0; i < 4; ++i) {
             float2 x = make_float2(z[2 * i], z[2 * i + 1]);
             if constexpr (F::kKind == FusionKind::kActivationGrad) {
-              const float2 pre = unpack_pair<Out>(res[i]);
+              const float2 pre = ptx::unpack_pair<Out>(res[i]);
               x = make_float2(x.x * activate_grad<F::kAct>(pre.x),
                               x.y * activate_grad<F::kAct>(pre.y));
             } else {
@@ -255,11 +257,11 @@ struct EpilogueWarps {
               if constexpr (kAct) x = make_float2(activate<F::kAct>(x.x), activate<F::kAct>(x.y));
               if constexpr (kAux) {
                 if constexpr (kAct) x = round_pair<Out>(x);
-                const float2 y = unpack_pair<Out>(res[i]);
+                const float2 y = ptx::unpack_pair<Out>(res[i]);
                 x = make_float2(x.x + y.x, x.y + y.y);
               }
             }
-            out[i] = pack_pair<Out>(x.x, x.y);
+            out[i] = ptx::pack_pair<Out>(x.x, x.y);
           }
         }
         ptx::st_shared_v4_b32(base + offset, make_uint4(out[0], out[1], out[2], out[3]));
@@ -308,8 +310,8 @@ struct EpilogueWarps {
         uint32_t out[4];
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const float2 x = unpack_pair<Out>(gates[i]);
-          const uint32_t a = pack_pair<Out>(activate<F::kAct>(x.x), activate<F::kAct>(x.y));
+          const float2 x = ptx::unpack_pair<Out>(gates[i]);
+          const uint32_t a = ptx::pack_pair<Out>(activate<F::kAct>(x.x), activate<F::kAct>(x.y));
           out[i] = mul_pairs<Out>(a, ups[i]);
         }
         ptx::st_shared_v4_b32(gate_base + offset, make_uint4(out[0], out[1], out[2], out[3]));
@@ -375,13 +377,13 @@ struct EpilogueWarps {
             uint32_t d_gate[2], d_up[2];
 #pragma unroll
             for (int i = 0; i < 2; ++i) {
-              const float2 x = unpack_pair<Out>(hs[i]);
-              const float2 gate = unpack_pair<Out>(gs[i]);
-              const float2 up = unpack_pair<Out>(us[i]);
+              const float2 x = ptx::unpack_pair<Out>(hs[i]);
+              const float2 gate = ptx::unpack_pair<Out>(gs[i]);
+              const float2 up = ptx::unpack_pair<Out>(us[i]);
               const float2 lo = activate_and_grad<F::kAct>(gate.x);  // (act, act')
               const float2 hi = activate_and_grad<F::kAct>(gate.y);
-              d_gate[i] = pack_pair<Out>(x.x * up.x * lo.y, x.y * up.y * hi.y);
-              d_up[i] = pack_pair<Out>(x.x * lo.x, x.y * hi.x);
+              d_gate[i] = ptx::pack_pair<Out>(x.x * up.x * lo.y, x.y * up.y * hi.y);
+              d_up[i] = ptx::pack_pair<Out>(x.x * lo.x, x.y * hi.x);
             }
             ptx::st_shared_v2_b32(base + offset, make_uint2(d_gate[0], d_gate[1]));
             ptx::st_shared_v2_b32(u_base + offset, make_uint2(d_up[0], d_up[1]));

@@ -4,7 +4,7 @@
 // slot into its own accumulators before the epilogue. One slot per CTA and consumer warpgroup
 // (a CTA leaves at most one partial tile: the first piece of its range), laid out in the
 // accumulators' register order with the thread index fastest, so each warp moves whole
-// 512-byte runs of float4. The flags are zeroed before the launch (kernels/sm90_gemm.cuh).
+// 512-byte runs of float4. The flags are zeroed before the launch (kernels/sm90_gemm_launch.cuh).
 //
 // Workspace: `flags` (one uint32 per slot, padded: sm90_gemm::stream_k_flag_bytes) then the
 // slots.

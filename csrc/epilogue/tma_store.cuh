@@ -32,33 +32,11 @@
 #include "pipeline/tma_store_pipeline.cuh"
 #include "ptx/ldmatrix.cuh"
 #include "ptx/math.cuh"
+#include "ptx/pack.cuh"
 #include "ptx/stmatrix.cuh"
 #include "ptx/tma.cuh"
 
 namespace jax_tma {
-
-template <class Out>
-__device__ __forceinline__ uint32_t pack_pair(float lo, float hi);
-template <class Out>
-__device__ __forceinline__ float2 unpack_pair(uint32_t v);
-template <>
-__device__ __forceinline__ uint32_t pack_pair<__nv_bfloat16>(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ uint32_t pack_pair<__half>(float lo, float hi) {
-  const __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-template <>
-__device__ __forceinline__ float2 unpack_pair<__nv_bfloat16>(uint32_t v) {
-  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&v));
-}
-template <>
-__device__ __forceinline__ float2 unpack_pair<__half>(uint32_t v) {
-  return __half22float2(*reinterpret_cast<const __half2*>(&v));
-}
 
 // a + b and a * b for two pairs of 16-bit values, each rounded once to Out. Bit for bit what
 // the fp32 sum or product rounded to Out gives (unpack_pair, then pack_pair): the product of
@@ -88,7 +66,7 @@ __device__ __forceinline__ uint32_t mul_pairs(uint32_t a, uint32_t b) {
 template <class Out>
 __device__ __forceinline__ float2 round_pair(float2 v) {
   if constexpr (sizeof(Out) == 2) {
-    return unpack_pair<Out>(pack_pair<Out>(v.x, v.y));
+    return ptx::unpack_pair<Out>(ptx::pack_pair<Out>(v.x, v.y));
   } else {
     return v;
   }
@@ -230,9 +208,9 @@ struct TmaStoreEpilogue {
           const float2 x = make_float2(acc[r + 2 * i], acc[r + 2 * i + 1]);
           float2 up = x;
           if constexpr (F::kGated) up = make_float2(acc[r + 32 + 2 * i], acc[r + 32 + 2 * i + 1]);
-          const float2 a = kAux ? unpack_pair<Out>(aux[qq].r[i]) : make_float2(0.0f, 0.0f);
+          const float2 a = kAux ? ptx::unpack_pair<Out>(aux[qq].r[i]) : make_float2(0.0f, 0.0f);
           const float2 v = fuse<kPass, kAux>(x, up, a, col, to, args);
-          packed[i] = pack_pair<Out>(v.x, v.y);
+          packed[i] = ptx::pack_pair<Out>(v.x, v.y);
         }
         ptx::stmatrix_x4(addr, packed[0], packed[1], packed[2], packed[3]);
       }
@@ -380,7 +358,7 @@ struct TmaStoreEpilogue {
         if constexpr (std::is_same_v<T, float>) {
           b = __ldg(reinterpret_cast<const float2*>(bias + col));
         } else {
-          b = unpack_pair<T>(__ldg(reinterpret_cast<const unsigned int*>(bias + col)));
+          b = ptx::unpack_pair<T>(__ldg(reinterpret_cast<const unsigned int*>(bias + col)));
         }
       }
 #pragma unroll

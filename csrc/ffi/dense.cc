@@ -1,6 +1,6 @@
 // XLA FFI handler of the fused dense products on Hopper (sm_90a): argument checks, tensor maps
 // and the launch of the (tile, layout, fusion) kernel the attributes name
-// (kernels/sm90_dense.h).
+// (contract/sm90_dense.h).
 //
 // Dense row-major operands; every one is passed, unused ones as 1-element placeholders:
 //   a     [m, k]                       x (forward, gated) or dy (gradient)
@@ -32,8 +32,8 @@
 #include "ffi/dispatch.h"
 #include "ffi/gemm_maps.h"
 #include "ffi/tensor_map.h"
-#include "kernels/sm90_dense.h"
-#include "kernels/sm90_gemm.h"
+#include "contract/sm90_dense.h"
+#include "contract/sm90_gemm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -189,7 +189,8 @@ ffi::Error dense(cudaStream_t stream, int32_t device, const Buffers& buf, const 
   JAX_TMA_RETURN_IF_ERROR(ffi_util::check_sizes(kOp, "m, n and k", {p.m, p.n, p.k}, 30, dims));
   DType in = DType::kF32;
   bool typed = ffi_util::to_dtype(buf.a->element_type(), &in) && in != DType::kF32;
-  for (const ffi::AnyBuffer* b : {buf.b, buf.b2, buf.aux, static_cast<const ffi::AnyBuffer*>(buf.out),
+  for (const ffi::AnyBuffer* b : {buf.b, buf.b2, buf.aux,
+                                  static_cast<const ffi::AnyBuffer*>(buf.out),
                                   static_cast<const ffi::AnyBuffer*>(buf.pre)}) {
     DType t;
     typed = typed && ffi_util::to_dtype(b->element_type(), &t) && t == in;

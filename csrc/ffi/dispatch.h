@@ -1,7 +1,7 @@
 // Host-side dispatch shared by the op handlers: matching the attributes to a tile configuration
-// of a compiled kernel list (the X-macros of kernels/sm90_*.h), the error for a configuration
-// that was not compiled, and the definition of an op's two handlers (result in a fresh buffer,
-// or written into a donated one) from one implementation function.
+// of a compiled kernel list (the X-macros of contract/sm90_tiles.generated.h), the error for a
+// configuration that was not compiled, and the definition of an op's two handlers (result in a
+// fresh buffer, or written into a donated one) from one implementation function.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,6 +1,6 @@
 // XLA FFI handler of the FP8 products on Hopper (sm_90a): argument checks, tensor maps and the
 // launch of the (tile, FP8 type, output type) kernel the attributes and buffers name
-// (kernels/sm90_fp8.h says what is computed).
+// (contract/sm90_fp8.h says what is computed).
 //
 // Contiguous operands; optional ones are passed as 1-element placeholders:
 //   a          [batch_a, m, k]          e4m3 or e5m2 (batch_a = batch if a_batched, else 1)
@@ -13,7 +13,7 @@
 //   bias       [n] fp32                 has_bias
 // -> out [splits, batch, m, n], bf16 or fp32 (fp32 when splits > 1: one partial product per K
 // range, for the caller to sum). k is a multiple of 16, n of 8, sa_ld and sb_ld of 4 (16-byte
-// rows for TMA). promote = 0 runs the unpromoted kernel (kernels/sm90_fp8.h: Fp8UnpromotedTile,
+// rows for TMA). promote = 0 runs the unpromoted kernel (contract/sm90_fp8.h: Fp8UnpromotedTile,
 // e4m3, fp32 output), which reads no block scales.
 #include "ffi/fp8.h"
 
@@ -32,8 +32,8 @@
 #include "ffi/dispatch.h"
 #include "ffi/gemm_maps.h"
 #include "ffi/tensor_map.h"
-#include "kernels/sm90_fp8.h"
-#include "kernels/sm90_gemm.h"
+#include "contract/sm90_fp8.h"
+#include "contract/sm90_gemm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

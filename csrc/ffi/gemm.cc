@@ -11,7 +11,7 @@
 // across the batch. Every other stride TMA reads or writes is a multiple of 16 bytes. A and B
 // are both bf16 or both fp16, D their type or fp32 (fp32 when splits > 1: one partial product
 // per K range, for the caller to sum). block_m, block_n, stages, cluster_m and epilogue name
-// one tile configuration compiled in kernels/sm90_gemm.h; the strides pick its layout.
+// one tile configuration compiled in contract/sm90_gemm.h; the strides pick its layout.
 // stream_k = 1 deals the last wave's K slices out to the whole grid (scheduler/tile_scheduler.cuh),
 // with the second result as its workspace (sm90_gemm::stream_k_workspace_bytes; any size when
 // stream_k = 0, which leaves it untouched).
@@ -33,7 +33,7 @@
 #include "ffi/dispatch.h"
 #include "ffi/gemm_maps.h"
 #include "ffi/tensor_map.h"
-#include "kernels/sm90_gemm.h"
+#include "contract/sm90_gemm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -11,7 +11,7 @@
 #include <string>
 
 #include "ffi/tensor_map.h"
-#include "kernels/sm90_gemm.h"
+#include "contract/sm90_gemm.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jax_tma::ffi_util {

@@ -1,6 +1,6 @@
 // XLA FFI handler of the grouped (ragged) products on Hopper (sm_90a): argument checks, the
 // tensor maps (and the templates the prepare kernel edits per segment), and the launch of the
-// kernel pair that the attributes name (kernels/sm90_ragged_dot.h describes both modes).
+// kernel pair that the attributes name (contract/sm90_ragged_dot.h describes both modes).
 //
 // Dense row-major operands, `batch` entries of `rows` rows each, `groups` groups:
 //   mode 0 (rows):        x [batch, rows, k], w [groups or batch x groups, k, n] (w_k_major=0)
@@ -27,8 +27,8 @@
 #include "ffi/dispatch.h"
 #include "ffi/gemm_maps.h"
 #include "ffi/tensor_map.h"
-#include "kernels/sm90_gemm.h"
-#include "kernels/sm90_ragged_dot.h"
+#include "contract/sm90_gemm.h"
+#include "contract/sm90_ragged_dot.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -1,9 +1,9 @@
-// Fused dense products on the sm90 GEMM kernel (contract: kernels/sm90_dense.h): the dense
+// Fused dense products on the sm90 GEMM kernel (contract: contract/sm90_dense.h): the dense
 // problem (DenseGemm) with a fused epilogue (epilogue/fusion.h) in place of the plain store.
 #pragma once
 
-#include "kernels/sm90_dense.h"
-#include "kernels/sm90_gemm.cuh"
+#include "contract/sm90_dense.h"
+#include "kernels/sm90_gemm_launch.cuh"
 
 namespace jax_tma::sm90_gemm {
 

@@ -1,9 +1,9 @@
-// FP8 products on the sm90 GEMM kernel (contract: kernels/sm90_fp8.h): the dense problem
+// FP8 products on the sm90 GEMM kernel (contract: contract/sm90_fp8.h): the dense problem
 // (DenseGemm) with the FP8 mainloop and the scaled epilogue.
 #pragma once
 
-#include "kernels/sm90_fp8.h"
-#include "kernels/sm90_gemm.cuh"
+#include "contract/sm90_fp8.h"
+#include "kernels/sm90_gemm_launch.cuh"
 #include "mainloop/sm90_tma_wgmma_fp8.cuh"
 
 namespace jax_tma::sm90_gemm {

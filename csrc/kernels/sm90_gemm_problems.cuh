@@ -1,4 +1,4 @@
-// The products the sm90 GEMM kernel (kernels/sm90_gemm.cuh) computes. A problem pairs a tile
+// The products the sm90 GEMM kernel (kernels/sm90_gemm_kernel.cuh) computes. A problem pairs a tile
 // scheduler with two lookups the kernel's roles make for every work tile: load_plan (the
 // producer: which tensor maps, from which coordinates, up to which extents) and store_plan (the
 // epilogue: which map, at which coordinates). The kernel body is the same for every problem.
@@ -18,7 +18,7 @@
 
 #include <cuda.h>
 
-#include "kernels/sm90_gemm.h"
+#include "contract/sm90_gemm.h"
 #include "epilogue/tma_store.cuh"
 #include "mainloop/sm90_tma_wgmma.cuh"
 #include "ptx/tensormap.cuh"

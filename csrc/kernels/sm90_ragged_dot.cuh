@@ -1,12 +1,12 @@
-// Grouped (ragged) products on the sm90 GEMM kernel (contract: kernels/sm90_ragged_dot.h).
+// Grouped (ragged) products on the sm90 GEMM kernel (contract: contract/sm90_ragged_dot.h).
 // Two launches on the caller's stream, no host synchronisation (CUDA-graph safe):
 //
-// 1. The prepare kernel (kernels/sm90_ragged_prepare.cu, one CTA) reads the group sizes on the device and writes the
-//    workspace: the segment table (scheduler/ragged_scheduler.cuh: each segment's first row,
-//    row count, weight and, in rows mode, first row block, from prefix sums over the groups)
-//    and one or two tensor maps per segment, copies of host-encoded templates whose global
-//    address is moved to the segment's first row and whose row extent is cut to its rows
-//    (tensormap.replace, then a release fence to the tensormap proxy).
+// 1. The prepare kernel (kernels/sm90_ragged_prepare.cu, one CTA) reads the group sizes on the
+//    device and writes the workspace: the segment table (scheduler/ragged_scheduler.cuh: each
+//    segment's first row, row count, weight and, in rows mode, first row block, from prefix sums
+//    over the groups) and one or two tensor maps per segment, copies of host-encoded templates
+//    whose global address is moved to the segment's first row and whose row extent is cut to its
+//    rows (tensormap.replace, then a release fence to the tensormap proxy).
 // 2. sm90_gemm_kernel with RaggedRowsGemm or RaggedKGemm (kernels/sm90_gemm_problems.cuh).
 //
 // Why per-segment maps: TMA bounds every copy by its map's extent, so a map that ends where a
@@ -22,8 +22,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "kernels/sm90_gemm.cuh"
-#include "kernels/sm90_ragged_dot.h"
+#include "kernels/sm90_gemm_launch.cuh"
+#include "contract/sm90_ragged_dot.h"
 #include "kernels/sm90_ragged_prepare.cuh"
 
 namespace jax_tma::sm90_gemm {
@@ -72,7 +72,8 @@ cudaError_t launch_ragged(const LaunchArgs& args, const RaggedArgs& ragged) {
         maps};
     // The work is known only on the device: every resident cluster starts, and those left
     // without units return at once.
-    return launcher.launch(launcher.resident(), args, params, typename K::Partials{nullptr, nullptr});
+    return launcher.launch(launcher.resident(), args, params,
+                           typename K::Partials{nullptr, nullptr});
   } else {
     Launcher<In, Out, Tile, Layout, RaggedKGemm> launcher;
     using K = typename decltype(launcher)::K;

@@ -1,5 +1,5 @@
 // Mainloop of the sm90 GEMM: TMA fills a ring of (A, B) stages, the consumer warpgroups run
-// wgmma on them. The operand layouts (kernels/sm90_gemm.h, OperandLayout) are template
+// wgmma on them. The operand layouts (contract/sm90_gemm.h, OperandLayout) are template
 // parameters: they pick the boxes, the copies' coordinate order and wgmma's transpose
 // immediates at compile time, so no layout test runs per K slice.
 //
@@ -27,7 +27,7 @@
 
 #include <cstdint>
 
-#include "kernels/sm90_gemm.h"
+#include "contract/sm90_gemm.h"
 #include "pipeline/tma_pipeline.cuh"
 #include "ptx/tma.cuh"
 #include "ptx/wgmma.cuh"
@@ -288,7 +288,7 @@ struct MainloopSm90TmaWgmma {
   }
 };
 
-// The kernel's mainloop as a type (kernels/sm90_gemm.cuh takes one): this one, for 16-bit
+// The kernel's mainloop as a type (kernels/sm90_gemm_kernel.cuh takes one): this one, for 16-bit
 // operands in any layout; mainloop/sm90_tma_wgmma_fp8.cuh has the FP8 one.
 struct TmaWgmmaMainloop {
   template <class T, class Tile, class Layout, bool kPairedB>

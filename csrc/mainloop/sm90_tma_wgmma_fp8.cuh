@@ -29,7 +29,7 @@
 
 #include <cstdint>
 
-#include "kernels/sm90_gemm.h"
+#include "contract/sm90_gemm.h"
 #include "mainloop/sm90_tma_wgmma.cuh"
 #include "pipeline/ordered_barrier.cuh"
 #include "pipeline/tma_pipeline.cuh"
@@ -373,8 +373,8 @@ struct MainloopSm90Fp8 {
   }
 };
 
-// The FP8 mainloop as the kernel's mainloop type (kernels/sm90_gemm.cuh): A's FP8 type is the
-// kernel's input type, B's is TB.
+// The FP8 mainloop as the kernel's mainloop type (kernels/sm90_gemm_kernel.cuh): A's FP8 type is
+// the kernel's input type, B's is TB.
 template <class TB, bool kPromote = true>
 struct Fp8Mainloop {
   template <class TA, class Tile, class Layout, bool kPairedB>

@@ -1,5 +1,5 @@
 // EpilogueHandoff: a one-slot handshake through which a consumer warpgroup (the writer) passes a
-// staged output block to the epilogue warps (the reader: kernels/sm90_gemm.cuh,
+// staged output block to the epilogue warps (the reader: kernels/sm90_gemm_kernel.cuh,
 // epilogue/epilogue_warps.cuh) and gets the staging buffers back once their stores have read
 // them. Two named barriers, each spanning both groups, and both groups sync on both (no
 // arrive-only side): every access of the buffers and the slot is separated from the other

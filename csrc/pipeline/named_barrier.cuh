@@ -12,7 +12,7 @@ namespace jax_tma {
 enum class NamedBarrierId : uint32_t {
   kEpilogue0 = 1,  // consumer warpgroup 0's epilogue
   kEpilogue1 = 2,  // consumer warpgroup 1's epilogue
-  kEpilogueWarps = 3,  // the epilogue warps (kernels/sm90_gemm.cuh)
+  kEpilogueWarps = 3,  // the epilogue warps (kernels/sm90_gemm_kernel.cuh)
   kHandoffFull0 = 4,   // consumer warpgroup 0 -> the epilogue warps (pipeline/epilogue_handoff)
   kHandoffFull1 = 5,
   kHandoffEmpty0 = 6,  // the epilogue warps -> consumer warpgroup 0

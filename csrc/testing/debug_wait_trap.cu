@@ -1,4 +1,4 @@
-// Standalone program behind tests/test_debug_build.py (not part of the extension): one CTA
+// Standalone program behind tests/kernels/test_debug_build.py (not part of the extension): one CTA
 // arms a stage's full barrier for 1024 bytes that no copy delivers, the wrong transaction count
 // that a debug build's bounded waits exist to catch. Built with -DJAX_TMA_DEBUG, the consumer's
 // wait must report the full barrier, its stage and phase, and trap: the launch fails and the

@@ -1,5 +1,5 @@
 // Purpose-built kernels that prove the PTX and pipeline primitives on the GPU, one launcher per
-// test. Only the jax_tma._testing FFI targets (ffi/testing.cc) call these.
+// test. Only the jax_tma._testing FFI targets (testing/primitives_ffi.cc) call these.
 #pragma once
 
 #include <cuda.h>

@@ -1,0 +1,79 @@
+// Host-visible contract of the grouped (ragged) products on the sm90 GEMM kernel: their two
+// modes, the segment table and per-segment tensor maps in the workspace, the tile
+// configurations and layouts compiled for them, and the launch entry point. Included by the
+// FFI handler (ffi/ragged_dot.cc) and the kernels, so both read every size from here.
+//
+// Group sizes G per batch entry (int32, on the device), rows M per batch entry, sorted by group:
+//   rows mode (ragged_dot):        out[b, rows of g] = lhs[b, rows of g] @ rhs[b or -, g]
+//                                  lhs [batch, M, K], rhs [G, K, N] (N-major, LayoutNN) or
+//                                  [G, N, K] (K-major, LayoutNT), out [batch, M, N]; rows past
+//                                  the last group are zero.
+//   contraction mode (the weight gradient):
+//                                  out[b, g] = lhs[b, rows of g]^T @ dy[b, rows of g]
+//                                  lhs [batch, M, K] (the product's A, M-major: LayoutTN),
+//                                  dy [batch, M, N], out [batch, G, K, N]; zero for an empty group.
+// Group g's rows start after groups 0..g-1's; sizes are clamped to [0, M] and the running sum
+// to M (a sum past M cuts the last groups short).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "contract/sm90_gemm.h"
+
+namespace jax_tma::sm90_gemm {
+
+enum class RaggedMode : int { kRows = 0, kContraction = 1 };
+
+// Row segments per call (scheduler/ragged_scheduler.cuh): every group of every batch entry,
+// and in rows mode one more per entry for the rows after its last group.
+inline constexpr int64_t ragged_segments(RaggedMode mode, int64_t groups, int64_t batch) {
+  return batch * (groups + (mode == RaggedMode::kRows ? 1 : 0));
+}
+// Tensor maps the prepare kernel writes per segment: D's (rows mode), A's and B's (contraction).
+inline constexpr int ragged_maps_per_segment(RaggedMode mode) {
+  return mode == RaggedMode::kRows ? 1 : 2;
+}
+inline constexpr int64_t kRaggedMapBytes = 128;
+inline constexpr int64_t kRaggedSegmentBytes = 16;  // RaggedSegment
+inline constexpr int64_t kRaggedAlign = 128;        // tensormap.replace edits aligned maps
+// Workspace: the maps, then the segment table (one entry past the last segment), with room to
+// align the start.
+inline constexpr int64_t ragged_workspace_bytes(RaggedMode mode, int64_t groups, int64_t batch) {
+  const int64_t segments = ragged_segments(mode, groups, batch);
+  return kRaggedAlign + segments * ragged_maps_per_segment(mode) * kRaggedMapBytes +
+         (segments + 1) * kRaggedSegmentBytes;
+}
+
+// The tiles compiled for ragged products (a subset of the GEMM's, all with the TMA-store
+// epilogue) and JAX_TMA_SM90_RAGGED_KERNELS(X), X(tile, layout, mode) for every compiled triple
+// (the rows mode reads rhs N- or K-major, the contraction mode lhs M-major and dy N-major), are
+// in contract/sm90_tiles.generated.h (the tile registry, jax_tma/_core/tiles.py).
+
+struct RaggedArgs {
+  RaggedMode mode;
+  const int32_t* group_sizes;  // [batch or 1, groups]
+  bool group_sizes_batched;    // false: one set of sizes for every batch entry
+  bool weights_batched;        // rows mode: rhs has batch x groups matrices, else groups
+  int groups;
+  int batch;
+  int rows;  // M, rows of each batch entry
+  // The maps the prepare kernel edits per segment (address and row extent): rows mode D's
+  // (map 0), contraction mode A's and B's; `bases` and `row_bytes` of their tensors.
+  const CUtensorMap* templates[2];
+  const void* bases[2];
+  int64_t row_bytes[2];
+  void* workspace;  // ragged_workspace_bytes
+};
+
+// Defined in sm90_ragged_dot_<in>_<out>.cu for every (Tile, Layout, mode) of
+// JAX_TMA_SM90_RAGGED_KERNELS. `args` holds A's and B's maps (rows mode; contraction mode: the
+// templates' encodings, unused), D's map (contraction mode; rows mode: unused), the product's
+// shape (rows mode: m = batch x M stacked rows, n, k; contraction mode: m = K, n = N, k unused)
+// and the stream.
+template <class In, class Out, class Tile, class Layout, RaggedMode kMode>
+cudaError_t launch_ragged(const LaunchArgs& args, const RaggedArgs& ragged);
+
+}  // namespace jax_tma::sm90_gemm

@@ -1,0 +1,2 @@
+"""Grouped GEMM for Mixture-of-Experts: ``jax_tma.ragged_dot``, ``ragged_dot_general`` (api.py)
+on the sm90 ragged kernel."""
