@@ -3,7 +3,7 @@
 The production extension ``_jax_tma`` (the ops' targets) is registered on import. The test
 extension ``_jax_tma_testing`` (the ops' ``_into`` variants, which write over a given buffer, and
 the ``jax_tma_test_*`` primitive test kernels) is registered by ``register_testing``, which
-jax_tma._testing calls; a wheel built with JAX_TMA_BUILD_TESTING=0 has none.
+jax_tma._testing calls; a wheel has none unless built with JAX_TMA_BUILD_TESTING=1.
 
 Everything that decides "kernel or XLA" on the process level lives here: whether the
 extension was built, whether the running jaxlib accepts its FFI API version, whether the
@@ -87,34 +87,28 @@ _REGISTRATION_ERROR = _IMPORT_ERROR if _C is None else _register(_C, "the extens
 
 
 @functools.cache
-def testing_error() -> str | None:
-    """Why the test-only FFI targets (``jax_tma_*_into``, ``jax_tma_test_*``) are not
-    registered, or None when they are. The first call imports ``_jax_tma_testing`` and
-    registers its targets (what register_testing does); later calls return the same answer."""
+def register_testing() -> str | None:
+    """Registers the FFI targets of the test extension ``_jax_tma_testing``: the ops' ``_into``
+    variants (poison=True) and the primitive test kernels (``jax_tma_test_*``). Returns None
+    once they are registered, otherwise why not (a missing or unloadable extension, named); the
+    calls that need them then fail in XLA for want of a handler. The first call does the work;
+    later calls return the same answer."""
     if _REGISTRATION_ERROR is not None:
         return f"the test extension needs the jax_tma extension, and {_REGISTRATION_ERROR}"
     name = f"{__package__}._jax_tma_testing"
     spec = importlib.util.find_spec(name)
     if spec is None:
         return (
-            f"the jax_tma test extension {name} is not built: the install was given "
-            "JAX_TMA_BUILD_TESTING=0 (a wheel for users). Reinstall without it to run the "
-            "primitive tests, the NaN-poisoned output tests and the copy benchmark"
+            f"the jax_tma test extension {name} is not built: wheels leave it out (an editable "
+            "install, `pip install -e .`, builds it; JAX_TMA_BUILD_TESTING=1 builds it for any "
+            "install). It runs the primitive tests, the NaN-poisoned output tests and the copy "
+            "benchmark"
         )
     try:
         module = importlib.import_module(name)
     except ImportError as err:
         return f"the jax_tma test extension {spec.origin} is built but fails to load: {err}"
     return _register(module, "the test extension")
-
-
-def register_testing() -> str | None:
-    """Registers the FFI targets of the test extension ``_jax_tma_testing``: the ops' ``_into``
-    variants (poison=True) and the primitive test kernels. Safe to call any number of times.
-    Returns None once they are registered, otherwise why not (a missing or unloadable
-    extension, named), which testing_error() also returns; the calls that need them then fail
-    in XLA for want of a handler."""
-    return testing_error()
 
 
 _TRUE_WORDS = ("1", "true", "yes", "on", "y", "t")

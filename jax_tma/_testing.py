@@ -1,8 +1,8 @@
 """Internal entry points for tests; not part of the public API.
 
 Importing it registers the test extension's FFI targets (``_ext.register_testing``); where that
-extension is missing (a wheel built with JAX_TMA_BUILD_TESTING=0) ``TESTING_ERROR`` says why and
-every call below raises RuntimeError with it. The primitive test kernels (csrc/testing/) are
+extension is missing (an install that is not editable leaves it out) ``TESTING_ERROR`` says why
+and every call below raises RuntimeError with it. The primitive test kernels (csrc/testing/) are
 called through ``jax_tma_test_*`` FFI targets. ``gemm_poisoned`` runs the GEMM kernel over
 NaN-filled output buffers, so tests prove that every element was written.
 """

@@ -86,11 +86,12 @@ def pytest_collection_modifyitems(config, items):
     so a GPU run can never pass by skipping.
     """
     if hopper_available():
-        # GPU tests of the test-only targets skip without the test extension (a wheel built
-        # with JAX_TMA_BUILD_TESTING=0), unless JAX_TMA_REQUIRE_EXTENSION=1 makes that a failure.
-        if _ext.testing_error() is None or os.environ.get("JAX_TMA_REQUIRE_EXTENSION") == "1":
+        # GPU tests of the test-only targets skip without the test extension (an install that
+        # is not editable leaves it out), unless JAX_TMA_REQUIRE_EXTENSION=1 makes that a
+        # failure.
+        if _ext.register_testing() is None or os.environ.get("JAX_TMA_REQUIRE_EXTENSION") == "1":
             return
-        skip = pytest.mark.skip(reason=f"test extension missing: {_ext.testing_error()}")
+        skip = pytest.mark.skip(reason=f"test extension missing: {_ext.register_testing()}")
         for item in items:
             if "gpu" in item.keywords and _uses_test_targets(item):
                 item.add_marker(skip)

@@ -105,15 +105,20 @@ def require_among(config: TileConfig, allowed: Iterable[TileConfig], op: str, wh
     return config
 
 
+def _order(seconds: Callable[[C], float], tiebreak: Callable[[C], tuple], digits: int):
+    """The sort key of ``ranked`` and ``fastest``: estimated seconds rounded to `digits` (so that
+    estimates equal up to noise fall to `tiebreak`), then the tiebreak."""
+    return lambda c: (round(seconds(c), digits), *tiebreak(c))
+
+
 def ranked(candidates: Iterable[C], seconds: Callable[[C], float],
            tiebreak: Callable[[C], tuple] = lambda c: (), digits: int = 9) -> list[C]:
-    """`candidates` by estimated `seconds` (rounded to `digits`, so that estimates equal up to
-    noise fall to `tiebreak`), fastest first; equal keys keep the candidates' order."""
-    return sorted(candidates, key=lambda c: (round(seconds(c), digits), *tiebreak(c)))
+    """`candidates` by estimated `seconds`, fastest first (see ``_order``); equal keys keep the
+    candidates' order."""
+    return sorted(candidates, key=_order(seconds, tiebreak, digits))
 
 
 def fastest(candidates: Iterable[C], seconds: Callable[[C], float],
             tiebreak: Callable[[C], tuple] = lambda c: (), digits: int = 9) -> C | None:
     """The first of ``ranked(...)``: None where there are no candidates."""
-    return min(candidates, key=lambda c: (round(seconds(c), digits), *tiebreak(c)),
-               default=None)
+    return min(candidates, key=_order(seconds, tiebreak, digits), default=None)

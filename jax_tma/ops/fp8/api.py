@@ -52,6 +52,7 @@ from jax._src.lax.lax import canonicalize_precision
 
 from jax_tma import _ext
 from jax_tma._core import aval as _aval
+from jax_tma._core.keywords import preferred_type
 from jax_tma.ops.fp8.config import FP8_DTYPES, OUT_DTYPES, SCALE_BLOCK, Fp8Config
 from jax_tma.ops.fp8.primitive import NONE, fp8_dot_p
 from jax_tma.ops.gemm.api import dot_general as _bf16_dot_general
@@ -230,13 +231,8 @@ _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 def _output_type(op: str, preferred_element_type, out_dtype):
     """The output dtype from lax's keyword and its alias: bf16 unless one names fp32."""
-    if (preferred_element_type is not None and out_dtype is not None
-            and jnp.dtype(preferred_element_type) != jnp.dtype(out_dtype)):
-        raise ValueError(f"{op}: out_dtype is another name for preferred_element_type; got "
-                         f"out_dtype={out_dtype!r} and "
-                         f"preferred_element_type={preferred_element_type!r}")
-    chosen = jnp.dtype(next((t for t in (preferred_element_type, out_dtype) if t is not None),
-                            jnp.bfloat16))
+    chosen = preferred_type(op, preferred_element_type, out_dtype)
+    chosen = jnp.dtype(jnp.bfloat16 if chosen is None else chosen)
     if chosen not in OUT_DTYPES:
         raise ValueError(f"{op}: preferred_element_type and its alias out_dtype must be "
                          f"bfloat16 or float32, got {chosen.name}")

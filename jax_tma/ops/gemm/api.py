@@ -21,6 +21,7 @@ from jax import lax
 from jax._src.lax.lax import _convert_element_type, canonicalize_precision
 
 from jax_tma import _ext
+from jax_tma._core.keywords import preferred_type
 from jax_tma.ops.gemm import autotune
 from jax_tma.ops.gemm.config import GemmConfig
 from jax_tma.ops.gemm.plan import normalize
@@ -122,14 +123,7 @@ def matmul(a: Any, b: Any, *, precision=None, preferred_element_type=None, out_s
       run ``jnp.matmul``. Errors are ``jnp.matmul``'s.
     """
     config = GemmConfig.coerce(config, "jax_tma.matmul")
-    if out_dtype is not None:
-        if (preferred_element_type is not None
-                and jnp.dtype(out_dtype) != jnp.dtype(preferred_element_type)):
-            raise ValueError(
-                "jax_tma.matmul: out_dtype is another name for preferred_element_type; got "
-                f"out_dtype={out_dtype!r} and preferred_element_type={preferred_element_type!r}"
-            )
-        preferred_element_type = out_dtype
+    preferred_element_type = preferred_type("jax_tma.matmul", preferred_element_type, out_dtype)
     reference = functools.partial(jnp.matmul, precision=precision,
                                   preferred_element_type=preferred_element_type,
                                   out_sharding=out_sharding)
