@@ -1,18 +1,22 @@
-"""FP8 GEMM benchmark: jax_tma's FP8 kernel (per-tensor and block-scaled) against XLA's FP8
-paths and jax_tma's bf16 kernel, in one run and one harness (jax_tma._timing.compare: CUPTI
-kernel time on a GPU, operands rotated over distinct buffers, rounds alternating).
+"""FP8 GEMM benchmark: jax_tma's FP8 kernel (promoted per-tensor and block-scaled, and with the
+tensor core's accumulation) against XLA's FP8 paths and jax_tma's bf16 kernel, in one run and
+one harness (jax_tma._timing.compare: CUPTI kernel time on a GPU, operands rotated over distinct
+buffers, rounds alternating).
 
 Contenders for C = A @ B^T, A [M, K], B [N, K] (weights stored K-major), e4m3, bf16 out:
-  jax_tma_tensor   fp8_dot_general with per-tensor scales
-  jax_tma_block    fp8_dot_general with 1x128 scales on A and 128x128 on B (DeepSeek-V3)
-  xla_fp8          XLA's e4m3 dot (lax.dot_general of the FP8 arrays, bf16 out; no scales)
-  xla_scaled       the pattern users write: (a.astype(bf16) * sa) @ (b.astype(bf16) * sb).T
+  jax_tma_tensor   fp8_dot_general, per-tensor scales (promoted every 128 K)
+  jax_tma_block    fp8_dot_general, 1x128 scales on A and 128x128 on B (DeepSeek-V3)
+  jax_tma_fast     fp8_dot_general, per-tensor scales, precision=DEFAULT (the tensor core's
+                   accumulation over the whole K)
+  xla_fp8_highest  XLA's e4m3 dot (lax.dot_general of the FP8 arrays), precision=HIGHEST
+                   (cuBLASLt promoting: the accuracy of jax_tma_tensor)
+  xla_fp8          the same at default precision (fast accumulation: jax_tma_fast's)
   xla_dequant      block-scaled through XLA: both operands dequantised to bf16, a bf16 dot
   jax_tma_bf16     jax_tma.dot_general on bf16 copies of the operands (the bf16 kernel)
-"XLA best" is the fastest of xla_fp8, xla_scaled and xla_dequant. The time of quantize_fp8 on
-the activations (bf16 [M, K] to e4m3 with 1x128 scales) is listed apart, in GB/s.
+The time of quantize_fp8 on the activations (bf16 [M, K] to e4m3 with 1x128 scales) is listed
+apart, in GB/s. DeepGEMM's published block-scaled figures (H800 SXM5) stand beside its 12 shapes.
 
-    python benchmarks/bench_fp8.py             # the suite (7 shapes)
+    python benchmarks/bench_fp8.py             # the suite (23 shapes)
     python benchmarks/bench_fp8.py --quick     # 8192^3 and 4096^3
     python benchmarks/bench_fp8.py --dry-run   # tiny shapes; runs without a GPU (CI)
     python benchmarks/bench_fp8.py --sweep --shapes 8192,8192,8192   # every compiled tile
@@ -43,12 +47,20 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _lib.harness import harness_arguments, parse_shapes  # noqa: E402
 from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
 
+# DeepGEMM's published block-scaled TFLOP/s (H800 SXM5, 1x128 / 128x128 scales) for M x N x K.
+DEEPGEMM_NK = ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168),
+               (7168, 2048))
+DEEPGEMM = {**{(4096, n, k): t for (n, k), t in zip(DEEPGEMM_NK, (1127, 1212, 775, 1520, 1410,
+                                                                     1168))},
+            **{(128, n, k): t for (n, k), t in zip(DEEPGEMM_NK, (352, 535, 358, 645, 533,
+                                                                    510))}}
 SHAPES = [(8192, 8192, 8192), (4096, 4096, 4096), (16384, 14336, 4096), (4096, 7168, 16384),
-          (4096, 24576, 1536), (64, 28672, 4096), (128, 7168, 16384)]
+          (4096, 24576, 1536), (64, 28672, 4096), (128, 7168, 16384), (6144, 6144, 6144),
+          (16384, 7168, 2048), (8192, 28672, 4096), (256, 7168, 2048)]
+SHAPES += [s for s in DEEPGEMM if s not in SHAPES]
 DRY_RUN = [(64, 256, 256), (8, 136, 200)]
-PRODUCTS = ("jax_tma_tensor", "jax_tma_block", "xla_fp8", "xla_scaled", "xla_dequant",
-            "jax_tma_bf16")
-XLA_FP8 = ("xla_fp8", "xla_scaled", "xla_dequant")
+PRODUCTS = ("jax_tma_tensor", "jax_tma_block", "jax_tma_fast", "xla_fp8_highest", "xla_fp8",
+            "xla_dequant", "jax_tma_bf16")
 NT = (((1,), (1,)), ((), ()))
 BF16 = jnp.bfloat16
 
@@ -87,11 +99,15 @@ def _contenders(shape):
     def block(a, b, sa, sb, s_a, s_b, a16, b16):
         return jax_tma.fp8_dot_general(a, b, sa, sb, NT)
 
+    def fast(a, b, sa, sb, s_a, s_b, a16, b16):
+        return jax_tma.fp8_dot_general(a, b, s_a, s_b, NT, precision=lax.Precision.DEFAULT)
+
+    def xla_fp8_highest(a, b, sa, sb, s_a, s_b, a16, b16):
+        return lax.dot_general(a, b, NT, precision=lax.Precision.HIGHEST,
+                               preferred_element_type=BF16)
+
     def xla_fp8(a, b, sa, sb, s_a, s_b, a16, b16):
         return lax.dot_general(a, b, NT, preferred_element_type=BF16)
-
-    def xla_scaled(a, b, sa, sb, s_a, s_b, a16, b16):
-        return jnp.dot(a.astype(BF16) * s_a.astype(BF16), (b.astype(BF16) * s_b.astype(BF16)).T)
 
     def xla_dequant(a, b, sa, sb, s_a, s_b, a16, b16):
         a_scale, b_scale = _expand(sa, sb, m, n, k)
@@ -101,7 +117,8 @@ def _contenders(shape):
     def bf16(a, b, sa, sb, s_a, s_b, a16, b16):
         return jax_tma.dot_general(a16, b16, NT)
 
-    return dict(zip(PRODUCTS, (tensor, block, xla_fp8, xla_scaled, xla_dequant, bf16)))
+    return dict(zip(PRODUCTS, (tensor, block, fast, xla_fp8_highest, xla_fp8, xla_dequant,
+                               bf16)))
 
 
 def _operand_sets(shape, count, seed):
@@ -165,11 +182,19 @@ def sweep(shape, args) -> list[Row]:
         contenders["block " + name] = (
             lambda a, b, sa, sb, *rest, cfg=cfg: jax_tma.fp8_dot_general(a, b, sa, sb, NT,
                                                                          config=cfg))
-    # The tensor core's own accumulation over all of K (no promotion; e4m3, per-tensor scales,
-    # fp32 out, the one tile compiled so): what promotion costs on this shape.
-    if fp8.kernel_applies(*sets[0][:2], jnp.float32, promote=False):
-        contenders["unpromoted 128x128x5x1, per-tensor, fp32 out"] = (
-            lambda a, b, *rest: fp8.fp8_unpromoted_matmul(a, b, 1.0, 1.0))
+    # The tensor core's own accumulation over the whole K (precision=DEFAULT, per-tensor).
+    for cfg in fp8_config.FP8_FAST_CONFIGS:
+        if cfg.cluster_m > 1 and -(-m // cfg.block_m) < 2:
+            continue
+        contenders["fast " + "x".join(map(str, cfg.tile))] = (
+            lambda a, b, sa, sb, s_a, s_b, *rest, cfg=cfg: jax_tma.fp8_dot_general(
+                a, b, s_a, s_b, NT, precision=lax.Precision.DEFAULT, config=cfg))
+    # XLA's e4m3 dot as the same run measures it: promoted (HIGHEST) and tensor-core
+    # accumulation (default).
+    contenders["xla_fp8_highest"] = lambda a, b, *rest: lax.dot_general(
+        a, b, NT, precision=lax.Precision.HIGHEST, preferred_element_type=BF16)
+    contenders["xla_fp8"] = lambda a, b, *rest: lax.dot_general(
+        a, b, NT, preferred_element_type=BF16)
     timings = _timing.compare(contenders, sets, rounds=args.rounds, iterations=args.iterations)
     rows = [Row(shape, "sweep " + name, t.median_s, t.spread_s) for name, t in timings.items()]
     for r in rows:
@@ -193,32 +218,36 @@ def _table(rows: list[Row], env: dict) -> str:
     lines = [
         f"{env['device']}, driver {env['driver']}, CUDA {env.get('cuda_runtime')}, jax "
         f"{env['jax']}, {env['date']}, commit {str(env.get('commit'))[:10]}, e4m3 in, bf16 out, "
-        f"timing: {env['timing']}. TFLOP/s; × XLA: XLA's best FP8 path's time (fastest of "
-        "e4m3 dot, scaled pattern, dequantise + bf16 dot) / jax_tma's; vs bf16: jax_tma bf16's "
-        "time / jax_tma FP8's",
+        f"timing: {env['timing']}. TFLOP/s; tensor, block: jax_tma promoted against "
+        "xla_fp8_highest (same accuracy); fast: jax_tma_fast against xla_fp8 (both the tensor "
+        "core's accumulation); × = their time / jax_tma's. DeepGEMM: its published figure "
+        "(H800), block-scaled.",
         "",
-        "| M×N×K | jax_tma tensor | jax_tma block | XLA e4m3 dot | XLA scaled | XLA dequant | "
-        "jax_tma bf16 | × XLA (tensor) | × XLA (block) | vs bf16 (tensor) | vs bf16 (block) | "
-        "quantize GB/s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| M×N×K | " + " | ".join(PRODUCTS) + " | × (tensor) | × (block) | × (fast) | "
+        "DeepGEMM | quantize GB/s |",
+        "|---|" + "---|" * (len(PRODUCTS) + 5),
     ]
-    ratios = {"tensor": [], "block": [], "bf16_tensor": [], "bf16_block": []}
+    ratios = {"tensor": [], "block": [], "fast": []}
     for shape, found in _by_shape(rows).items():
-        xla = min((found[c] for c in XLA_FP8), key=lambda r: r.seconds)
-        t, b, h = found["jax_tma_tensor"], found["jax_tma_block"], found["jax_tma_bf16"]
-        r = {"tensor": xla.seconds / t.seconds, "block": xla.seconds / b.seconds,
-             "bf16_tensor": h.seconds / t.seconds, "bf16_block": h.seconds / b.seconds}
+        hi, fast = found["xla_fp8_highest"].seconds, found["xla_fp8"].seconds
+        r = {"tensor": hi / found["jax_tma_tensor"].seconds,
+             "block": hi / found["jax_tma_block"].seconds,
+             "fast": fast / found["jax_tma_fast"].seconds}
         for key, v in r.items():
             ratios[key].append(v)
         cells = " | ".join(f"{found[c].tflops():.1f}" for c in PRODUCTS)
+        deepgemm = DEEPGEMM.get(shape)
         lines.append(f"| {'×'.join(map(str, shape))} | {cells} | {r['tensor']:.2f} | "
-                     f"{r['block']:.2f} | {r['bf16_tensor']:.2f} | {r['bf16_block']:.2f} | "
+                     f"{r['block']:.2f} | {r['fast']:.2f} | "
+                     f"{deepgemm if deepgemm else ''} | "
                      f"{found['quantize'].quantize_gbps():.0f} |")
-    lines += ["", f"Geometric mean over {len(ratios['tensor'])} shapes: × XLA best FP8 "
-              f"{_geomean(ratios['tensor']):.2f} (per-tensor), {_geomean(ratios['block']):.2f} "
-              f"(block-scaled); vs jax_tma bf16 {_geomean(ratios['bf16_tensor']):.2f} / "
-              f"{_geomean(ratios['bf16_block']):.2f}; slowest against bf16: "
-              f"{min(ratios['bf16_tensor'] + ratios['bf16_block'], default=float('nan')):.2f}"]
+    lines += ["", f"Over {len(ratios['tensor'])} shapes, geometric mean (min): tensor × "
+              f"xla_fp8_highest {_geomean(ratios['tensor']):.2f} "
+              f"({min(ratios['tensor'], default=float('nan')):.2f}), block × xla_fp8_highest "
+              f"{_geomean(ratios['block']):.2f} "
+              f"({min(ratios['block'], default=float('nan')):.2f}), fast × xla_fp8 "
+              f"{_geomean(ratios['fast']):.2f} "
+              f"({min(ratios['fast'], default=float('nan')):.2f})"]
     return "\n".join(lines)
 
 

@@ -34,7 +34,7 @@ from jax_tma._ext import KernelStatus, kernel_status
 from jax_tma.ops.dense.api import dense, gated_dense, gated_mlp, mlp
 from jax_tma.ops.dense.config import DENSE_CONFIGS
 from jax_tma.ops.fp8.api import fp8_dot_general, fp8_matmul
-from jax_tma.ops.fp8.config import FP8_CONFIGS, Fp8Config
+from jax_tma.ops.fp8.config import FP8_CONFIGS, FP8_FAST_CONFIGS, Fp8Config
 from jax_tma.ops.fp8.quantize import quantize_fp8
 from jax_tma.ops.gemm.api import dot_general, matmul
 from jax_tma.ops.gemm.autotune import TuneResult, autotune
@@ -48,6 +48,7 @@ __all__ = [
     "COMPILED_CONFIGS",
     "DENSE_CONFIGS",
     "FP8_CONFIGS",
+    "FP8_FAST_CONFIGS",
     "Fp8Config",
     "GemmConfig",
     "KernelStatus",

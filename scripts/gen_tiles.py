@@ -86,13 +86,7 @@ def header() -> str:
             out += _comment(tile.note, first="NOTE: ")
         out.append(tile.cxx_definition())
     out += _comment(tiles.FP8_TILES_NOTE, first="NOTE (FP8 tiles): ")
-    unpromoted, in_type, out_type = tiles.FP8_UNPROMOTED
-    out += _comment(f"The one FP8 tile compiled without promotion ({in_type}, {out_type} output): "
-                    "what the tests measure the promotion's gain against.")
-    out += [f"using Fp8UnpromotedTile = {unpromoted.cxx};",
-            "",
-            "}  // namespace jax_tma::sm90_gemm",
-            ""]
+    out += ["", "}  // namespace jax_tma::sm90_gemm", ""]
 
     # GEMM: X(tile, layout) for every pair.
     out += _why_table("GEMM tiles (jax_tma.COMPILED_CONFIGS and the direct-store variants):",
@@ -146,14 +140,14 @@ def header() -> str:
                   [f"JAX_TMA_SM90_DENSE_{g.upper()}_KERNELS(X)" for g in tiles.DENSE_GROUPS])
     out.append("")
 
-    # FP8: X(tile, operand type).
+    # FP8: X(ARG, tile), promoted and fast; the instantiation files fix the types.
     out += _why_table("FP8 tiles (jax_tma.FP8_CONFIGS):", tiles.FP8_TILES)
     out += _macro("JAX_TMA_SM90_FP8_TILES(X, ARG)",
                   [f"X(ARG, {e.tile.cxx})" for e in tiles.FP8_TILES])
-    out += _macro("JAX_TMA_SM90_FP8_TYPES(X, TILE)",
-                  [f"X(TILE, {tiles.CXX_TYPES[t]})" for t in tiles.FP8_TYPES])
-    out += ["#define JAX_TMA_SM90_FP8_KERNELS(X) "
-            "JAX_TMA_SM90_FP8_TILES(JAX_TMA_SM90_FP8_TYPES, X)", ""]
+    out += _why_table("FP8 tiles with fast accumulation (the tensor core's, no promotion):",
+                      tiles.FP8_FAST_TILES)
+    out += _macro("JAX_TMA_SM90_FP8_FAST_TILES(X, ARG)",
+                  [f"X(ARG, {e.tile.cxx})" for e in tiles.FP8_FAST_TILES])
     return "\n".join(out).rstrip("\n") + "\n"
 
 
@@ -188,26 +182,23 @@ def instantiation(unit) -> str:
         body = [f"template cudaError_t launch_fused<{t[0]}, TILE, LAYOUT, FUSION>(",
                 "    const LaunchArgs&, const FusedLaunch&);"]
     else:
-        what = (f"the FP8 products with {_names(unit.types)} output: every (tile, FP8 type) "
-                "pair")
-        include, macro = "kernels/sm90_fp8.cuh", "JAX_TMA_SM90_FP8_KERNELS"
-        params = "TILE, TYPE"
-        body = [f"template cudaError_t launch_fp8<TYPE, {t[0]}, TILE, true>(",
+        in_type, out_type = tiles.CXX_TYPES[unit.types[0]], t[1]
+        what = (f"the FP8 products of {unit.types[0]} operands with {_names(unit.types[1:])} "
+                "output: every tile, promoted and with fast accumulation")
+        include, macro = "kernels/sm90_fp8.cuh", "JAX_TMA_SM90_FP8_TILES and _FAST_TILES"
+        params = "PROMOTE, TILE"
+        body = [f"template cudaError_t launch_fp8<{in_type}, {out_type}, TILE, PROMOTE>(",
                 "    const LaunchArgs&, const Fp8Launch&);"]
-    extra = []
-    unpromoted, in_type, out_type = tiles.FP8_UNPROMOTED
-    if unit.op == "fp8" and unit.types == (out_type,):
-        what += ", and the unpromoted tile"
-        extra = [f"template cudaError_t launch_fp8<{tiles.CXX_TYPES[in_type]}, {t[0]}, "
-                 "Fp8UnpromotedTile, false>(",
-                 "    const LaunchArgs&, const Fp8Launch&);"]
+    expand = [f"{macro}(JAX_TMA_INSTANTIATE)"]
+    if unit.op == "fp8":
+        expand = ["JAX_TMA_SM90_FP8_TILES(JAX_TMA_INSTANTIATE, true)",
+                  "JAX_TMA_SM90_FP8_FAST_TILES(JAX_TMA_INSTANTIATE, false)"]
     out = [BANNER]
     out += _comment(f"Instantiations of {what} ({macro}, one file each so that they compile "
                     "in parallel).")
     out += [f'#include "{include}"', "", "namespace jax_tma::sm90_gemm {", ""]
     out += _macro(f"JAX_TMA_INSTANTIATE({params})", body)
-    out += [f"{macro}(JAX_TMA_INSTANTIATE)", "#undef JAX_TMA_INSTANTIATE"]
-    out += extra
+    out += expand + ["#undef JAX_TMA_INSTANTIATE"]
     out += ["", "}  // namespace jax_tma::sm90_gemm", ""]
     return "\n".join(out)
 

@@ -7,7 +7,7 @@ multiples). Fused epilogues: every compiled (tile, fusion) of jax_tma.DENSE_CONF
 activation, residual and pre-activation output; activation gradients; gated pairs; gated
 gradients). Ragged: every tile of jax_tma.RAGGED_CONFIGS in the rows mode (weights N- and
 K-major) and the contraction mode, with an empty group and rows past the last group. FP8: every
-compiled tile and type with block scales and a bias, and the unpromoted tile. All cases
+compiled tile and type with block scales and a bias, and every fast-accumulation tile. All cases
 run in one jitted function (one XLA compile), on operands made by numpy and copied to the device
 (no jax.random kernels: initcheck reports uninitialised reads there that are not jax_tma's), over
 NaN-poisoned outputs, and each result is checked against a float64 reference. Prints one line
@@ -186,7 +186,7 @@ def _ragged_cases(rng, m, n, k, g) -> list[Case]:
 def _fp8_cases(rng, m, n, k) -> list[Case]:
     """Every compiled FP8 tile, both FP8 types, bf16 and fp32 out, with block scales (1x128 on
     A, 128x128 on B: every scale load; N = 776 puts tiles at each offset in B's scale box) and a
-    bias; and the unpromoted tile (per-tensor scales, e4m3, fp32)."""
+    bias; and every fast tile (per-tensor scales, the tensor core's accumulation)."""
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32)
@@ -206,14 +206,20 @@ def _fp8_cases(rng, m, n, k) -> list[Case]:
                                         poison=True))
                 name = f"fp8 {dtype.name}->{out_dtype.name} {cfg.describe()}"
                 cases.append(Case(name, run, ref, 1e-2))
-    a, sa = (np.asarray(v) for v in jax_tma.quantize_fp8(x, None))
-    b, sb = (np.asarray(v) for v in jax_tma.quantize_fp8(w, None))
-    ref = _f64(fp8_quantize.dequantize_fp8(a, sa)) @ _f64(fp8_quantize.dequantize_fp8(b, sb)).T
-    run = (lambda: fp8._kernel_call(
-        jnp.asarray(a), jnp.asarray(b), jnp.asarray(sa), jnp.asarray(sb), has_sa=False,
-        has_sb=False, row_scale=fp8.SCALAR, col_scale=fp8.SCALAR, has_bias=False,
-        out_dtype=jnp.float32, config=None, promote=False, poison=True))
-    cases.append(Case("fp8 unpromoted e4m3->float32", run, ref, 1e-2))
+        a, sa = (np.asarray(v) for v in jax_tma.quantize_fp8(x, None, dtype))
+        b, sb = (np.asarray(v) for v in jax_tma.quantize_fp8(w, None, dtype))
+        ref = (_f64(fp8_quantize.dequantize_fp8(a, sa))
+               @ _f64(fp8_quantize.dequantize_fp8(b, sb)).T)
+        for cfg in fp8_config.FP8_FAST_CONFIGS:
+            for out_dtype in fp8_config.OUT_DTYPES:
+                run = (lambda a=a, b=b, sa=sa, sb=sb, cfg=cfg, out_dtype=out_dtype:
+                       fp8._kernel_call(jnp.asarray(a), jnp.asarray(b), jnp.asarray(sa),
+                                        jnp.asarray(sb), has_sa=False, has_sb=False,
+                                        row_scale=fp8.SCALAR, col_scale=fp8.SCALAR,
+                                        has_bias=False, out_dtype=out_dtype, config=cfg,
+                                        promote=False, poison=True))
+                name = f"fp8 fast {dtype.name}->{out_dtype.name} {cfg.describe()}"
+                cases.append(Case(name, run, ref, 1e-2))
     return cases
 
 

@@ -23,10 +23,11 @@
 
 namespace jax_tma::sm90_gemm {
 
-// The FP8 tiles (Fp8Tile128x256C2, ..., and Fp8UnpromotedTile, compiled without promotion:
-// kPromote = false, the whole K range accumulated in the tensor core, per-tensor scales only)
-// and JAX_TMA_SM90_FP8_KERNELS(X), X(tile, FP8 type) for every compiled pair, are in
-// contract/sm90_tiles.generated.h (the tile registry, jax_tma/_core/tiles.py). Each stage holds
+// The FP8 tiles (Fp8Tile128x256C2, ...) are listed in contract/sm90_tiles.generated.h (the tile
+// registry, jax_tma/_core/tiles.py): JAX_TMA_SM90_FP8_TILES(X, ARG), compiled with promotion,
+// and JAX_TMA_SM90_FP8_FAST_TILES(X, ARG), compiled without (kPromote = false: the whole K
+// range accumulated in the tensor core, per-tensor, row and column scales only), each for both
+// FP8 types and both output types. Each stage holds
 // a K slice of 128, twice the 16-bit kernel's, so a stage is worth two of those.
 
 // The FP8 products' epilogue: row and column scales and a bias (epilogue/fusion.h).
@@ -45,8 +46,8 @@ struct Fp8Launch {
   const float* bias;
 };
 
-// Defined in sm90_fp8_<out>.cu for every (FP8 type, tile) of JAX_TMA_SM90_FP8_KERNELS (both
-// operands of type T), and for the unpromoted tile.
+// Defined in sm90_fp8_<type>_<out>.cu for every tile of JAX_TMA_SM90_FP8_TILES (kPromote) and
+// JAX_TMA_SM90_FP8_FAST_TILES (!kPromote), both operands of type T.
 template <class T, class Out, class Tile, bool kPromote = true>
 cudaError_t launch_fp8(const LaunchArgs& args, const Fp8Launch& fp8);
 

@@ -41,7 +41,7 @@ enum class EpilogueKind : int { kTmaStore = 0, kDirect = 1 };
 // Elements are 2 bytes (bf16, fp16) or 1 byte (FP8): a K slice is one 128-byte swizzle row
 // either way (64 or 128 K indices), so every box, stage and byte count below is the same in
 // bytes. A 1-byte stage also carries its K slice's scales (kTileScaleBytes: one fp32 per A row,
-// and one 16-byte box of B's; mainloop/sm90_tma_wgmma_fp8.cuh).
+// and one 32-byte box of B's; mainloop/sm90_tma_wgmma_fp8.cuh).
 template <int kBlockM_, int kBlockN_, int kStages_, int kClusterM_, EpilogueKind kEpilogue_,
           int kEpilogueBuffers_ = (kBlockN_ + 63) / 64, int kElementBytes_ = 2>
 struct TileConfig {
@@ -70,10 +70,11 @@ struct TileConfig {
 
   static constexpr uint32_t kTileABytes = kBlockM * kBlockK * kElementBytes;
   static constexpr uint32_t kTileBBytes = kBlockK * kBColumnBlocks * 64 * kElementBytes;
-  // FP8 K slices bring their scales: kBlockM fp32 of A's, and one box of B's, as short as TMA
-  // allows (16 bytes: B's scales of 4 column blocks of 128, from the tile's first) in a slot of
-  // 128 bytes (TMA writes shared memory at 128-byte aligned addresses).
-  static constexpr int kBScaleBox = 4;
+  // FP8 K slices bring their scales: kBlockM fp32 of A's, and one box of B's, 8 column blocks of
+  // 128 from the 4-aligned block at or before the tile's first (TMA's innermost box coordinate
+  // falls on 16 bytes; a tile up to 256 wide then spans at most blocks 0..4 of the box), in a
+  // slot of 128 bytes (TMA writes shared memory at 128-byte aligned addresses).
+  static constexpr int kBScaleBox = 8;
   static constexpr int kBScaleSlotBytes = 128;
   static constexpr uint32_t kTileScaleBytes =
       kElementBytes == 1 ? kBlockM * sizeof(float) + kBScaleSlotBytes : 0;

@@ -46,17 +46,17 @@ using Tile64x64 = TileConfig<64, 64, 12, 1, EpilogueKind::kTmaStore>;
 using Tile64x64Direct = TileConfig<64, 64, 12, 1, EpilogueKind::kDirect>;
 using Fp8Tile128x256C2 = Fp8Tile<128, 256, 3, 2>;
 using Fp8Tile128x256 = Fp8Tile<128, 256, 3, 1>;
+using Fp8Tile128x192C2 = Fp8Tile<128, 192, 4, 2>;
 using Fp8Tile128x128C2 = Fp8Tile<128, 128, 5, 2>;
 using Fp8Tile128x128 = Fp8Tile<128, 128, 5, 1>;
-using Fp8Tile64x256 = Fp8Tile<64, 256, 4, 1, 2>;
 using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
 // NOTE (FP8 tiles): the stage counts are the most that fit 227 KB beside a whole block's output
-// staging, except 64 x 256, which stages half a block at a time (a two-batch epilogue) to keep 4
-// stages of B in flight: decode-like products stream B. 128 x 256 tiles promote in two 128-column
-// parts (64 registers of partial sums beside 128 promoted ones); 64-row tiles are ping-pong.
-// The one FP8 tile compiled without promotion (e4m3, f32 output): what the tests measure the
-// promotion's gain against.
-using Fp8UnpromotedTile = Fp8Tile128x128;
+// staging. Promotion (mainloop/sm90_tma_wgmma_fp8.cuh): 128-wide tiles keep two sets of partial
+// sums; 192 one group per slice, retired before it is promoted; 256 two parts of 128 (64 registers
+// of partial sums beside 128 promoted ones); 64-row tiles are ping-pong. Dropped after one sweep on
+// an H200: 64 x 256 (never the fastest), 128 x 112 and 128 x 176 pairs (wave count; slower than 128
+// x 128 and 128 x 192 where they fit the grid better, and a 176-wide tile spans three of B's scale
+// blocks).
 
 }  // namespace jax_tma::sm90_gemm
 
@@ -180,20 +180,22 @@ using Fp8UnpromotedTile = Fp8Tile128x128;
   JAX_TMA_SM90_DENSE_GATED_KERNELS(X)
 
 // FP8 tiles (jax_tma.FP8_CONFIGS):
-//   Fp8Tile128x256C2  large products: 5 of 7 bench_fp8 shapes (8192^3, ...)
+//   Fp8Tile128x256C2  large products (8192^3, 16384 x 7168 x 2048)
 //   Fp8Tile128x256    wide N at few rows (64 x 28672 x 4096)
+//   Fp8Tile128x192C2  wave count: 4096 x 2112 x 7168 (11 x 192 = 2112 columns) 1.25x 128 x 256
 //   Fp8Tile128x128C2  medium products
-//   Fp8Tile128x128    few rows, medium N; also the unpromoted tile
-//   Fp8Tile64x256     decode-like products streaming B (to re-check on a GPU: few picks)
+//   Fp8Tile128x128    few rows, medium N (256 x 7168 x 2048)
 //   Fp8Tile64x128     small and decode products (128 x 7168 x 16384)
 #define JAX_TMA_SM90_FP8_TILES(X, ARG) \
   X(ARG, Fp8Tile128x256C2)             \
   X(ARG, Fp8Tile128x256)               \
+  X(ARG, Fp8Tile128x192C2)             \
   X(ARG, Fp8Tile128x128C2)             \
   X(ARG, Fp8Tile128x128)               \
-  X(ARG, Fp8Tile64x256)                \
   X(ARG, Fp8Tile64x128)
-#define JAX_TMA_SM90_FP8_TYPES(X, TILE) \
-  X(TILE, __nv_fp8_e4m3)                \
-  X(TILE, __nv_fp8_e5m2)
-#define JAX_TMA_SM90_FP8_KERNELS(X) JAX_TMA_SM90_FP8_TILES(JAX_TMA_SM90_FP8_TYPES, X)
+// FP8 tiles with fast accumulation (the tensor core's, no promotion):
+//   Fp8Tile128x256C2  large products: the 16-bit kernel's geometry
+//   Fp8Tile128x128    few rows and small products
+#define JAX_TMA_SM90_FP8_FAST_TILES(X, ARG) \
+  X(ARG, Fp8Tile128x256C2)                  \
+  X(ARG, Fp8Tile128x128)

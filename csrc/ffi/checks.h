@@ -86,6 +86,23 @@ inline xla::ffi::Error check_work_units(const char* op, int64_t units, const cha
   return check_work_units(op, units, lead, [] { return std::string(); });
 }
 
+// Split-K: `splits` ranges of ceil(k_blocks / splits) blocks of `block_k` each (`*per_split`),
+// none empty, written as fp32 partial products when there is more than one.
+inline xla::ffi::Error check_splits(const char* op, int64_t splits, int64_t k_blocks,
+                                    int block_k, bool fp32_out, const std::string& dims,
+                                    int64_t* per_split) {
+  *per_split = splits < 1 ? 0 : (k_blocks + splits - 1) / splits;
+  if (splits < 1 || splits > k_blocks || (k_blocks + *per_split - 1) / *per_split != splits ||
+      (splits > 1 && !fp32_out)) {
+    return xla::ffi::Error::InvalidArgument(
+        std::string(op) + ": splits must leave no K range of " + std::to_string(block_k) +
+        " empty (1 <= splits <= ceil(k / " + std::to_string(block_k) +
+        "), each range as long as the first but the last) and split-K writes fp32 partial "
+        "products, got splits=" + std::to_string(splits) + " (" + dims + ")");
+  }
+  return xla::ffi::Error::Success();
+}
+
 // A buffer's element count against what the attributes imply.
 struct ElementCount {
   const char* name;

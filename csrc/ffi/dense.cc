@@ -137,9 +137,7 @@ ffi::Error run(const DenseAttrs& p, DType in, const Buffers& buf, LaunchArgs arg
     auto* up = static_cast<uint8_t*>(buf.pre->untyped_data()) + out_bytes;
     JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(kOp, &map_pre2, up, out_spec));
   }
-  args.shape.m = static_cast<int>(p.m);
   args.shape.n = static_cast<int>(acc_n);
-  args.shape.k = static_cast<int>(p.k);
   args.tmap_a = &map_a;
   args.tmap_b = &map_b;
   args.tmap_d = &map_d;
@@ -230,10 +228,8 @@ ffi::Error dense(cudaStream_t stream, int32_t device, const Buffers& buf, const 
   const ffi_util::DeviceInfo* info = nullptr;
   JAX_TMA_RETURN_IF_ERROR(ffi_util::check_sm90_device(kOp, device, &info));
   LaunchArgs args{};
-  args.shape.batch = 1;
-  args.shape.splits = 1;
-  args.shape.k_blocks_per_split = static_cast<int>((p.k + 63) / 64);
-  args.shape.d_m_stride = p.n;
+  // run() sets N: a gated product's accumulator is twice as wide.
+  args.shape = ffi_util::problem_shape(p.m, p.n, p.k, 1, 1, (p.k + 63) / 64);
   args.stream_k = p.stream_k == 1;
   args.workspace = buf.workspace->untyped_data();
   args.workspace_bytes = static_cast<int64_t>(buf.workspace->size_bytes());

@@ -13,8 +13,9 @@
 //   bias       [n] fp32                 has_bias
 // -> out [splits, batch, m, n], bf16 or fp32 (fp32 when splits > 1: one partial product per K
 // range, for the caller to sum). k is a multiple of 16, n of 8, sa_ld and sb_ld of 4 (16-byte
-// rows for TMA). promote = 0 runs the unpromoted kernel (contract/sm90_fp8.h: Fp8UnpromotedTile,
-// e4m3, fp32 output), which reads no block scales.
+// rows for TMA). promote = 1 runs a tile of JAX_TMA_SM90_FP8_TILES (partial sums promoted every
+// 128 K), promote = 0 one of JAX_TMA_SM90_FP8_FAST_TILES (the tensor core's accumulation over
+// the whole K range), which reads no block scales (contract/sm90_fp8.h).
 #include "ffi/fp8.h"
 
 #include <cuda.h>
@@ -22,7 +23,6 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 
@@ -75,7 +75,7 @@ cudaError_t launch_out(DType out, const LaunchArgs& args, const Fp8Launch& fp8) 
   return sm90_gemm::launch_fp8<T, __nv_bfloat16, Tile, kPromote>(args, fp8);
 }
 
-template <class Tile, bool kPromote = true>
+template <class Tile, bool kPromote>
 ffi::Error run(const Fp8Attrs& p, DType in, DType out, const Buffers& buf, LaunchArgs args) {
   using Boxes = sm90_gemm::OperandBoxes<Tile, sm90_gemm::LayoutNT>;
   const int64_t units = (p.m + Tile::kBlockM - 1) / Tile::kBlockM *
@@ -137,13 +137,9 @@ ffi::Error run(const Fp8Attrs& p, DType in, DType out, const Buffers& buf, Launc
                       vector(buf.row_scale, p.row_scale),   vector(buf.col_scale, p.col_scale),
                       p.row_scale == 1,                     p.col_scale == 1,
                       vector(buf.bias, p.has_bias)};
-  cudaError_t launched;
-  if constexpr (!kPromote) {
-    launched = sm90_gemm::launch_fp8<__nv_fp8_e4m3, float, Tile, false>(args, fp8);
-  } else {
-    launched = in == DType::kF8E4M3 ? launch_out<__nv_fp8_e4m3, Tile, true>(out, args, fp8)
-                                    : launch_out<__nv_fp8_e5m2, Tile, true>(out, args, fp8);
-  }
+  const cudaError_t launched =
+      in == DType::kF8E4M3 ? launch_out<__nv_fp8_e4m3, Tile, kPromote>(out, args, fp8)
+                           : launch_out<__nv_fp8_e5m2, Tile, kPromote>(out, args, fp8);
   return ffi_util::cuda_error(launched, "jax_tma fp8 launch");
 }
 
@@ -153,24 +149,30 @@ std::string describe(const Fp8Attrs& p) {
 
 #define JAX_TMA_KERNEL(ARG, TILE) ffi_util::Kernel<sm90_gemm::TILE>,
 using Tiles = ffi_util::KernelList<JAX_TMA_SM90_FP8_TILES(JAX_TMA_KERNEL, _) void>;
+using FastTiles = ffi_util::KernelList<JAX_TMA_SM90_FP8_FAST_TILES(JAX_TMA_KERNEL, _) void>;
 #undef JAX_TMA_KERNEL
+
+// run<Tile, promote> for the compiled tile that the attributes name, in the list of the
+// accumulation they ask for.
+template <bool kPromote, class List>
+ffi::Error dispatch_in(List list, const Fp8Attrs& p, DType in, DType out, const Buffers& buf,
+                       const LaunchArgs& args) {
+  return ffi_util::dispatch(
+      list, p, [](auto) { return true; },
+      [&](auto kernel) {
+        return run<typename decltype(kernel)::Tile, kPromote>(p, in, out, buf, args);
+      },
+      [&] {
+        return ffi::Error::InvalidArgument(std::string("jax_tma fp8: no tile compiled ") +
+                                           (kPromote ? "with promotion" : "for fast accumulation") +
+                                           " with " + describe(p));
+      });
+}
 
 ffi::Error dispatch(const Fp8Attrs& p, DType in, DType out, const Buffers& buf,
                     const LaunchArgs& args) {
-  if (!p.promote) {
-    if (ffi_util::tile_matches<sm90_gemm::Fp8UnpromotedTile>(p) && in == DType::kF8E4M3 &&
-        out == DType::kF32) {
-      return run<sm90_gemm::Fp8UnpromotedTile, false>(p, in, out, buf, args);
-    }
-    return ffi::Error::InvalidArgument("jax_tma fp8: promote=0 is compiled for one tile only "
-                                       "(e4m3, fp32 output), not " + describe(p));
-  }
-  return ffi_util::dispatch(
-      Tiles{}, p, [](auto) { return true; },
-      [&](auto kernel) { return run<typename decltype(kernel)::Tile>(p, in, out, buf, args); },
-      [&] {
-        return ffi::Error::InvalidArgument("jax_tma fp8: no compiled tile with " + describe(p));
-      });
+  if (p.promote) return dispatch_in<true>(Tiles{}, p, in, out, buf, args);
+  return dispatch_in<false>(FastTiles{}, p, in, out, buf, args);
 }
 
 bool fp8_dtype(ffi::DataType t, DType* out) {
@@ -193,9 +195,8 @@ ffi::Error fp8_gemm(cudaStream_t stream, int32_t device, const Buffers& buf, con
         "jax_tma fp8: a and b must both be float8_e4m3fn or both float8_e5m2");
   }
   if (!ffi_util::to_dtype(buf.out->element_type(), &out) ||
-      (out != DType::kBF16 && out != DType::kF32) || (p.splits > 1 && out != DType::kF32)) {
-    return ffi::Error::InvalidArgument(
-        "jax_tma fp8: out must be bf16 or fp32, and fp32 with splits > 1");
+      (out != DType::kBF16 && out != DType::kF32)) {
+    return ffi::Error::InvalidArgument("jax_tma fp8: out must be bf16 or fp32");
   }
   for (const ffi::AnyBuffer* v : {buf.sa, buf.sb, buf.row_scale, buf.col_scale, buf.bias}) {
     if (v->element_type() != ffi::DataType::F32) {
@@ -209,8 +210,10 @@ ffi::Error fp8_gemm(cudaStream_t stream, int32_t device, const Buffers& buf, con
                                        "1 (one value) or 2 (a vector), got " +
                                        str(p.row_scale) + " and " + str(p.col_scale));
   }
-  if (!p.promote && (p.has_sa || p.has_sb)) {
-    return ffi::Error::InvalidArgument("jax_tma fp8: promote=0 reads no block scales");
+  if ((p.promote != 0 && p.promote != 1) || (!p.promote && (p.has_sa || p.has_sb))) {
+    return ffi::Error::InvalidArgument("jax_tma fp8: promote must be 1, or 0 (fast accumulation) "
+                                       "without block scales, got promote=" + str(p.promote) +
+                                       ", has_sa=" + str(p.has_sa) + ", has_sb=" + str(p.has_sb));
   }
   if (p.k % 16 || p.n % 8 || (p.has_sa && (p.sa_ld < p.m || p.sa_ld % 4)) ||
       (p.has_sb && (p.sb_ld < nb || p.sb_ld % 4))) {
@@ -219,11 +222,9 @@ ffi::Error fp8_gemm(cudaStream_t stream, int32_t device, const Buffers& buf, con
         "and sb_ld >= ceil(n / 128) of 4, got " + dims + ", sa_ld=" + str(p.sa_ld) +
         ", sb_ld=" + str(p.sb_ld));
   }
-  const int64_t per_split = (kb + p.splits - 1) / std::max<int64_t>(p.splits, 1);
-  if (p.splits < 1 || p.splits > kb || (kb + per_split - 1) / per_split != p.splits) {
-    return ffi::Error::InvalidArgument("jax_tma fp8: splits must leave no K range of 128 empty, "
-                                       "got " + dims);
-  }
+  int64_t per_split = 0;
+  JAX_TMA_RETURN_IF_ERROR(
+      ffi_util::check_splits(kOp, p.splits, kb, kScaleBlock, out == DType::kF32, dims, &per_split));
   const int64_t batch_a = p.a_batched ? p.batch : 1;
   const int64_t batch_b = p.b_batched ? p.batch : 1;
   JAX_TMA_RETURN_IF_ERROR(ffi_util::check_element_counts(
@@ -240,18 +241,8 @@ ffi::Error fp8_gemm(cudaStream_t stream, int32_t device, const Buffers& buf, con
   const ffi_util::DeviceInfo* info = nullptr;
   JAX_TMA_RETURN_IF_ERROR(ffi_util::check_sm90_device(kOp, device, &info));
   LaunchArgs args{};
-  auto& shape = args.shape;
-  shape.m = static_cast<int>(p.m);
-  shape.n = static_cast<int>(p.n);
-  shape.k = static_cast<int>(p.k);
-  shape.batch = static_cast<int>(p.batch);
-  shape.splits = static_cast<int>(p.splits);
-  shape.k_blocks_per_split = static_cast<int>(per_split);
-  shape.a_batched = p.a_batched != 0;
-  shape.b_batched = p.b_batched != 0;
-  shape.d_m_stride = p.n;
-  shape.d_batch_stride = p.m * p.n;
-  shape.d_split_stride = p.batch * p.m * p.n;
+  args.shape = ffi_util::problem_shape(p.m, p.n, p.k, p.batch, p.splits, per_split,
+                                       p.a_batched != 0, p.b_batched != 0);
   args.num_sms = info->num_sms;
   args.stream = stream;
   return dispatch(p, in, out, buf, args);
@@ -281,7 +272,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     xla::ffi::StructMember<int64_t>("block_n"),
     xla::ffi::StructMember<int64_t>("stages"),
     xla::ffi::StructMember<int64_t>("cluster_m"),
-    xla::ffi::StructMember<int64_t>("promote"),        // 0: the unpromoted test kernel
+    xla::ffi::StructMember<int64_t>("promote"),        // 0: fast accumulation
     xla::ffi::StructMember<int64_t>("splits"),         // split-K ranges (fp32 partial products)
     xla::ffi::StructMember<int64_t>("m"),
     xla::ffi::StructMember<int64_t>("n"),

@@ -208,17 +208,9 @@ ffi::Error gemm_sm90(cudaStream_t stream, int32_t device,
         "jax_tma gemm: stream_k must be 0 or 1, and 1 only without split-K, got stream_k=" +
         str(p.stream_k) + ", splits=" + str(p.splits));
   }
-  const int64_t k_blocks = (p.k + 63) / 64;
-  if (p.splits < 1 || p.splits > k_blocks || (p.splits > 1 && call.out != DType::kF32)) {
-    return ffi::Error::InvalidArgument(
-        "jax_tma gemm: splits must be in [1, ceil(K/64)] and split-K writes fp32 partial "
-        "products, got splits=" + str(p.splits) + " for k=" + str(p.k));
-  }
-  const int64_t per_split = (k_blocks + p.splits - 1) / p.splits;
-  if ((k_blocks + per_split - 1) / per_split != p.splits) {
-    return ffi::Error::InvalidArgument("jax_tma gemm: splits=" + str(p.splits) +
-                                       " leaves an empty K range for k=" + str(p.k));
-  }
+  int64_t per_split = 0;
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_splits(kOp, p.splits, (p.k + 63) / 64, 64,
+                                                 call.out == DType::kF32, dims, &per_split));
 
   // A batch stride of 0 (or a batch of 1) shares the operand: its map has one batch index.
   const bool a_batched = p.batch > 1 && p.a_batch_stride != 0;
@@ -278,18 +270,11 @@ ffi::Error gemm_sm90(cudaStream_t stream, int32_t device,
   call.a = &a;
   call.b = &b;
   call.d = d.untyped_data();
-  auto& shape = call.args.shape;
-  shape.m = static_cast<int>(p.m);
-  shape.n = static_cast<int>(p.n);
-  shape.k = static_cast<int>(p.k);
-  shape.batch = static_cast<int>(p.batch);
-  shape.splits = static_cast<int>(p.splits);
-  shape.k_blocks_per_split = static_cast<int>(per_split);
-  shape.a_batched = a_batched;
-  shape.b_batched = b_batched;
-  shape.d_m_stride = p.d_m_stride;
-  shape.d_batch_stride = p.d_batch_stride;
-  shape.d_split_stride = p.d_split_stride;
+  call.args.shape =
+      ffi_util::problem_shape(p.m, p.n, p.k, p.batch, p.splits, per_split, a_batched, b_batched);
+  call.args.shape.d_m_stride = p.d_m_stride;
+  call.args.shape.d_batch_stride = p.d_batch_stride;
+  call.args.shape.d_split_stride = p.d_split_stride;
   call.args.num_sms = info->num_sms;
   call.args.stream = stream;
   call.args.stream_k = p.stream_k == 1;

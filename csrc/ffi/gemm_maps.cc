@@ -25,6 +25,24 @@ CUtensorMapDataType tma_type(DType t) {
   return CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
 }
 
+sm90_gemm::GemmShape problem_shape(int64_t m, int64_t n, int64_t k, int64_t batch,
+                                   int64_t splits, int64_t per_split, bool a_batched,
+                                   bool b_batched) {
+  sm90_gemm::GemmShape shape{};
+  shape.m = static_cast<int>(m);
+  shape.n = static_cast<int>(n);
+  shape.k = static_cast<int>(k);
+  shape.batch = static_cast<int>(batch);
+  shape.splits = static_cast<int>(splits);
+  shape.k_blocks_per_split = static_cast<int>(per_split);
+  shape.a_batched = a_batched;
+  shape.b_batched = b_batched;
+  shape.d_m_stride = n;
+  shape.d_batch_stride = m * n;
+  shape.d_split_stride = batch * m * n;
+  return shape;
+}
+
 int64_t last_offset(std::initializer_list<ViewDim> dims) {
   unsigned __int128 end = 0;
   for (const ViewDim& d : dims) {

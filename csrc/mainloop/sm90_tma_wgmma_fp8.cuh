@@ -16,22 +16,32 @@
 //      faulted with an illegal instruction on an H100. The consumer finds the tile's scales at
 //      (first block) % 4 in the box.
 //
-// Promotion: a slice's partial sums (one wgmma group per 128 columns: kPartRegs registers,
-// reused) are retired with wgmma.wait_group 0 and added into the fp32 accumulators times
-// sa[row] * sb[column block]. The tensor core keeps about 14 bits of its FP8 sums, so long
-// contractions accumulated inside it lose accuracy; promoted every 128 K they lose none that
-// fp32 keeps. While one warpgroup promotes, the other's wgmma runs. kPromote = false
-// accumulates the whole K range inside the tensor core instead (per-tensor scales only: the
-// block scales are not read), kept to measure that loss.
+// Promotion: a slice's partial sums are retired with wgmma.wait_group and added into the fp32
+// accumulators times sa[row] * sb[column block]. The tensor core keeps about 14 bits of its FP8
+// sums, so long contractions accumulated inside it lose accuracy; promoted every 128 K they
+// lose none that fp32 keeps. The schedule follows the tile's width (kParts groups of kPartN
+// columns per slice and warpgroup, kSets sets of partial-sum registers):
+//   N <= 128 (kSets 2): slice kb + 1's group runs while slice kb is promoted (overlapped).
+//   128 < N <= 192 (one group, kSets 1): the group retires before it is promoted, and the
+//      other warpgroup's group keeps the tensor core busy meanwhile (cross). Its partial sums
+//      and the promoted ones take N registers of the consumer's 232.
+//   N = 256 (two groups of 128): as the cross schedule, a part at a time (in parts).
+// A tile whose width neither divides nor is a multiple of 128 (192) may span two of B's scale
+// blocks (a width whose tiles can span three, such as 176, is rejected at compile time): its
+// first `split` register quads (8 columns each) take the first block's scale, the rest the
+// next one's; `split` is fixed per tile, and each value it can take for the width has its own
+// unrolled promotion (promote_dispatch), so no select runs per register.
+// kPromote = false accumulates the whole K range inside the tensor core instead (per-tensor
+// scales only: the block scales are not read): one group of the tile's width per slice.
 #pragma once
 
 #include <cuda.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "contract/sm90_gemm.h"
 #include "mainloop/sm90_tma_wgmma.cuh"
-#include "pipeline/ordered_barrier.cuh"
 #include "pipeline/tma_pipeline.cuh"
 #include "ptx/ldmatrix.cuh"
 #include "ptx/tma.cuh"
@@ -54,12 +64,15 @@ struct MainloopSm90Fp8 {
   static constexpr int kWgmmaK = 32;
   static constexpr int kScaleBlock = 128;  // K and N indices per scale
   static constexpr int kMidwaySlice = Operands::kMidwaySlice;  // (the hook runs at the end)
-  // NOTE: one wgmma group spans at most 128 columns, so that its partial sums and the tile's
-  // promoted sums fit a consumer's 232 registers together (128 x 256 tiles: 64 + 128).
-  static constexpr int kPartN = kBlockN < 128 ? kBlockN : 128;
+  // NOTE: a promoted group spans at most 192 columns, so that its partial sums and the tile's
+  // promoted sums fit a consumer's 232 registers together (128 x 256 tiles: two parts of 128,
+  // 64 + 128 registers); 128 columns or fewer keep two sets of partial sums.
+  static constexpr int kPartN = !kPromote || kBlockN <= 192 ? kBlockN : 128;
   static constexpr int kParts = kBlockN / kPartN;
+  static constexpr int kSets = kPromote && kBlockN <= 128 ? 2 : 1;
   static constexpr int kAccRegs = kBlockN / 2;
   static constexpr int kPartRegs = kPartN / 2;
+  static constexpr int kPartQuads = kPartN / 8;  // register quads: 8 columns each
   // A warpgroup's 64 rows of the A stage, and B's rows of one part (K-major: 128 bytes a row).
   static constexpr int kAWarpgroupBytes = 64 * kBlockK;
   static constexpr int kBPartBytes = kPartN * kBlockK;
@@ -70,25 +83,36 @@ struct MainloopSm90Fp8 {
   static_assert(Layout::kA == sm90_gemm::Major::kK && Layout::kB == sm90_gemm::Major::kK,
                 "wgmma reads FP8 operands K-major only");
   static_assert(kBlockK == kScaleBlock, "one K slice per scale");
-  static_assert(kBlockN == 64 || kBlockN % kScaleBlock == 0,
-                "every part's columns lie in one of B's scale blocks");
-  static_assert(kParts <= Tile::kBScaleBox, "one scale box spans the tile's column blocks");
+  static_assert(kBlockN % kPartN == 0 && (kParts == 1 || kPartN == kScaleBlock),
+                "one part, or parts of one scale block each (256-wide tiles start at one)");
+
+  // Column blocks of B's scales one part spans: where its width divides 128 (and tiles start at
+  // multiples of it) one, else up to two.
+  static constexpr int kGcdN = kPartN % 128 == 0 ? 128 : kPartN % 64 == 0 ? 64
+                               : kPartN % 32 == 0 ? 32 : kPartN % 16 == 0 ? 16 : 8;
+  static constexpr bool kTwoBlocks = kPromote && kParts == 1 && kScaleBlock % kPartN != 0;
+  static constexpr int kScaleBlocks = kTwoBlocks ? 2 : kParts;
+  // The splits a tile can have: tiles start at multiples of kPartN, so at offsets r (multiples
+  // of kGcdN) into a scale block, and the first (128 - r) / 8 quads lie in that block.
+  static constexpr int kSplitValues = kTwoBlocks ? kScaleBlock / kGcdN : 1;
+  static_assert(!kTwoBlocks || kScaleBlock - kGcdN + kPartN <= 2 * kScaleBlock,
+                "a tile spans at most two scale blocks");
+  __host__ __device__ static constexpr int split_of(int i) {
+    const int quads = (kScaleBlock - i * kGcdN) / 8;
+    return quads < kPartQuads ? quads : kPartQuads;
+  }
 
   // One stage's scales; B's box fills the first kBScaleBox floats of its 128-byte slot.
   struct alignas(128) StageScales {
     float a[kBlockM];
     float b[Tile::kBScaleSlotBytes / sizeof(float)];
   };
-  // Cooperative tiles of two column parts: the consumers take turns at issuing a part's group
-  // (see promoted_in_parts; ping-pong consumers work on different tiles and need none).
-  static constexpr bool kIssueTurns = kParts > 1 && !Tile::kPingPong;
-  using IssueTurns = OrderedBarrier<2, 1>;
-  // Consumers that take issue turns wait on each other: neither may skip a tile alone.
-  static constexpr bool kWarpgroupsIndependent = !kIssueTurns;
+  // The consumer warpgroups of a cooperative tile run apart: one may skip() a tile whose rows
+  // it does not reach while the other runs mma() on it.
+  static constexpr bool kWarpgroupsIndependent = true;
   struct SharedStorage {
     typename Operands::SharedStorage operands;
     StageScales scales[kStages];
-    typename IssueTurns::SharedStorage issue_turns;
   };
   static_assert(sizeof(StageScales) == Tile::kTileScaleBytes);
   static constexpr uint32_t kAScaleBytes = kBlockM * sizeof(float);
@@ -105,11 +129,8 @@ struct MainloopSm90Fp8 {
     bool has_sb;
   };
 
-  // One thread, before the kernel's fence_mbarrier_init: the issue turns' barriers (every
-  // thread of a warpgroup arrives when it leaves its turn).
-  __device__ static void init(SharedStorage& smem) {
-    if constexpr (kIssueTurns) IssueTurns::init(smem.issue_turns, 128);
-  }
+  // One thread, before the kernel's fence_mbarrier_init: barriers of the mainloop's own (none).
+  __device__ static void init(SharedStorage&) {}
 
   // One thread, at the kernel's start: the scales' maps into the descriptor cache.
   __device__ static void prefetch(const Params& params) {
@@ -147,9 +168,8 @@ struct MainloopSm90Fp8 {
   // the scales of a tile starting at column `n0` begin.
   __device__ static int b_scale_box_origin(int n0) { return (n0 / kScaleBlock) & ~3; }
   __device__ static int b_scale_offset(int n0) { return (n0 / kScaleBlock) & 3; }
-  static_assert(Tile::kBScaleBox == 4 && (kParts == 1 || kBlockN == 2 * kScaleBlock),
-                "a tile's scale blocks lie in one aligned box (a 256-wide tile starts at an even "
-                "block)");
+  static_assert(Tile::kBScaleBox >= 4 + kScaleBlocks - 1,
+                "a tile's scale blocks lie in one aligned box");
 
   // Descriptors of k32 step `kk` of K-major tiles: 32 bytes along the swizzled rows.
   __device__ static uint64_t desc(const uint8_t* tile, int kk) {
@@ -194,34 +214,54 @@ struct MainloopSm90Fp8 {
     int row, sb0;
     bool has_sa, has_sb;
   };
-  // One K slice's scales for this thread: A's of its two rows, B's of each column part.
+  // One K slice's scales for this thread: A's of its two rows, B's of each block the tile spans.
   struct SliceScales {
     float a0, a1;
-    float b[kParts];
+    float b[kScaleBlocks];
   };
   __device__ static SliceScales slice_scales(const StageScales& scales, const SliceReads& at) {
     SliceScales s;
     s.a0 = at.has_sa ? ptx::ld_shared_f32(ptx::smem_u32(scales.a + at.row)) : 1.0f;
     s.a1 = at.has_sa ? ptx::ld_shared_f32(ptx::smem_u32(scales.a + at.row + 8)) : 1.0f;
 #pragma unroll
-    for (int p = 0; p < kParts; ++p) {
-      s.b[p] = at.has_sb ? ptx::ld_shared_f32(ptx::smem_u32(scales.b + at.sb0 + p)) : 1.0f;
+    for (int i = 0; i < kScaleBlocks; ++i) {
+      s.b[i] = at.has_sb ? ptx::ld_shared_f32(ptx::smem_u32(scales.b + at.sb0 + i)) : 1.0f;
     }
     return s;
   }
 
-  // acc[part p] += d * (row scale x column-block scale).
+  // acc[part p] += d * (row scale x column-block scale): quads [0, kSplit) of the part with
+  // block b0's scale, the rest with block b0 + 1's.
+  template <int kSplit>
   __device__ static void promote(float (&acc)[kAccRegs], int p, const float (&d)[kPartRegs],
                                  const SliceScales& s) {
-    const float s0 = s.a0 * s.b[p];
-    const float s1 = s.a1 * s.b[p];
+    const int b0 = kTwoBlocks ? 0 : p;
+    const float lo0 = s.a0 * s.b[b0], lo1 = s.a1 * s.b[b0];
+    const float hi0 = kSplit < kPartQuads ? s.a0 * s.b[b0 + 1] : lo0;
+    const float hi1 = kSplit < kPartQuads ? s.a1 * s.b[b0 + 1] : lo1;
 #pragma unroll
-    for (int j = 0; j < kPartRegs / 4; ++j) {
+    for (int j = 0; j < kPartQuads; ++j) {
+      const float s0 = j < kSplit ? lo0 : hi0, s1 = j < kSplit ? lo1 : hi1;
       float* out = acc + p * kPartRegs + 4 * j;
       out[0] += d[4 * j] * s0;
       out[1] += d[4 * j + 1] * s0;
       out[2] += d[4 * j + 2] * s1;
       out[3] += d[4 * j + 3] * s1;
+    }
+  }
+  // promote<split>, for the tile's split (one of split_of(0 .. kSplitValues - 1)).
+  template <int... kI>
+  __device__ static void promote_dispatch(std::integer_sequence<int, kI...>, int split,
+                                          float (&acc)[kAccRegs], int p,
+                                          const float (&d)[kPartRegs], const SliceScales& s) {
+    (void)((split == split_of(kI) && (promote<split_of(kI)>(acc, p, d, s), true)) || ...);
+  }
+  __device__ static void promote(float (&acc)[kAccRegs], int p, const float (&d)[kPartRegs],
+                                 const SliceScales& s, int split) {
+    if constexpr (kSplitValues == 1) {
+      promote<kPartQuads>(acc, p, d, s);
+    } else {
+      promote_dispatch(std::make_integer_sequence<int, kSplitValues>{}, split, acc, p, d, s);
     }
   }
 
@@ -232,16 +272,18 @@ struct MainloopSm90Fp8 {
     // This thread's rows of the warpgroup's 64 (accumulator layout: ptx/wgmma.cuh): r, r + 8.
     const int row = a_block * 64 + 16 * ((threadIdx.x / 32) % 4) + (threadIdx.x % 32) / 4;
     const SliceReads at{row, b_scale_offset(n0), params.has_sa, params.has_sb};
+    // Quads of the tile in its first scale block (all of them where it lies in one).
+    const int split = min(kPartQuads, (kScaleBlock - n0 % kScaleBlock) / 8);
 #pragma unroll
     for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
-    if constexpr (kParts == 1) {
-      promoted_overlapped(pipeline, read, smem, a_block, at, k_blocks, acc, waited);
+    if constexpr (kSets == 2) {
+      promoted_overlapped(pipeline, read, smem, a_block, at, split, k_blocks, acc, waited);
     } else {
-      promoted_in_parts(pipeline, read, smem, a_block, at, k_blocks, acc, waited);
+      promoted_in_parts(pipeline, read, smem, a_block, at, split, k_blocks, acc, waited);
     }
   }
 
-  // Tiles of one column part (N <= 128: 64 registers of partial sums): two sets of partial
+  // Tiles of one column part (N <= 128: up to 64 registers of partial sums): two sets of partial
   // sums, so that slice kb + 1's wgmma group runs while slice kb is promoted; the tensor core
   // always has a group queued, as in the unpromoted schedule. (Measured on an H100, 8192^3
   // block-scaled on 128 x 128 tiles: 1008 TFLOP/s with one set, which waits for every group
@@ -250,7 +292,7 @@ struct MainloopSm90Fp8 {
   template <class Waited>
   __device__ static void promoted_overlapped(Pipeline& pipeline, State& read,
                                              const SharedStorage& smem, int a_block,
-                                             const SliceReads& at, int k_blocks,
+                                             const SliceReads& at, int split, int k_blocks,
                                              float (&acc)[kAccRegs], Waited&& waited) {
     float d0[kPartRegs], d1[kPartRegs];
     SliceScales s0, s1;
@@ -276,7 +318,7 @@ struct MainloopSm90Fp8 {
       ptx::wgmma_fence_operands(d);
       Operands::release(pipeline, oldest);
       ++oldest;
-      promote(acc, 0, d, s);
+      promote(acc, 0, d, s, split);
     };
     // NOTE: no group is issued on a data-dependent branch inside the loop: ptxas then
     // serialises every wgmma of the function (C7518). The pairs run unconditionally; one or
@@ -299,23 +341,20 @@ struct MainloopSm90Fp8 {
     }
   }
 
-  // Tiles of two column parts (128 x 256: 128 promoted registers leave room for one part's
-  // 64 partial sums only): each part's group retires before the next is issued; the other
-  // consumer warpgroup's groups keep the tensor core busy meanwhile.
-  // NOTE: the cooperative consumers take turns at issuing their parts' groups (IssueTurns:
-  // warpgroup 0's part, then 1's, then 0's next ...). Issued freely, both warpgroups met each
-  // stage's full barrier together and interleaved their groups' wgmma, so both groups retired
-  // at about the same time and both promoted while the tensor core had nothing queued. In
-  // turns, one warpgroup's group runs while the other promotes. 8192^3 per-tensor on an H100,
-  // same run: 1199 -> 1228 TFLOP/s (4096 x 7168 x 16384: 1216 -> 1254); block-scaled unchanged
-  // (1187 -> 1183, 1202 -> 1200).
+  // Wider tiles (one group of up to 192 columns, or two of 128 for 256: the partial sums and
+  // the promoted ones leave room for one set): each group retires before it is promoted; the
+  // other consumer warpgroup's groups keep the tensor core busy meanwhile.
+  // NOTE: the consumers issue freely. Taking turns at issuing (warpgroup 0's group, then 1's,
+  // ...) ran slower on an H200 (8192^3, per-tensor: 128 x 256 pairs 1183 against 1250 TFLOP/s
+  // without turns, 128 x 192 pairs 1137 against 1174): concurrent groups of the two warpgroups
+  // share the tensor core whatever their issue order. What the promotion costs is its FFMA:
+  // with them left out (wrong sums, timing only) the same kernels ran at 1422 and 1454, the
+  // unpromoted 128 x 256 kernel at 1425 (docs/fp8.md).
   template <class Waited>
   __device__ static void promoted_in_parts(Pipeline& pipeline, State& read, SharedStorage& smem,
-                                           int a_block, const SliceReads& at, int k_blocks,
-                                           float (&acc)[kAccRegs], Waited&& waited) {
-    // A tile takes an even number of turns, so each tile starts at the barriers' first phase.
-    static_assert(kParts % 2 == 0);
-    IssueTurns turns{smem.issue_turns, static_cast<uint32_t>(a_block)};
+                                           int a_block, const SliceReads& at, int split,
+                                           int k_blocks, float (&acc)[kAccRegs],
+                                           Waited&& waited) {
 #pragma unroll 1
     for (int kb = 0; kb < k_blocks; ++kb) {
       pipeline.consumer_wait(read);
@@ -324,22 +363,20 @@ struct MainloopSm90Fp8 {
 #pragma unroll
       for (int p = 0; p < kParts; ++p) {
         float d[kPartRegs];
-        if constexpr (kIssueTurns) turns.wait();
         ptx::wgmma_fence();
         issue(smem, read.index, a_block, p, d, false);
         ptx::wgmma_commit_group();
-        if constexpr (kIssueTurns) turns.arrive();
         ptx::wgmma_wait_group<0>();
         ptx::wgmma_fence_operands(d);
         if (p == kParts - 1) Operands::release(pipeline, read);
-        promote(acc, p, d, s);
+        promote(acc, p, d, s, split);
       }
       ++read;
     }
   }
 
-  // The 16-bit mainloop's schedule: one wgmma group in flight, each stage released as soon as
-  // the group reading it has retired.
+  // The 16-bit mainloop's schedule: one wgmma group of the tile's width in flight, each stage
+  // released as soon as the group reading it has retired.
   template <class Waited>
   __device__ static void unpromoted(Pipeline& pipeline, State& read, const SharedStorage& smem,
                                     int a_block, int k_blocks, float (&acc)[kAccRegs],

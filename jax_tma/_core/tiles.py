@@ -208,30 +208,37 @@ DENSE_TILE_LISTS = {"dense": DENSE_TILES, "narrow": DENSE_NARROW_TILES,
                     "ring": DENSE_RING_TILES}
 DENSE_TYPES = ("bf16", "f16")
 
-# --- FP8: every tile x 2 operand types x 2 output types, and the unpromoted tile --------------
+# --- FP8: every tile x 2 operand types x 2 output types, promoted and fast ---------------------
 F128x256C2 = Tile("Fp8Tile128x256C2", 128, 256, 3, 2, element_bytes=1)
 F128x256 = Tile("Fp8Tile128x256", 128, 256, 3, 1, element_bytes=1)
+F128x192C2 = Tile("Fp8Tile128x192C2", 128, 192, 4, 2, element_bytes=1)
 F128x128C2 = Tile("Fp8Tile128x128C2", 128, 128, 5, 2, element_bytes=1)
 F128x128 = Tile("Fp8Tile128x128", 128, 128, 5, 1, element_bytes=1)
-F64x256 = Tile("Fp8Tile64x256", 64, 256, 4, 1, epilogue_buffers=2, element_bytes=1)
 F64x128 = Tile("Fp8Tile64x128", 64, 128, 7, 1, element_bytes=1)
 FP8_TILES = (
-    Entry(F128x256C2, "large products: 5 of 7 bench_fp8 shapes (8192^3, ...)"),
+    Entry(F128x256C2, "large products (8192^3, 16384 x 7168 x 2048)"),
     Entry(F128x256, "wide N at few rows (64 x 28672 x 4096)"),
+    Entry(F128x192C2, "wave count: 4096 x 2112 x 7168 (11 x 192 = 2112 columns) 1.25x 128 x 256"),
     Entry(F128x128C2, "medium products"),
-    Entry(F128x128, "few rows, medium N; also the unpromoted tile"),
-    Entry(F64x256, "decode-like products streaming B (to re-check on a GPU: few picks)"),
+    Entry(F128x128, "few rows, medium N (256 x 7168 x 2048)"),
     Entry(F64x128, "small and decode products (128 x 7168 x 16384)"),
 )
 FP8_TILES_NOTE = (
-    "the stage counts are the most that fit 227 KB beside a whole block's output staging, except "
-    "64 x 256, which stages half a block at a time (a two-batch epilogue) to keep 4 stages of B "
-    "in flight: decode-like products stream B. 128 x 256 tiles promote in two 128-column parts "
-    "(64 registers of partial sums beside 128 promoted ones); 64-row tiles are ping-pong.")
+    "the stage counts are the most that fit 227 KB beside a whole block's output staging. "
+    "Promotion (mainloop/sm90_tma_wgmma_fp8.cuh): 128-wide tiles keep two sets of partial sums; "
+    "192 one group per slice, retired before it is promoted; 256 two parts of 128 (64 registers "
+    "of partial sums beside 128 promoted ones); 64-row tiles are ping-pong. Dropped after one "
+    "sweep on an H200: 64 x 256 (never the fastest), 128 x 112 and 128 x 176 pairs (wave "
+    "count; slower than 128 x 128 and 128 x 192 where they fit the grid better, and a 176-wide "
+    "tile spans three of B's scale blocks).")
+# Fast accumulation (precision=DEFAULT, per-tensor / row / column scales): the whole K range
+# in the tensor core, one group of the tile's width per slice.
+FP8_FAST_TILES = (
+    Entry(F128x256C2, "large products: the 16-bit kernel's geometry"),
+    Entry(F128x128, "few rows and small products"),
+)
 FP8_TYPES = ("e4m3", "e5m2")
 FP8_OUT_TYPES = ("bf16", "f32")
-# Compiled without promotion, e4m3 with fp32 output only: what the tests measure promotion against.
-FP8_UNPROMOTED = (F128x128, "e4m3", "f32")
 
 
 # --- Derived: the Python tuples ----------------------------------------------------------------
@@ -275,10 +282,10 @@ def translation_units() -> tuple[TranslationUnit, ...]:
         for t in DENSE_TYPES:
             units.append(TranslationUnit(f"sm90_dense_{t}_{group}.cu", "dense", (t,), group,
                                          dense_group_kernels(group)))
-    for out in FP8_OUT_TYPES:
-        extra = 1 if out == FP8_UNPROMOTED[2] else 0
-        units.append(TranslationUnit(f"sm90_fp8_{out}.cu", "fp8", (out,),
-                                     kernels=len(FP8_TILES) * len(FP8_TYPES) + extra))
+    for t in FP8_TYPES:
+        for out in FP8_OUT_TYPES:
+            units.append(TranslationUnit(f"sm90_fp8_{t}_{out}.cu", "fp8", (t, out),
+                                         kernels=len(FP8_TILES) + len(FP8_FAST_TILES)))
     for a, b in RAGGED_TYPES:
         units.append(TranslationUnit(f"sm90_ragged_dot_{a}_{b}.cu", "ragged", (a, b),
                                      kernels=len(RAGGED_TILES) * len(RAGGED_LAYOUTS)))
@@ -297,8 +304,8 @@ def expected_entries() -> dict[str, int]:
 
 
 def kernel_counts() -> dict[str, int]:
-    """Kernels per op over every type: gemm, ragged, dense (fused) and fp8 (with the unpromoted
-    one)."""
+    """Kernels per op over every type: gemm, ragged, dense (fused) and fp8 (promoted and
+    fast)."""
     counts = dict.fromkeys(("gemm", "ragged", "dense", "fp8"), 0)
     for u in translation_units():
         counts[u.op] += u.kernels

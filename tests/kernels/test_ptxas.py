@@ -47,8 +47,8 @@ report_tool = _load("nvcc_ptxas_report", LAUNCHER)
 
 # The entry functions ptxas compiles per instantiation file under csrc/kernels/ ("Compiling entry
 # function" lines), from the tile registry: GEMM tiles x 4 operand layouts per type pair; dense
-# tiles x fusions per type and fusion group (forward, gradient, gated); FP8 tiles x 2 FP8 types
-# per output type, and the unpromoted tile with fp32 out; ragged tiles x (rows NN, rows NT,
+# tiles x fusions per type and fusion group (forward, gradient, gated); FP8 tiles, promoted and
+# fast, per (FP8 type, output type); ragged tiles x (rows NN, rows NT,
 # contraction TN); the ragged prepare kernel. Every sm90_*.cu file there must be listed.
 EXPECTED_ENTRIES = tiles.expected_entries()
 

@@ -867,15 +867,16 @@ def test_bench_ragged_dot_dry_run(tmp_path, sweep):
 def test_bench_fp8_dry_run(tmp_path):
     result = _run("bench_fp8.py", "--out", str(tmp_path), "--commit", "0123abc")
     assert result.returncode == 0, result.stderr
-    assert "| M×N×K | jax_tma tensor | jax_tma block | XLA e4m3 dot |" in result.stdout
+    assert ("| M×N×K | jax_tma_tensor | jax_tma_block | jax_tma_fast | xla_fp8_highest | "
+            "xla_fp8 | xla_dequant | jax_tma_bf16 |") in result.stdout
     for shape in ("64×256×256", "8×136×200"):
         assert f"| {shape} |" in result.stdout, result.stdout
-    assert "Geometric mean over 2 shapes" in result.stdout
+    assert "Over 2 shapes, geometric mean (min): tensor × xla_fp8_highest" in result.stdout
     report = _written(tmp_path, "bench_fp8")
     assert report["environment"]["commit"] == "0123abc" and report["dry_run"]
     contenders = {r["contender"] for r in report["rows"]}
-    assert contenders == {"jax_tma_tensor", "jax_tma_block", "xla_fp8", "xla_scaled",
-                          "xla_dequant", "jax_tma_bf16", "quantize"}
+    assert contenders == {"jax_tma_tensor", "jax_tma_block", "jax_tma_fast", "xla_fp8_highest",
+                          "xla_fp8", "xla_dequant", "jax_tma_bf16", "quantize"}
     assert all(r["seconds"] > 0 for r in report["rows"])
 
 

@@ -59,7 +59,9 @@ def test_python_configs_are_the_registry():
     assert tuple(c.tile for c in dense_config.configs_for("gated_gradient", "silu")) == (
         tiles.keys(tiles.DENSE_RING_TILES))
     assert tuple(c.tile for c in fp8_config.FP8_CONFIGS) == tiles.keys(tiles.FP8_TILES)
-    assert fp8_config._UNPROMOTED_TILE == tiles.FP8_UNPROMOTED[0].key
+    assert tuple(c.tile for c in fp8_config.FP8_FAST_CONFIGS) == tiles.keys(tiles.FP8_FAST_TILES)
+    # Fast tiles are validated as Fp8Config tiles.
+    assert set(tiles.keys(tiles.FP8_FAST_TILES)) <= set(tiles.keys(tiles.FP8_TILES))
     assert tuple(c.tile for c in ragged_config.RAGGED_CONFIGS) == tiles.keys(tiles.RAGGED_TILES)
 
 
@@ -70,6 +72,7 @@ def test_python_configs_are_the_registry():
     ("JAX_TMA_SM90_DENSE_NARROW_TILES", tiles.DENSE_NARROW_TILES),
     ("JAX_TMA_SM90_DENSE_RING_TILES", tiles.DENSE_RING_TILES),
     ("JAX_TMA_SM90_FP8_TILES", tiles.FP8_TILES),
+    ("JAX_TMA_SM90_FP8_FAST_TILES", tiles.FP8_FAST_TILES),
 ])
 def test_header_lists_every_registry_tile(macro, entries):
     text = HEADER.read_text()

@@ -21,7 +21,12 @@ above) for 2-D FP8 operands, in fp32, rounded once to ``out_dtype`` (bf16 or fp3
 optional fp32 bias over the output's columns. On Hopper it runs the sm90 FP8 kernel
 (csrc/contract/sm90_fp8.h): e4m3 or e5m2 wgmma, the tensor core's partial sums promoted to fp32
 registers every 128 K with the block scales, per-tensor / row / column scales and the bias in the
-epilogue. The kernel reads both operands K-major: an operand stored with K first ([K, M] or
+epilogue. ``precision`` picks the accumulation as lax spells it: None, HIGH and HIGHEST promote
+every 128 K (the tensor core keeps about 14 bits of its FP8 sums, so a long K accumulated inside
+it loses accuracy: at K = 16384, 1.3e-4 relative error promoted against 3e-3 not); ``DEFAULT``
+and ``DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM`` accumulate the whole K in the tensor core
+(what XLA's default FP8 dot does), faster, for per-tensor, row and column scales; block scales
+always promote. The kernel reads both operands K-major: an operand stored with K first ([K, M] or
 [K, N]) is transposed by XLA first. Scale forms per operand, tried in this order (the first whose
 shape matches wins): per tensor (one element); (1, 128) blocks along K (operands stored with K
 last); (128, 128) blocks; a vector over the operand's free dimension ([R, 1] when K is the
@@ -53,7 +58,8 @@ from jax._src.lax.lax import canonicalize_precision
 from jax_tma import _ext
 from jax_tma._core import aval as _aval
 from jax_tma._core.keywords import preferred_type
-from jax_tma.ops.fp8.config import FP8_DTYPES, OUT_DTYPES, SCALE_BLOCK, Fp8Config
+from jax_tma.ops.fp8.config import (FP8_DTYPES, FP8_FAST_CONFIGS, OUT_DTYPES, SCALE_BLOCK,
+                                    Fp8Config)
 from jax_tma.ops.fp8.primitive import NONE, fp8_dot_p
 from jax_tma.ops.gemm.api import dot_general as _bf16_dot_general
 
@@ -229,6 +235,16 @@ def _fp8_dot_bwd(dims, out_dtype, config, has_bias, promote, saved, ct):
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 
+_FAST_PRECISIONS = ((lax.Precision.DEFAULT, lax.Precision.DEFAULT),
+                    lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM)
+
+
+def _fast_accumulation(precision) -> bool:
+    """Whether `precision` (lax's spellings; lax's error for any it does not accept) lets the
+    tensor core accumulate the whole K: DEFAULT or the FAST_ACCUM preset, not None."""
+    return canonicalize_precision(precision) in _FAST_PRECISIONS
+
+
 def _output_type(op: str, preferred_element_type, out_dtype):
     """The output dtype from lax's keyword and its alias: bf16 unless one names fp32."""
     chosen = preferred_type(op, preferred_element_type, out_dtype)
@@ -253,17 +269,21 @@ def fp8_dot_general(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any,
         a vector over the free dimension, (1, 128) or (128, 128) blocks as quantize_fp8 writes
         them).
       dimension_numbers: ``(((lc,), (rc,)), ((), ()))``: one contracting dimension per operand.
-      precision: as for ``lax.dot_general`` (validated there). Every precision gets the same
-        accumulation: fp32, promoted out of the tensor core every 128 K, which is what
-        ``Precision.HIGHEST`` asks of an FP8 dot.
+      precision: as for ``lax.dot_general``. None (the default), HIGH and HIGHEST: fp32 sums
+        promoted out of the tensor core every 128 K, which is what HIGHEST asks of an FP8 dot
+        (the default because it is the accurate one). ``Precision.DEFAULT`` or
+        ``DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM``: the tensor core accumulates the
+        whole K (XLA's default for FP8; faster, about 14 bits kept), where both scales are per
+        tensor, row or column; with block scales it promotes anyway.
       preferred_element_type: the output type, bf16 (default) or fp32.
       out_dtype: another name for preferred_element_type (both given: they must agree).
       bias: [N], added in fp32 before the rounding, or None.
-      config: an ``Fp8Config`` among ``FP8_CONFIGS`` (by default a heuristic picks one).
+      config: an ``Fp8Config`` among ``FP8_CONFIGS`` (by default a heuristic picks one); with
+        fast accumulation one among ``FP8_FAST_CONFIGS``.
 
     Returns:
       [M, N] in out_dtype. Accumulated in fp32 (on Hopper: promoted out of the tensor core
-      every 128 K), rounded once.
+      every 128 K, or as `precision` allows), rounded once.
     """
     lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
     for name, x in (("lhs", lhs), ("rhs", rhs)):
@@ -272,13 +292,19 @@ def fp8_dot_general(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any,
                             f"float8_e5m2, got {x.dtype.name} (quantize with "
                             f"jax_tma.quantize_fp8)")
     out_dtype = _output_type("jax_tma.fp8_dot_general", preferred_element_type, out_dtype)
-    canonicalize_precision(precision)  # lax's error for anything it does not accept
+    fast = _fast_accumulation(precision)
     config = Fp8Config.coerce(config, "jax_tma.fp8_dot_general")
     lc, rc = _check_dims(lhs, rhs, dimension_numbers)
     lhs_scale = jnp.asarray(lhs_scale, jnp.float32)
     rhs_scale = jnp.asarray(rhs_scale, jnp.float32)
-    _classify(lhs_scale.shape, lhs.shape, lc, "lhs")
-    _classify(rhs_scale.shape, rhs.shape, rc, "rhs")
+    blocks = {_classify(lhs_scale.shape, lhs.shape, lc, "lhs").kind,
+              _classify(rhs_scale.shape, rhs.shape, rc, "rhs").kind} & {"block", "block_row"}
+    fast = fast and not blocks
+    if fast and config is not None and config.tile not in {c.tile for c in FP8_FAST_CONFIGS}:
+        raise ValueError(
+            f"jax_tma.fp8_dot_general: fast accumulation (precision={precision!r}) is compiled "
+            f"for the tiles of {', '.join(c.describe() for c in FP8_FAST_CONFIGS)} only, got "
+            f"config={config.describe()}")
     n = rhs.shape[1 - rc]
     has_bias = bias is not None
     if has_bias:
@@ -290,7 +316,7 @@ def fp8_dot_general(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any,
         bias = jnp.zeros((), jnp.float32)
     _ext.warn_if_unavailable()
     return _fp8_dot(lhs, rhs, lhs_scale, rhs_scale, bias, (lc, rc), jnp.dtype(out_dtype), config,
-                    has_bias, True)
+                    has_bias, not fast)
 
 
 def fp8_matmul(a: Any, b: Any, a_scale: Any, b_scale: Any, *, precision=None,

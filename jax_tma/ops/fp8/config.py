@@ -1,5 +1,12 @@
 """Configurations of the sm90 FP8 kernel (csrc/contract/sm90_fp8.h): the compiled tiles, the
 types it reads and writes, and the heuristic that picks a tile and split-K factor.
+
+The heuristic is a cost model a reader can check by hand: a product of M x N x K on a tile of
+block_m x block_n makes ceil(M / block_m) * ceil(N / block_n) work tiles, run in waves of one
+per SM; every wave costs as much as a full one (the last wave's idle SMs are the loss that
+non-power-of-two widths such as 192 avoid), each tile at its measured share of the chip's FP8
+rate; the result is at least the operands' and the output's bytes at DRAM speed. Split-K is
+considered only where the tiles fill less than one wave.
 """
 
 from __future__ import annotations
@@ -16,11 +23,11 @@ FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
 # K slices (and the block scales' blocks) are 128 deep.
 SCALE_BLOCK = 128
-# (block_m, block_n, stages, cluster_m) of the compiled FP8 tiles, and of Fp8UnpromotedTile,
-# compiled without promotion for e4m3 with fp32 output only (the tile registry,
+# (block_m, block_n, stages, cluster_m) of the compiled FP8 tiles: with promotion, and with the
+# tensor core's accumulation (fast; a subset of the former) (the tile registry,
 # jax_tma/_core/tiles.py).
 _FP8_TILES = tiles.keys(tiles.FP8_TILES)
-_UNPROMOTED_TILE = tiles.FP8_UNPROMOTED[0].key
+_FAST_TILES = tiles.keys(tiles.FP8_FAST_TILES)
 MAX_SPLIT_K = 8
 
 
@@ -43,14 +50,19 @@ class Fp8Config(TileConfig):
 
 
 FP8_CONFIGS: tuple[Fp8Config, ...] = tuple(Fp8Config(*t) for t in _FP8_TILES)
+FP8_FAST_CONFIGS: tuple[Fp8Config, ...] = tuple(Fp8Config(*t) for t in _FAST_TILES)
 
-# Cost model: relative wgmma throughput per tile (128 x 256 the best), the chip's FP8 rate.
-_TILE_EFFICIENCY = {(128, 256): 1.0, (128, 128): 0.9, (64, 256): 0.8, (64, 128): 0.7}
+# Cost model: each tile's sustained share of the chip's FP8 rate on products of many waves,
+# promoted and fast (H200, bench_fp8.py --sweep at 8192^3 and 6144^3, per-tensor:
+# 128 x 256 pairs 1232 TFLOP/s, 128 x 192 pairs 1200, 128 x 128 1160, 64 x 128 1010; fast
+# 128 x 256 pairs 1436).
+_TILE_EFFICIENCY = {(128, 256): 0.62, (128, 192): 0.61, (128, 128): 0.585, (64, 128): 0.51}
+_FAST_EFFICIENCY = {(128, 256): 0.73, (128, 128): 0.62}
 _PEAK_FLOPS = 1.979e15
 
 
 def estimate_seconds(cfg: Fp8Config, m: int, n: int, k: int, num_sms: int,
-                     dram_bytes_per_s: float) -> float:
+                     dram_bytes_per_s: float, fast: bool = False) -> float:
     """A rough time of one product on `cfg`: waves of tiles at the tile's rate, or the operand
     and output bytes at DRAM speed, whichever is longer; split-K adds its fp32 partial products'
     round trip through memory and XLA's sum after the kernel."""
@@ -58,21 +70,24 @@ def estimate_seconds(cfg: Fp8Config, m: int, n: int, k: int, num_sms: int,
     splits = cfg.splits_for(k)
     units = m_blocks * n_blocks * splits
     waves = -(-units // num_sms)
+    efficiency = (_FAST_EFFICIENCY if fast else _TILE_EFFICIENCY)[(cfg.block_m, cfg.block_n)]
     per_unit = 2.0 * cfg.block_m * cfg.block_n * -(-k // splits) / (
-        _PEAK_FLOPS / num_sms * _TILE_EFFICIENCY[(cfg.block_m, cfg.block_n)])
+        _PEAK_FLOPS / num_sms * efficiency)
     seconds = max(waves * per_unit, (m * k + n * k + 2 * m * n) / dram_bytes_per_s)
     if splits > 1:
         seconds += (8 * splits + 2) * m * n / dram_bytes_per_s + 3e-6
     return seconds
 
 
-def default_config(m: int, n: int, k: int, num_sms: int | None = None) -> Fp8Config:
+def default_config(m: int, n: int, k: int, num_sms: int | None = None,
+                   fast: bool = False) -> Fp8Config:
     """The compiled tile and split with the least estimated time (ties: no split, the larger
-    tile). Split-K is considered only where the tiles fill less than one wave."""
+    tile), among the tiles compiled with promotion or, `fast`, for the tensor core's
+    accumulation. Split-K is considered only where the tiles fill less than one wave."""
     num_sms = device.num_sms() if num_sms is None else num_sms
 
     def candidates():
-        for tile in _FP8_TILES:
+        for tile in _FAST_TILES if fast else _FP8_TILES:
             if tile[3] > 1 and -(-m // tile[0]) < 2:
                 continue  # a pair needs two row blocks
             tiles = -(-m // tile[0]) * -(-n // tile[1])
@@ -83,6 +98,6 @@ def default_config(m: int, n: int, k: int, num_sms: int | None = None) -> Fp8Con
 
     return fastest(candidates(),
                    lambda cfg: estimate_seconds(cfg, m, n, k, num_sms,
-                                                device.dram_bytes_per_s()),
+                                                device.dram_bytes_per_s(), fast),
                    lambda cfg: (cfg.split_k, -cfg.block_m * cfg.block_n, -cfg.cluster_m),
                    digits=8)

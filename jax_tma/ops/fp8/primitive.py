@@ -19,8 +19,7 @@ from jax_tma._core.aval import result_aval
 from jax_tma._core.primitive import (bind_local, define_primitive, kernel_ffi_call,
                                      sum_split_partials)
 from jax_tma.ops.fp8 import sharding as fp8_sharding
-from jax_tma.ops.fp8.config import (_UNPROMOTED_TILE, FP8_DTYPES, OUT_DTYPES, SCALE_BLOCK,
-                                    Fp8Config, default_config)
+from jax_tma.ops.fp8.config import FP8_DTYPES, OUT_DTYPES, SCALE_BLOCK, default_config
 from jax_tma.ops.fp8.quantize import _pad_to
 
 KERNEL_TARGET = "jax_tma_fp8_gemm_sm90"
@@ -80,15 +79,13 @@ def kernel_enabled() -> bool:
                          off="to lower the FP8 ops to XLA's reference")
 
 
-def kernel_applies(a, b, out_dtype, promote: bool = True) -> bool:
+def kernel_applies(a, b, out_dtype) -> bool:
     """Whether the FP8 kernel computes a product of these operands (avals or arrays): one FP8
     type for both, bf16 or fp32 out, sizes in the kernel's range."""
     dtype = jnp.dtype(a.dtype)
     if dtype not in FP8_DTYPES or jnp.dtype(b.dtype) != dtype:
         return False
     if jnp.dtype(out_dtype) not in OUT_DTYPES:
-        return False
-    if not promote and (dtype != FP8_DTYPES[0] or jnp.dtype(out_dtype) != jnp.float32):
         return False
     m, k = a.shape
     n = b.shape[0]
@@ -103,8 +100,7 @@ def _kernel_call(a, b, *rest, has_sa, has_sb, row_scale, col_scale, has_bias, ou
     m, k = a.shape
     n = b.shape[0]
     out_dtype = jnp.dtype(out_dtype)
-    cfg = Fp8Config(*_UNPROMOTED_TILE) if not promote else (
-        config if config is not None else default_config(m, n, k))
+    cfg = config if config is not None else default_config(m, n, k, fast=not promote)
     a = _pad_to(a, 1, _K_MULTIPLE)
     b = _pad_to(_pad_to(b, 1, _K_MULTIPLE), 0, _N_MULTIPLE)
     n_pad = b.shape[0]
@@ -146,8 +142,7 @@ def _kernel_call(a, b, *rest, has_sa, has_sb, row_scale, col_scale, has_bias, ou
 
 def _kernel_fn(avals_in, params):
     """The FP8 kernel's call, or None where the reference runs (XLA)."""
-    if not (kernel_enabled() and kernel_applies(avals_in[0], avals_in[1], params["out_dtype"],
-                                                 params["promote"])):
+    if not (kernel_enabled() and kernel_applies(avals_in[0], avals_in[1], params["out_dtype"])):
         return None
     return functools.partial(_kernel_call, **{k: v for k, v in params.items() if k != "local"})
 
@@ -205,12 +200,3 @@ fp8_dot_p = define_primitive("jax_tma_fp8_dot", abstract_eval=_abstract_eval,
 _bind_local = bind_local(fp8_dot_p)
 batching.primitive_batchers[fp8_dot_p] = _batch_rule
 
-
-def fp8_unpromoted_matmul(a, b, a_scale, b_scale):
-    """Test helper: the kernel compiled without promotion (e4m3, per-tensor scales, fp32 out),
-    which accumulates the whole K inside the tensor core; XLA's reference elsewhere."""
-    return fp8_dot_p.bind(a, b, jnp.asarray(a_scale, jnp.float32).reshape(()),
-                          jnp.asarray(b_scale, jnp.float32).reshape(()), has_sa=False,
-                          has_sb=False, row_scale=SCALAR, col_scale=SCALAR, has_bias=False,
-                          out_dtype=jnp.dtype(jnp.float32), config=None, local=True,
-                          promote=False)

@@ -376,7 +376,7 @@ def _kernel(a, b, *rest, poison=True, **params):
     """The kernel's output written over a NaN-poisoned buffer."""
     params = dict(dict(has_sa=False, has_sb=False, row_scale=fp8.NONE, col_scale=fp8.NONE,
                        has_bias=False, out_dtype=F32, config=None, promote=True), **params)
-    assert fp8.kernel_applies(a, b, params["out_dtype"], params["promote"])
+    assert fp8.kernel_applies(a, b, params["out_dtype"])
     fn = jax.jit(functools.partial(fp8._kernel_call, poison=poison, **params))
     out = np.asarray(fn(a, b, *rest), np.float64)
     assert not np.isnan(out).any(), "kernel left poisoned (unwritten) outputs"
@@ -424,7 +424,7 @@ def test_kernel_scale_forms_match_float64(rng, case):
 @pytest.mark.gpu
 def test_kernel_k8192_block_scaled_within_2e3_and_promotion_matters(rng):
     """The issue's bound, and what promotion buys: the same per-tensor product accumulated
-    inside the tensor core over the whole K (the unpromoted kernel) errs more."""
+    inside the tensor core over the whole K (precision=DEFAULT, the fast kernel) errs more."""
     m, n, k = 512, 512, 8192
     a, b, sa, sb, ref = _block_operands(rng, m, n, k)
     out = _kernel(a, b, sa, sb, has_sa=True, has_sb=True, out_dtype=F32)
@@ -435,14 +435,63 @@ def test_kernel_k8192_block_scaled_within_2e3_and_promotion_matters(rng):
     a, s_a = jax_tma.quantize_fp8(x)
     b, s_b = jax_tma.quantize_fp8(w)
     ref = _f64(a, s_a, None) @ _f64(b, s_b, None).T
-    promoted = _kernel(a, b, s_a, s_b, row_scale=fp8.SCALAR, col_scale=fp8.SCALAR)
-    unpromoted = _kernel(a, b, s_a, s_b, row_scale=fp8.SCALAR, col_scale=fp8.SCALAR,
-                         promote=False)
+    product = jax.jit(lambda a, b, precision: jax_tma.fp8_dot_general(
+        a, b, s_a, s_b, precision=precision, out_dtype=jnp.float32), static_argnums=2)
+    promoted = np.asarray(product(a, b, None), np.float64)
+    unpromoted = np.asarray(product(a, b, "default"), np.float64)
     err_p, err_u = rel_error(promoted, ref), rel_error(unpromoted, ref)
     print(f"K=8192 relative error: block-scaled {err_block:.2e}, per-tensor promoted "
           f"{err_p:.2e}, unpromoted {err_u:.2e}")
     assert err_p <= 2e-3
     assert err_u > 2 * err_p, (err_u, err_p)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", fp8_config.FP8_FAST_CONFIGS, ids=_config_id)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
+def test_kernel_fast_accumulation_matches_float64(rng, config, dtype, out_dtype):
+    """The tensor core's accumulation (promote=0) with per-tensor, row and column scales and a
+    bias, on every fast tile, ragged tails. K = 1040 keeps the tensor core's rounding of its
+    sums within the fp32 bound."""
+    m, n, k = 1000, 776, 1040
+    x, w = _data(rng, (m, k)), _data(rng, (n, k)) / np.sqrt(k)
+    a, s_a = jax_tma.quantize_fp8(x, (1, None), dtype)
+    b, s_b = jax_tma.quantize_fp8(w, (1, None), dtype)
+    ref = _f64(a, s_a, (1, None)) @ _f64(b, s_b, (1, None)).T
+    bias = rng.standard_normal(n).astype(np.float32)
+    out = _kernel(a, b, s_a.reshape(-1), s_b.reshape(-1), bias, row_scale=fp8.VECTOR,
+                  col_scale=fp8.VECTOR, has_bias=True, out_dtype=out_dtype, config=config,
+                  promote=False)
+    assert rel_error(out, ref + bias) <= OUT_TOL[out_dtype]
+
+
+def test_precision_picks_the_accumulation():
+    """None / HIGH / HIGHEST promote; DEFAULT and the FAST_ACCUM preset accumulate in the
+    tensor core unless a block scale asks for promotion; a fast product's config must be a
+    fast tile."""
+    a, b = _spec((512, 1024), E4M3), _spec((768, 1024), E4M3)
+    sa, sb = _spec((8, 512), F32), _spec((8, 6), F32)
+
+    def promote(precision, a_scale=2.0, b_scale=0.5, config=None):
+        jaxpr = jax.make_jaxpr(lambda a, b, sa, sb: jax_tma.fp8_dot_general(
+            a, b, a_scale if a_scale is not None else sa, b_scale if b_scale is not None else sb,
+            precision=precision, config=config))(a, b, sa, sb)
+        found = re.findall(r"promote=(True|False)", str(jaxpr))
+        assert len(found) == 1, str(jaxpr)
+        return found[0] == "True"
+
+    assert promote(None) and promote("high") and promote(jax.lax.Precision.HIGHEST)
+    assert not promote(jax.lax.Precision.DEFAULT) and not promote("default")
+    assert not promote(jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM)
+    assert promote(jax.lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32)
+    assert promote("default", a_scale=None) and promote("default", b_scale=None)
+    assert not promote("default", config=fp8_config.FP8_FAST_CONFIGS[0])
+    slow = next(c for c in fp8_config.FP8_CONFIGS
+                if c.tile not in {f.tile for f in fp8_config.FP8_FAST_CONFIGS})
+    with pytest.raises(ValueError, match="fast accumulation .* is compiled for"):
+        promote("default", config=slow)
+    assert promote(None, config=slow)
 
 
 @pytest.mark.gpu
