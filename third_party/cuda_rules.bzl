@@ -9,7 +9,6 @@ load("@local_config_jax_tma//:defs.bzl", "PYTHON")
 # The kernels' own flags: sm_90a only (wgmma, setmaxnreg); a spill or local memory is an error.
 NVCC_FLAGS = [
     "-gencode=arch=compute_90a,code=sm_90a",
-    "-lineinfo",
     "--expt-relaxed-constexpr",
     "-Xptxas=-warn-spills,-warn-lmem-usage,-Werror",
 ]
