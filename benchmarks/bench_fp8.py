@@ -172,9 +172,10 @@ def sweep(shape, args) -> list[Row]:
             lambda a, b, sa, sb, s_a, s_b, *rest: jax_tma.fp8_dot_general(a, b, s_a, s_b, NT),
         "default block " + default:
             lambda a, b, sa, sb, *rest: jax_tma.fp8_dot_general(a, b, sa, sb, NT)}
-    for cfg in fp8_config.FP8_CONFIGS:
-        if cfg.cluster_m > 1 and -(-m // cfg.block_m) < 2:
-            continue
+    def fitting(configs):
+        return [c for c in configs if fp8_config.cluster_fits(c.block_m, c.cluster_m, m)]
+
+    for cfg in fitting(fp8_config.FP8_CONFIGS):
         name = "x".join(map(str, cfg.tile))
         contenders["tensor " + name] = (
             lambda a, b, sa, sb, s_a, s_b, *rest, cfg=cfg: jax_tma.fp8_dot_general(
@@ -183,9 +184,7 @@ def sweep(shape, args) -> list[Row]:
             lambda a, b, sa, sb, *rest, cfg=cfg: jax_tma.fp8_dot_general(a, b, sa, sb, NT,
                                                                          config=cfg))
     # The tensor core's own accumulation over the whole K (precision=DEFAULT, per-tensor).
-    for cfg in fp8_config.FP8_FAST_CONFIGS:
-        if cfg.cluster_m > 1 and -(-m // cfg.block_m) < 2:
-            continue
+    for cfg in fitting(fp8_config.FP8_FAST_CONFIGS):
         contenders["fast " + "x".join(map(str, cfg.tile))] = (
             lambda a, b, sa, sb, s_a, s_b, *rest, cfg=cfg: jax_tma.fp8_dot_general(
                 a, b, s_a, s_b, NT, precision=lax.Precision.DEFAULT, config=cfg))

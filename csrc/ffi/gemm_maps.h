@@ -57,9 +57,9 @@ TensorMapSpec operand_spec(sm90_gemm::DType dtype, ViewDim mn, ViewDim k, ViewDi
 
 // The launch's problem: `batch` products of m x n x k in `splits` K ranges of `per_split` blocks
 // each, D contiguous ([splits, batch, m, n]); a handler with other D strides sets them after.
-sm90_gemm::GemmShape problem_shape(int64_t m, int64_t n, int64_t k, int64_t batch = 1,
-                                   int64_t splits = 1, int64_t per_split = 0,
-                                   bool a_batched = false, bool b_batched = false);
+sm90_gemm::GemmShape problem_shape(int64_t m, int64_t n, int64_t k, int64_t batch,
+                                   int64_t splits, int64_t per_split, bool a_batched = false,
+                                   bool b_batched = false);
 
 // D of the sm90 kernel's TMA-store epilogue: rank 4, {N, M, batch, split}, in boxes of one
 // epilogue chunk (64 rows x 128 bytes).

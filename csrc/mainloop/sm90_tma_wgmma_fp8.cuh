@@ -38,6 +38,7 @@
 #include <cuda.h>
 
 #include <cstdint>
+#include <numeric>
 #include <utility>
 
 #include "contract/sm90_gemm.h"
@@ -88,8 +89,7 @@ struct MainloopSm90Fp8 {
 
   // Column blocks of B's scales one part spans: where its width divides 128 (and tiles start at
   // multiples of it) one, else up to two.
-  static constexpr int kGcdN = kPartN % 128 == 0 ? 128 : kPartN % 64 == 0 ? 64
-                               : kPartN % 32 == 0 ? 32 : kPartN % 16 == 0 ? 16 : 8;
+  static constexpr int kGcdN = std::gcd(kPartN, kScaleBlock);
   static constexpr bool kTwoBlocks = kPromote && kParts == 1 && kScaleBlock % kPartN != 0;
   static constexpr int kScaleBlocks = kTwoBlocks ? 2 : kParts;
   // The splits a tile can have: tiles start at multiples of kPartN, so at offsets r (multiples

@@ -79,6 +79,11 @@ def estimate_seconds(cfg: Fp8Config, m: int, n: int, k: int, num_sms: int,
     return seconds
 
 
+def cluster_fits(block_m: int, cluster_m: int, m: int) -> bool:
+    """Whether a tile's cluster has rows for each of its CTAs: a pair needs two row blocks."""
+    return cluster_m == 1 or -(-m // block_m) >= 2
+
+
 def default_config(m: int, n: int, k: int, num_sms: int | None = None,
                    fast: bool = False) -> Fp8Config:
     """The compiled tile and split with the least estimated time (ties: no split, the larger
@@ -88,8 +93,8 @@ def default_config(m: int, n: int, k: int, num_sms: int | None = None,
 
     def candidates():
         for tile in _FAST_TILES if fast else _FP8_TILES:
-            if tile[3] > 1 and -(-m // tile[0]) < 2:
-                continue  # a pair needs two row blocks
+            if not cluster_fits(tile[0], tile[3], m):
+                continue
             tiles = -(-m // tile[0]) * -(-n // tile[1])
             for split in (1, 2, 4, 8) if tiles < num_sms else (1,):
                 cfg = Fp8Config(*tile, split_k=split)
