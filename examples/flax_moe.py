@@ -1,24 +1,22 @@
-"""Train a small Flax Mixture-of-Experts layer twice, with the experts' products on
-``jax_tma.ragged_dot`` and on ``jax.lax.ragged_dot``, from the same initial parameters on the
-same data, and compare the loss curves.
+"""Train a small model built on ``jax_tma.flax.MoE`` twice, with the experts' products on
+jax_tma's grouped kernel and on ``jax.lax.ragged_dot`` (the layer's ``implementation="xla"``),
+from the same initial parameters on the same data, and compare the loss curves.
 
     python examples/flax_moe.py                    # 8 experts, top-2, bf16, 300 adam steps
-    python examples/flax_moe.py --experts 64 --top-k 4 --tokens 8192 --d-model 1024 --d-ff 2048
+    python examples/flax_moe.py --experts 64 --top-k 8 --tokens 8192 --d-model 1024 --d-ff 768
 
-The layer: a linear router scores every token against every expert, each token goes to its
-top-k experts (softmax over the k chosen scores gives the mixing weights), the (token, expert)
-pairs are sorted by expert so each expert's tokens are one contiguous run of rows, and every
-expert applies its own MLP d -> f -> d (gelu) to its run: two grouped products,
-``ragged_dot(rows [T*k, d], w_in [E, d, f], group_sizes)`` and ``ragged_dot(h, w_out [E, f, d],
-group_sizes)``, with group sizes counted on the device. Outputs are mixed back per token, plus
-the residual. Parameters and adam state are float32; the experts compute in ``--dtype``.
+The model is ``x + MoE(x)``: a SwiGLU expert layer (router, top-k, tokens sorted by expert, the
+experts' gate-and-up and down products as grouped GEMMs, weighted combine) and its residual.
+The loss is the mean squared error against a fixed random teacher of the same shape plus 1e-2
+times the layer's load-balancing loss (sown in "intermediates"). Parameters and adam state are
+float32; the experts compute in ``--dtype``.
 
-The task is regression onto a fixed random teacher of the same shape. On an H100/H200 each
-expert projection's forward product, weight gradient and (for the second) input gradient is one
-``jax_tma_ragged_dot_sm90`` call: 5 per training step (the first projection's input gradient
-feeds only the data, which is not trained, and XLA removes it). The script prints both curves,
-their largest relative difference and the kernel calls per compiled step; exit status 1 when
-the curves differ by more than the dtype's tolerance or the call count is not the expected one.
+On an H100/H200 each expert product's forward, weight gradient and (for the down projection)
+input gradient is one ``jax_tma_ragged_dot_sm90`` call: 5 per training step (the gate-and-up
+product's input gradient reaches only the data, which is not trained, and XLA removes it). The
+script prints both curves, their largest relative difference and the kernel calls per compiled
+step; exit status 1 when the curves differ by more than the dtype's tolerance or the call count
+is not the expected one.
 """
 
 from __future__ import annotations
@@ -35,51 +33,52 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 import jax_tma
+import jax_tma.flax
 
 DTYPES = {"float32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 # Largest relative difference of the two loss curves: both accumulate in fp32, their 16-bit
 # outputs round differently now and then, and a token's top-k choice can flip on a near tie.
 TOLERANCE = {"float32": 1e-3, "bf16": 5e-2, "fp16": 2e-2}
 NUM_BATCHES = 8
+AUX_LOSS_WEIGHT = 1e-2
 _CALL_TARGET = re.compile(r'custom_call_target="(jax_tma_ragged_dot[^"]*)"')
 
 
-class MoE(nn.Module):
-    """Top-k routed experts, each a gelu MLP d -> f -> d, plus the residual."""
+class Model(nn.Module):
+    """x + MoE(x): top-k routed SwiGLU experts and the residual."""
 
     experts: int
     top_k: int
     d_ff: int
     dtype: Any
-    ragged_dot: Callable  # jax_tma.ragged_dot or lax.ragged_dot
+    implementation: str = "jax_tma"
+    expert_axis: str | None = None
+    mesh: Any = None
+    capacity_factor: float | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        tokens, d = x.shape
-        logits = nn.Dense(self.experts, use_bias=False, name="router")(x)
-        scores, chosen = lax.top_k(logits, self.top_k)  # [T, k]
-        weights = jax.nn.softmax(scores, axis=-1)
-        # (token, slot) pairs sorted by expert: each expert's rows are one run.
-        expert = chosen.reshape(-1)
-        order = jnp.argsort(expert, stable=True)
-        token = order // self.top_k
-        group_sizes = jnp.bincount(expert, length=self.experts).astype(jnp.int32)
-        rows = x[token].astype(self.dtype)
-        init = nn.initializers.lecun_normal(batch_axis=(0,))
-        w_in = self.param("w_in", init, (self.experts, d, self.d_ff)).astype(self.dtype)
-        w_out = self.param("w_out", init, (self.experts, self.d_ff, d)).astype(self.dtype)
-        h = nn.gelu(self.ragged_dot(rows, w_in, group_sizes))
-        y = self.ragged_dot(h, w_out, group_sizes).astype(jnp.float32)
-        mix = weights.reshape(-1)[order][:, None]
-        return x + jnp.zeros_like(x).at[token].add(mix * y)
+        moe = jax_tma.flax.MoE(num_experts=self.experts, top_k=self.top_k, hidden_dim=self.d_ff,
+                               dtype=self.dtype, implementation=self.implementation,
+                               expert_axis=self.expert_axis, mesh=self.mesh,
+                               capacity_factor=self.capacity_factor, name="moe")
+        return x + moe(x).astype(x.dtype)
+
+
+def loss_fn(model: nn.Module) -> Callable:
+    """(params, x, y) -> mean squared error + AUX_LOSS_WEIGHT * load-balancing loss."""
+    def loss(params, x, y):
+        out, state = model.apply(params, x, mutable=["intermediates"])
+        balance = state["intermediates"]["moe"]["load_balancing_loss"][0]
+        return jnp.mean((out - y) ** 2) + AUX_LOSS_WEIGHT * balance
+    return loss
 
 
 def expected_kernel_calls() -> int:
-    """jax_tma calls per step: forward and weight gradient of both projections, and the input
-    gradient of the second."""
+    """jax_tma calls per step: forward and weight gradient of both expert products, and the
+    input gradient of the down projection."""
     return 5
 
 
@@ -105,28 +104,25 @@ def setup(*, tokens: int = 2048, d_model: int = 256, d_ff: int = 512, experts: i
     if not 1 <= top_k <= experts:
         raise ValueError(f"top_k must be in [1, experts={experts}], got {top_k}")
 
-    def model(ragged_dot):
-        return MoE(experts=experts, top_k=top_k, d_ff=d_ff, dtype=DTYPES[dtype],
-                   ragged_dot=ragged_dot)
+    def model(implementation):
+        return Model(experts=experts, top_k=top_k, d_ff=d_ff, dtype=DTYPES[dtype],
+                     implementation=implementation)
 
     rng = np.random.default_rng(seed)
     xs = rng.standard_normal((NUM_BATCHES, tokens, d_model)).astype(np.float32)
-    teacher = model(lax.ragged_dot)
+    teacher = model("xla")
     teacher_params = teacher.init(jax.random.key(seed + 1), xs[0])
     ys = [np.asarray(jax.jit(teacher.apply)(teacher_params, x)) for x in xs]
-    params = model(lax.ragged_dot).init(jax.random.key(seed), xs[0])
+    params = model("xla").init(jax.random.key(seed), xs[0])
     optimizer = optax.adam(learning_rate)
     opt_state = optimizer.init(params)
-    net = model(jax_tma.ragged_dot if use_tma else lax.ragged_dot)
-
-    def loss_fn(params, x, y):
-        return jnp.mean((net.apply(params, x) - y) ** 2)
+    loss = loss_fn(model("jax_tma" if use_tma else "xla"))
 
     @jax.jit
     def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        value, grads = jax.value_and_grad(loss)(params, x, y)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        return optax.apply_updates(params, updates), opt_state, value
 
     batches = [(jnp.asarray(x), jnp.asarray(y)) for x, y in zip(xs, ys)]
     return Setup(step, params, opt_state, batches)
@@ -180,9 +176,9 @@ def main(argv=None) -> int:
     status = jax_tma.kernel_status()
     print(f"device: {status.device} | jax {jax.__version__} | jax_tma kernel "
           f"{'available' if status.available else 'unavailable: ' + status.reason}")
-    print(f"MoE: {args.tokens} tokens, d={args.d_model}, {args.experts} experts of "
-          f"{args.d_model}->{args.d_ff}->{args.d_model}, top-{args.top_k}, {args.dtype} experts, "
-          f"adam lr {args.lr}, {args.steps} steps")
+    print(f"MoE: {args.tokens} tokens, d={args.d_model}, {args.experts} SwiGLU experts of "
+          f"width {args.d_ff}, top-{args.top_k}, {args.dtype} experts, adam lr {args.lr}, "
+          f"{args.steps} steps")
     config = dict(tokens=args.tokens, d_model=args.d_model, d_ff=args.d_ff,
                   experts=args.experts, top_k=args.top_k, dtype=args.dtype, seed=args.seed,
                   learning_rate=args.lr)
@@ -202,7 +198,7 @@ def main(argv=None) -> int:
 
     expected = expected_kernel_calls() if status.available and args.dtype != "float32" else 0
     print(f"\nkernel calls per step: {calls['jax_tma']} ({expected} expected: forward and weight "
-          "gradient of both projections, input gradient of the second)")
+          "gradient of both expert products, input gradient of the down projection)")
     diff = max_relative_difference(curves["jax_tma"], curves["xla"])
     tol = TOLERANCE[args.dtype]
     ok = diff <= tol and all(np.isfinite(curves["jax_tma"])) and calls["jax_tma"] == expected

@@ -14,6 +14,9 @@ Public API:
     gating fused into the GEMM epilogue, with their gradients (also fused).
   ragged_dot(lhs, rhs, group_sizes, ...), ragged_dot_general(...): ``lax.ragged_dot`` and
     ``lax.ragged_dot_general`` on the grouped (MoE) kernel, group sizes read on the device.
+  moe_mlp(x, router_kernel, w_up, w_down, w_gate, top_k=...): a Mixture-of-Experts MLP (routing,
+    sorting by expert, the experts on the grouped kernel, combine; expert parallelism over a
+    mesh axis), returning the output and the router's MoeStats.
   quantize_fp8(x, block, dtype), fp8_matmul(a, b, a_scale, b_scale),
     fp8_dot_general(lhs, rhs, lhs_scale, rhs_scale, dimension_numbers): FP8 (e4m3/e5m2)
     products with per-tensor, row/column or block (1x128, 128x128) scales on the FP8 kernel.
@@ -39,6 +42,7 @@ from jax_tma.ops.fp8.quantize import quantize_fp8
 from jax_tma.ops.gemm.api import dot_general, matmul
 from jax_tma.ops.gemm.autotune import TuneResult, autotune
 from jax_tma.ops.gemm.config import COMPILED_CONFIGS, GemmConfig, default_config
+from jax_tma.ops.moe.api import MoeStats, moe_mlp
 from jax_tma.ops.ragged.api import ragged_dot, ragged_dot_general
 from jax_tma.ops.ragged.config import RAGGED_CONFIGS
 
@@ -52,6 +56,7 @@ __all__ = [
     "Fp8Config",
     "GemmConfig",
     "KernelStatus",
+    "MoeStats",
     "TuneResult",
     "autotune",
     "default_config",
@@ -65,6 +70,7 @@ __all__ = [
     "kernel_status",
     "matmul",
     "mlp",
+    "moe_mlp",
     "quantize_fp8",
     "ragged_dot",
     "ragged_dot_general",

@@ -1,0 +1,409 @@
+"""A Mixture-of-Experts MLP on the grouped kernels: ``jax_tma.moe_mlp``.
+
+  y, stats = moe_mlp(x, router_kernel, w_up, w_down, w_gate, top_k=8)
+
+x [..., d] is routed token by token (the leading dims flattened: T tokens): router logits
+``x @ router_kernel`` in fp32 ([d, E]), each token to its ``top_k`` experts with mixing weights.
+The T * top_k (token, choice) pairs are sorted by expert on the device, so that each expert's
+rows are one run, and every expert applies its MLP to its run as grouped products
+(``jax_tma.ragged_dot``, group sizes counted on the device):
+
+  gated (w_gate given):  (act(rows @ w_gate[e]) * (rows @ w_up[e])) @ w_down[e]   (SwiGLU: silu)
+  plain:                  act(rows @ w_up[e]) @ w_down[e]
+
+The gate and up products run as one grouped product of the concatenated weights [E, d, 2F]
+(one kernel call and one read of the rows; the concatenation fuses into the cast to the compute
+type). The results are gathered back into token order and mixed by the weights in fp32:
+y [..., d] = sum over a token's choices of weight * expert output, in the compute type. No
+residual is added.
+
+Routers ("router="):
+  softmax_topk  p = softmax(logits) over the E experts; the top_k p; with renormalize the
+                weights are those p over their sum (Mixtral, Qwen3-MoE), else p (Switch).
+  sigmoid_topk  s = sigmoid(logits); the top_k s; with renormalize s over their sum, else s
+                (DeepSeek-V3's scores, without its expert bias and group limit).
+
+Statistics (MoeStats, fp32 scalars unless said):
+  load_balancing_loss  E * sum_e f_e * P_e (Switch Transformer / GShard): f_e the share of the
+                       T * top_k pairs routed to expert e (before any capacity), P_e the mean
+                       over tokens of the router's probability of e (softmax; sigmoid scores
+                       over their sum). 1 when routing is uniform; differentiable through P_e.
+                       Scale it by a coefficient (often 1e-2) and add it to the loss.
+  router_z_loss        mean over tokens of logsumexp(logits)^2 (ST-MoE).
+  tokens_per_expert    [E] int32, pairs routed to each expert.
+  dropped_fraction     share of the pairs the capacity dropped (0 without one).
+
+Capacity: ``capacity_factor=None`` drops nothing: the result is the exact layer. A float caps
+the rows an expert takes on one device at C = ceil(capacity_factor * T * top_k / E); with
+expert parallelism it caps the rows one device sends another at
+C = ceil(capacity_factor * T_local * top_k / n) (the exchange's buffers: n devices on the
+axis). A pair past its cap is dropped: it adds nothing to its token's output (the token's
+other choices still do, with their weights unchanged). Priority: every token's first choice
+comes before any token's second, and so on; within a choice, tokens in order.
+
+Expert parallelism (``expert_axis``): the experts and the tokens are sharded over that axis of
+``mesh`` (or of the mesh set with ``jax.set_mesh``), the router replicated. Inside
+``jax.shard_map`` each device routes its tokens, sends each pair's row to the device holding
+its expert with ``lax.all_to_all`` (fixed buffers of C rows per device pair; C = T_local *
+top_k without a capacity, so nothing is dropped), runs its own experts on what it receives and
+sends the results back. Without drops the result equals the one-device layer's up to summation
+order; the statistics are the global ones. Other mesh axes are left to the compiler.
+
+``implementation="xla"`` runs the same layer with ``lax.ragged_dot`` (for comparisons).
+Gradients flow through everything but the expert choice (the weights through lax.top_k's
+values).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_tma.ops.ragged.api import ragged_dot
+
+ROUTERS = ("softmax_topk", "sigmoid_topk")
+IMPLEMENTATIONS = ("jax_tma", "xla")
+GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "gelu_erf")
+ACTIVATIONS = (None, "relu", *GATED_ACTIVATIONS)
+_F32 = jnp.float32
+
+
+class MoeStats(NamedTuple):
+    """The router's statistics of one call (module docstring)."""
+
+    load_balancing_loss: jax.Array
+    router_z_loss: jax.Array
+    tokens_per_expert: jax.Array
+    dropped_fraction: jax.Array
+
+
+class _Options(NamedTuple):
+    experts: int
+    top_k: int
+    activation: str | None
+    router: str
+    renormalize: bool
+    capacity_factor: float | None
+    dtype: Any
+    implementation: str
+
+
+def _activate(name: str | None, z: jax.Array) -> jax.Array:
+    if name is None:
+        return z
+    if name == "relu":
+        return jax.nn.relu(z)
+    if name == "silu":
+        return jax.nn.silu(z)
+    return jax.nn.gelu(z, approximate=name in ("gelu", "gelu_tanh"))
+
+
+def check_options(op: str, *, num_experts: int, top_k: int, hidden_dim: int | None,
+                  activation: str | None, gated: bool, router: str, capacity_factor: Any,
+                  implementation: str) -> None:
+    """ValueErrors naming `op` for options no call can take (also checked at a layer's
+    construction)."""
+    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) \
+            or num_experts < 1:
+        raise ValueError(f"{op}: num_experts must be a positive int, got {num_experts!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) \
+            or not 1 <= top_k <= num_experts:
+        raise ValueError(f"{op}: top_k must be an int in [1, num_experts={num_experts}], "
+                         f"got {top_k!r}")
+    if hidden_dim is not None and (isinstance(hidden_dim, bool)
+                                   or not isinstance(hidden_dim, (int, np.integer))
+                                   or hidden_dim < 1):
+        raise ValueError(f"{op}: hidden_dim must be a positive int, got {hidden_dim!r}")
+    allowed = GATED_ACTIVATIONS if gated else ACTIVATIONS
+    if activation not in allowed:
+        raise ValueError(f"{op}: activation must be one of {allowed} "
+                         f"({'gated' if gated else 'plain'} experts), got {activation!r}")
+    if router not in ROUTERS:
+        raise ValueError(f"{op}: router must be one of {ROUTERS}, got {router!r}")
+    if capacity_factor is not None and (isinstance(capacity_factor, bool) or not isinstance(
+            capacity_factor, (int, float, np.integer, np.floating)) or not capacity_factor > 0
+            or not math.isfinite(capacity_factor)):
+        raise ValueError(f"{op}: capacity_factor must be None (drop nothing) or a positive "
+                         f"number, got {capacity_factor!r}")
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{op}: implementation must be one of {IMPLEMENTATIONS}, "
+                         f"got {implementation!r}")
+
+
+def _check_arrays(x, router_kernel, w_up, w_down, w_gate, dtype) -> tuple[int, int, int]:
+    """(d, E, F) of consistent operands, else a ValueError or TypeError naming the shapes."""
+    shapes = {"x": np.shape(x), "router_kernel": np.shape(router_kernel),
+              "w_up": np.shape(w_up), "w_down": np.shape(w_down)}
+    if w_gate is not None:
+        shapes["w_gate"] = np.shape(w_gate)
+    named = ", ".join(f"{k} {list(v)}" for k, v in shapes.items())
+    for name, value in (("x", x), ("router_kernel", router_kernel), ("w_up", w_up),
+                        ("w_down", w_down), ("w_gate", w_gate)):
+        if value is not None and not jnp.issubdtype(jnp.result_type(value), jnp.floating):
+            raise TypeError(f"jax_tma.moe_mlp: {name} must be floating point, got "
+                            f"{jnp.result_type(value)} ({named})")
+    if dtype is not None and not jnp.issubdtype(jnp.dtype(dtype), jnp.floating):
+        raise TypeError(f"jax_tma.moe_mlp: dtype must be floating point, got {dtype!r}")
+    if len(shapes["x"]) < 1 or len(shapes["router_kernel"]) != 2:
+        raise ValueError(f"jax_tma.moe_mlp: x must be [..., d] and router_kernel [d, E]; got "
+                         f"{named}")
+    d = shapes["x"][-1]
+    experts = shapes["router_kernel"][1]
+    if len(shapes["w_up"]) != 3:
+        raise ValueError(f"jax_tma.moe_mlp: w_up must be [E, d, F]; got {named}")
+    hidden = shapes["w_up"][2]
+    want = {"router_kernel": (d, experts), "w_up": (experts, d, hidden),
+            "w_down": (experts, hidden, d)}
+    if w_gate is not None:
+        want["w_gate"] = (experts, d, hidden)
+    if any(tuple(shapes[k]) != v for k, v in want.items()):
+        raise ValueError(
+            "jax_tma.moe_mlp: with x [..., d], router_kernel must be [d, E], w_up"
+            f"{' and w_gate' if w_gate is not None else ''} [E, d, F] and w_down [E, F, d]; "
+            f"got {named}")
+    if min(d, experts, hidden) < 1:
+        raise ValueError(f"jax_tma.moe_mlp: d, E and F must be positive; got {named}")
+    return d, experts, hidden
+
+
+def moe_mlp(x: Any, router_kernel: Any, w_up: Any, w_down: Any, w_gate: Any = None, *,
+            top_k: int, activation: str | None = "silu", router: str = "softmax_topk",
+            renormalize: bool = True, capacity_factor: float | None = None,
+            expert_axis: str | None = None, mesh: Any = None, dtype: Any = None,
+            implementation: str = "jax_tma") -> tuple[jax.Array, MoeStats]:
+    """Top-k routed experts (module docstring): ``(y, stats)``.
+
+    Args:
+      x: [..., d] tokens.
+      router_kernel: [d, E] (computed in fp32).
+      w_up: [E, d, F]; w_gate: [E, d, F] or None (plain experts); w_down: [E, F, d].
+      top_k: experts per token, in [1, E].
+      activation: "silu", "gelu" (tanh approximation), "gelu_tanh", "gelu_erf"; plain experts
+        also None and "relu".
+      router: "softmax_topk" or "sigmoid_topk"; renormalize: weights over their sum.
+      capacity_factor: None (drop nothing) or the rows an expert (or a device pair) takes, in
+        units of its even share.
+      expert_axis: a mesh axis to shard the experts and the tokens over (expert parallelism);
+        mesh: its mesh (default: the one set with ``jax.set_mesh``).
+      dtype: the experts' compute type (default x's); bf16 and fp16 run the kernels.
+      implementation: "jax_tma" (the grouped kernels) or "xla" (``lax.ragged_dot``).
+
+    Returns:
+      y [..., d] in ``dtype``, and the router's MoeStats.
+    """
+    check_options("jax_tma.moe_mlp", num_experts=np.shape(router_kernel)[-1]
+                  if np.ndim(router_kernel) == 2 else 1, top_k=top_k, hidden_dim=None,
+                  activation=activation, gated=w_gate is not None, router=router,
+                  capacity_factor=capacity_factor, implementation=implementation)
+    d, experts, _ = _check_arrays(x, router_kernel, w_up, w_down, w_gate, dtype)
+    x = jnp.asarray(x)
+    lead = x.shape[:-1]
+    tokens = math.prod(lead)
+    options = _Options(experts, int(top_k), "gelu_tanh" if activation == "gelu" else activation,
+                       router, bool(renormalize),
+                       None if capacity_factor is None else float(capacity_factor),
+                       jnp.dtype(dtype or x.dtype), implementation)
+    weights = (router_kernel, w_gate, w_up, w_down)
+    if tokens == 0:
+        zeros = jnp.zeros((), _F32)
+        return (jnp.zeros(x.shape, options.dtype),
+                MoeStats(zeros, zeros, jnp.zeros((experts,), jnp.int32), zeros))
+    x2 = x.reshape(tokens, d)
+    if expert_axis is None:
+        y, stats = _one_device(x2, weights, options)
+    else:
+        y, stats = _expert_parallel(x2, weights, options, expert_axis, mesh)
+    return y.reshape(x.shape), stats
+
+
+# --- Routing ------------------------------------------------------------------------------------
+class _Routing(NamedTuple):
+    choice: jax.Array  # [T, k] int32 experts
+    weights: jax.Array  # [T, k] fp32 mixing weights
+    counts: jax.Array  # [E] int32 pairs per expert
+    prob_sum: jax.Array  # [E] fp32: sum over tokens of the router's probability
+    z_sum: jax.Array  # fp32: sum over tokens of logsumexp(logits)^2
+
+
+def _route(x: jax.Array, router_kernel: jax.Array, o: _Options) -> _Routing:
+    logits = jnp.dot(x.astype(_F32), jnp.asarray(router_kernel, _F32),
+                     precision=lax.Precision.HIGHEST)
+    if o.router == "softmax_topk":
+        probs = jax.nn.softmax(logits, axis=-1)
+        scores = probs
+    else:
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    top, choice = lax.top_k(scores, o.top_k)
+    weights = top / jnp.sum(top, axis=-1, keepdims=True) if o.renormalize else top
+    counts = jnp.zeros((o.experts,), jnp.int32).at[choice.reshape(-1)].add(1)
+    z = jax.nn.logsumexp(logits, axis=-1)
+    return _Routing(choice.astype(jnp.int32), weights, counts, jnp.sum(probs, axis=0),
+                    jnp.sum(z * z))
+
+
+def _stats(r: _Routing, tokens: int, dropped: jax.Array, o: _Options) -> MoeStats:
+    """MoeStats from (summed) routing terms over `tokens` tokens."""
+    pairs = tokens * o.top_k
+    f = r.counts.astype(_F32) / pairs
+    p = r.prob_sum / tokens
+    return MoeStats(o.experts * jnp.sum(lax.stop_gradient(f) * p), r.z_sum / tokens, r.counts,
+                    dropped.astype(_F32) / pairs)
+
+
+# --- Dispatch -----------------------------------------------------------------------------------
+class _Placement(NamedTuple):
+    dest: jax.Array  # [P] buffer row of each pair; `rows` (out of range) where dropped
+    rows: int  # buffer rows
+    sizes: jax.Array  # [buckets] int32: pairs kept per bucket
+
+
+def _place(bucket: jax.Array, buckets: int, capacity: int | None, slotted: bool) -> _Placement:
+    """Where each pair (in priority order) goes in a buffer holding each bucket's pairs as one
+    run of at most `capacity` (None: all of them). Runs are packed one after another, or
+    (`slotted`) each starts at bucket * capacity (the exchange's fixed slots)."""
+    pairs = bucket.shape[0]
+    order = jnp.argsort(bucket, stable=True)
+    sorted_bucket = bucket[order]
+    sizes = jnp.zeros((buckets,), jnp.int32).at[bucket].add(1)
+    position = jnp.arange(pairs, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[sorted_bucket]
+    if capacity is None:
+        rows, kept = pairs, sizes
+        dest_sorted = jnp.arange(pairs, dtype=jnp.int32)
+    else:
+        kept = jnp.minimum(sizes, capacity)
+        if slotted:
+            rows = buckets * capacity
+            start = sorted_bucket * capacity
+        else:
+            rows = min(pairs, buckets * capacity)
+            start = (jnp.cumsum(kept) - kept)[sorted_bucket]
+        dest_sorted = jnp.where(position < capacity, start + position, rows)
+    dest = jnp.zeros((pairs,), jnp.int32).at[order].set(dest_sorted)
+    return _Placement(dest, rows, kept)
+
+
+def _gather_rows(x: jax.Array, token: jax.Array, p: _Placement, dtype) -> jax.Array:
+    """[p.rows, d]: each kept pair's token row at its buffer row, zeros elsewhere."""
+    source = jnp.full((p.rows,), x.shape[0], jnp.int32).at[p.dest].set(token, mode="drop")
+    padded = jnp.concatenate([x.astype(dtype), jnp.zeros((1, x.shape[1]), dtype)])
+    return padded[source]
+
+
+def _combine(y_rows: jax.Array, p: _Placement, r: _Routing, dtype) -> jax.Array:
+    """[T, d]: each token's pairs' rows (zero where dropped) mixed by its weights in fp32."""
+    tokens, k = r.weights.shape
+    y_pair = jnp.take(y_rows, p.dest, axis=0, mode="fill", fill_value=0)
+    y_pair = y_pair.reshape(k, tokens, -1).astype(_F32)
+    return jnp.sum(r.weights.T[:, :, None] * y_pair, axis=0).astype(dtype)
+
+
+def _pairs(r: _Routing) -> tuple[jax.Array, jax.Array]:
+    """(expert, token) of every pair in priority order: choice-major (every token's first
+    choice, then every token's second, ...)."""
+    tokens, k = r.choice.shape
+    return r.choice.T.reshape(-1), jnp.tile(jnp.arange(tokens, dtype=jnp.int32), k)
+
+
+# --- Experts ------------------------------------------------------------------------------------
+def _experts(rows: jax.Array, group_sizes: jax.Array, weights, o: _Options) -> jax.Array:
+    """Every expert's MLP on its run of `rows` (rows past the groups come out zero)."""
+    _, w_gate, w_up, w_down = weights
+    dot = ragged_dot if o.implementation == "jax_tma" else lax.ragged_dot
+    dtype = o.dtype
+    if w_gate is None:
+        h = dot(rows, jnp.asarray(w_up, dtype), group_sizes)
+        h = _activate(o.activation, h.astype(_F32)).astype(dtype)
+    else:
+        hidden = w_up.shape[-1]
+        w = jnp.concatenate([jnp.asarray(w_gate, dtype), jnp.asarray(w_up, dtype)], axis=-1)
+        gu = dot(rows, w, group_sizes)
+        gate = _activate(o.activation, gu[:, :hidden].astype(_F32)).astype(dtype)
+        h = (gate.astype(_F32) * gu[:, hidden:].astype(_F32)).astype(dtype)
+    return dot(h, jnp.asarray(w_down, dtype), group_sizes)
+
+
+def _one_device(x: jax.Array, weights, o: _Options) -> tuple[jax.Array, MoeStats]:
+    tokens = x.shape[0]
+    r = _route(x, weights[0], o)
+    expert, token = _pairs(r)
+    capacity = (None if o.capacity_factor is None
+                else math.ceil(o.capacity_factor * tokens * o.top_k / o.experts))
+    p = _place(expert, o.experts, capacity, slotted=False)
+    y_rows = _experts(_gather_rows(x, token, p, o.dtype), p.sizes, weights, o)
+    dropped = tokens * o.top_k - jnp.sum(p.sizes)
+    return _combine(y_rows, p, r, o.dtype), _stats(r, tokens, dropped, o)
+
+
+# --- Expert parallelism -------------------------------------------------------------------------
+def _expert_parallel(x: jax.Array, weights, o: _Options, axis: str,
+                     mesh: Any) -> tuple[jax.Array, MoeStats]:
+    mesh = jax.sharding.get_abstract_mesh() if mesh is None else mesh
+    names = tuple(getattr(mesh, "axis_names", ()))
+    if axis not in names:
+        where = (f"the mesh's axes are {names}" if names
+                 else "no mesh is set: pass mesh= or call inside jax.set_mesh(mesh)")
+        raise ValueError(f"jax_tma.moe_mlp: expert_axis={axis!r} is not an axis of the mesh; "
+                         f"{where}")
+    devices = int(dict(mesh.shape)[axis])
+    tokens = x.shape[0]
+    if o.experts % devices or tokens % devices:
+        raise ValueError(
+            f"jax_tma.moe_mlp: with expert_axis={axis!r} of {devices} devices, the experts "
+            f"({o.experts}) and the tokens ({tokens}, x's leading dims) must be multiples of "
+            f"{devices}")
+    local_tokens = tokens // devices
+    capacity = (local_tokens * o.top_k if o.capacity_factor is None
+                else min(local_tokens * o.top_k,
+                         math.ceil(o.capacity_factor * local_tokens * o.top_k / devices)))
+    router_kernel, w_gate, w_up, w_down = weights
+    specs = (P(axis), P(), None if w_gate is None else P(axis), P(axis), P(axis))
+    body = functools.partial(_expert_parallel_body, o=o, axis=axis, devices=devices,
+                             capacity=capacity)
+    stat_specs = MoeStats(P(), P(), P(), P())
+    run = jax.shard_map(body, mesh=mesh, in_specs=specs, out_specs=(P(axis), stat_specs),
+                        axis_names={axis})
+    args = (x, router_kernel, w_gate, w_up, w_down)
+    if jax.sharding.AxisType.Explicit in tuple(getattr(mesh, "axis_types", ())):
+        # Explicit axes: shard_map takes arguments already laid out as its specs say.
+        args = tuple(None if a is None else jax.sharding.reshard(a, NamedSharding(mesh, spec))
+                     for a, spec in zip(args, specs))
+    return run(*args)
+
+
+def _expert_parallel_body(x, router_kernel, w_gate, w_up, w_down, *, o: _Options, axis: str,
+                          devices: int, capacity: int) -> tuple[jax.Array, MoeStats]:
+    """One device's share: its tokens x [T / n, d] and its E / n experts' weights."""
+    tokens, d = x.shape
+    local_experts = o.experts // devices
+    r = _route(x, router_kernel, o)
+    expert, token = _pairs(r)
+    # Each destination device's pairs as one run of at most `capacity`, in fixed slots.
+    p = _place(expert // local_experts, devices, capacity, slotted=True)
+    send = _gather_rows(x, token, p, o.dtype).reshape(devices, capacity, d)
+    ids = jnp.full((p.rows,), local_experts, jnp.int32).at[p.dest].set(
+        expert % local_experts, mode="drop")
+    received = lax.all_to_all(send, axis, 0, 0, tiled=False).reshape(-1, d)
+    received_ids = lax.all_to_all(ids.reshape(devices, capacity), axis, 0, 0,
+                                  tiled=False).reshape(-1)
+    # This device's experts on what it received, sorted by expert (empty slots last).
+    by_expert = jnp.argsort(received_ids, stable=True)
+    group_sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[received_ids].add(1)
+    y_sorted = _experts(received[by_expert], group_sizes[:local_experts],
+                        (None, w_gate, w_up, w_down), o)
+    unsort = jnp.zeros_like(by_expert).at[by_expert].set(
+        jnp.arange(by_expert.shape[0], dtype=by_expert.dtype))
+    y = y_sorted[unsort].reshape(devices, capacity, d)
+    back = lax.all_to_all(y, axis, 0, 0, tiled=False).reshape(-1, d)
+    dropped = tokens * o.top_k - jnp.sum(p.sizes)
+    summed = _Routing(r.choice, r.weights, lax.psum(r.counts, axis), lax.psum(r.prob_sum, axis),
+                      lax.psum(r.z_sum, axis))
+    stats = _stats(summed, tokens * devices, lax.psum(dropped, axis), o)
+    return _combine(back, p, r, o.dtype), stats

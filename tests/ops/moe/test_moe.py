@@ -1,0 +1,437 @@
+"""jax_tma.moe_mlp and the Flax layers on it (jax_tma.flax.MoE, NnxMoE): results and router
+statistics against a float64 NumPy reference (routing, capacity and mixing written out token by
+token), gradients against a dense jnp form (every expert on every token, masked: no sorting or
+gathering), expert parallelism over the forced host devices against one device, input errors,
+and on a Hopper GPU the kernel calls of a bf16 training step."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import AxisType, Mesh, PartitionSpec as P
+
+import jax_tma
+import jax_tma.flax as jtf
+from jax_tma.ops.ragged import primitive as rd
+from support import cuda_hlo, needs_extension, rel_error
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F32 = np.float32
+
+
+# ---------------------------------------------------------------- operands and references
+def _operands(rng, tokens, d, experts, hidden, gated=True, lead=None):
+    """x, router, w_up, w_down, w_gate (None when plain) in fp32, scaled so that every stage's
+    values are of order 1."""
+    x = rng.standard_normal((*(lead or (tokens,)), d)).astype(F32)
+    router = (rng.standard_normal((d, experts)) / math.sqrt(d)).astype(F32)
+    w_up = (rng.standard_normal((experts, d, hidden)) / math.sqrt(d)).astype(F32)
+    w_down = (rng.standard_normal((experts, hidden, d)) / math.sqrt(hidden)).astype(F32)
+    w_gate = (rng.standard_normal((experts, d, hidden)) / math.sqrt(d)).astype(F32) \
+        if gated else None
+    return x, router, w_up, w_down, w_gate
+
+
+def _act64(name, z):
+    if name is None:
+        return z
+    if name == "relu":
+        return np.maximum(z, 0)
+    if name == "silu":
+        return z / (1 + np.exp(-z))
+    if name in ("gelu", "gelu_tanh"):
+        return 0.5 * z * (1 + np.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z ** 3)))
+    return 0.5 * z * (1 + np.vectorize(math.erf)(z / math.sqrt(2)))
+
+
+def reference(x, router, w_up, w_down, w_gate, *, top_k, activation="silu",
+              kind="softmax_topk", renormalize=True, capacity_factor=None, devices=None):
+    """(y [..., d], stats dict) in float64, token by token. `devices`: the capacity counts per
+    (source device, destination device) as under expert parallelism over that many devices."""
+    x64 = np.asarray(x, np.float64).reshape(-1, np.shape(x)[-1])
+    tokens = x64.shape[0]
+    r64 = np.asarray(router, np.float64)
+    experts = r64.shape[1]
+    logits = x64 @ r64
+    if kind == "softmax_topk":
+        e = np.exp(logits - logits.max(1, keepdims=True))
+        probs = scores = e / e.sum(1, keepdims=True)
+    else:
+        scores = 1 / (1 + np.exp(-logits))
+        probs = scores / scores.sum(1, keepdims=True)
+    choice = np.argsort(-scores, axis=1, kind="stable")[:, :top_k]
+    ordered = np.sort(logits, axis=1)[:, ::-1]  # both routers' scores grow with the logits
+    if top_k < experts:  # the fp32 layer must see the same choice
+        assert np.min(ordered[:, top_k - 1] - ordered[:, top_k]) > 1e-4
+    top = np.take_along_axis(scores, choice, 1)
+    weights = top / top.sum(1, keepdims=True) if renormalize else top
+    keep = np.ones((tokens, top_k), bool)
+    if capacity_factor is not None:
+        if devices is None:
+            cap = math.ceil(capacity_factor * tokens * top_k / experts)
+            owner = lambda t, e: e  # noqa: E731
+        else:
+            local = tokens // devices
+            cap = min(local * top_k, math.ceil(capacity_factor * local * top_k / devices))
+            owner = lambda t, e: (t // local, e // (experts // devices))  # noqa: E731
+        used: dict = {}
+        for j in range(top_k):  # every token's first choice before any token's second
+            for t in range(tokens):
+                key = owner(t, choice[t, j])
+                used[key] = used.get(key, 0) + 1
+                keep[t, j] = used[key] <= cap
+    y = np.zeros_like(x64)
+    for e in range(experts):
+        up = x64 @ np.asarray(w_up[e], np.float64)
+        h = (_act64(activation, x64 @ np.asarray(w_gate[e], np.float64)) * up
+             if w_gate is not None else _act64(activation, up))
+        out = h @ np.asarray(w_down[e], np.float64)
+        mix = np.where((choice == e) & keep, weights, 0).sum(1)
+        y += mix[:, None] * out
+    counts = np.bincount(choice.reshape(-1), minlength=experts)
+    z = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
+    stats = dict(load_balancing_loss=experts * np.sum(counts / (tokens * top_k) * probs.mean(0)),
+                 router_z_loss=np.mean(z * z), tokens_per_expert=counts,
+                 dropped_fraction=1 - keep.mean())
+    return y.reshape(np.shape(x)), stats
+
+
+def dense_form(x, router, w_up, w_down, w_gate, *, top_k, activation="silu",
+               kind="softmax_topk", renormalize=True):
+    """The exact layer in fp32 jnp with every expert on every token, masked (the gradients'
+    reference: no sorting, gathering or grouped products)."""
+    hi = lax.Precision.HIGHEST
+    x2 = x.reshape(-1, x.shape[-1])
+    logits = jnp.dot(x2, router, precision=hi)
+    scores = jax.nn.softmax(logits) if kind == "softmax_topk" else jax.nn.sigmoid(logits)
+    probs = scores if kind == "softmax_topk" else scores / scores.sum(-1, keepdims=True)
+    top, choice = lax.top_k(scores, top_k)
+    weights = top / top.sum(-1, keepdims=True) if renormalize else top
+    mix = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(choice, router.shape[1]),
+                     precision=hi)
+    act = {"silu": jax.nn.silu, "gelu": lambda z: jax.nn.gelu(z, approximate=True),
+           "relu": jax.nn.relu}[activation]
+    up = jnp.einsum("td,edf->etf", x2, w_up, precision=hi)
+    h = act(jnp.einsum("td,edf->etf", x2, w_gate, precision=hi)) * up \
+        if w_gate is not None else act(up)
+    out = jnp.einsum("etf,efd->etd", h, w_down, precision=hi)
+    y = jnp.einsum("te,etd->td", mix, out, precision=hi).reshape(x.shape)
+    counts = jnp.zeros(router.shape[1]).at[choice.reshape(-1)].add(1)
+    lb = router.shape[1] * jnp.sum(counts / choice.size * probs.mean(0))
+    return y, lb
+
+
+def _check_stats(stats, want, tol=1e-5):
+    for name in ("load_balancing_loss", "router_z_loss", "dropped_fraction"):
+        got = float(getattr(stats, name))
+        assert abs(got - want[name]) <= tol * max(1.0, abs(want[name])), (name, got, want[name])
+    np.testing.assert_array_equal(np.asarray(stats.tokens_per_expert), want["tokens_per_expert"])
+
+
+# ---------------------------------------------------------------- one device, fp32
+CASES = [  # (tokens or lead dims, d, experts, hidden, top_k, gated, activation, router, renorm)
+    ((96,), 32, 8, 16, 2, True, "silu", "softmax_topk", True),
+    ((2, 40), 24, 6, 32, 1, True, "gelu", "softmax_topk", False),
+    ((128,), 16, 16, 8, 4, False, "relu", "sigmoid_topk", True),
+    ((3, 5, 7), 32, 4, 24, 4, False, "gelu_erf", "sigmoid_topk", False),
+    ((64,), 40, 8, 48, 8, True, "gelu_tanh", "softmax_topk", True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-E{c[2]}-k{c[4]}-{c[6]}-{c[7]}")
+def test_matches_float64(case, rng, exact_f32):
+    lead, d, experts, hidden, top_k, gated, act, kind, renorm = case
+    x, router, w_up, w_down, w_gate = _operands(rng, None, d, experts, hidden, gated, lead)
+    y, stats = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=top_k, activation=act,
+                               router=kind, renormalize=renorm, dtype=jnp.float32)
+    want, want_stats = reference(x, router, w_up, w_down, w_gate, top_k=top_k, activation=act,
+                                 kind=kind, renormalize=renorm)
+    assert y.shape == x.shape and y.dtype == jnp.float32
+    assert rel_error(y, want) <= 1e-5
+    _check_stats(stats, want_stats)
+    assert float(stats.dropped_fraction) == 0.0
+
+
+@pytest.mark.parametrize("capacity_factor", [0.25, 0.75, 1.0, 1.5, 100.0])
+def test_capacity_drops_as_documented(capacity_factor, rng, exact_f32):
+    x, router, w_up, w_down, w_gate = _operands(rng, 96, 32, 8, 16)
+    router = router * 4  # uneven routing, so that caps near 1 drop something
+    y, stats = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=2,
+                               capacity_factor=capacity_factor, dtype=jnp.float32)
+    want, want_stats = reference(x, router, w_up, w_down, w_gate, top_k=2,
+                                 capacity_factor=capacity_factor)
+    assert rel_error(y, want) <= 1e-5
+    _check_stats(stats, want_stats)
+    if capacity_factor <= 1.0:
+        assert float(stats.dropped_fraction) > 0
+    if capacity_factor == 100.0:
+        exact, _ = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=2, dtype=jnp.float32)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(exact))
+
+
+@pytest.mark.parametrize("gated,kind", [(True, "softmax_topk"), (False, "sigmoid_topk")])
+def test_gradients_match_dense_form(gated, kind, rng, exact_f32):
+    x, router, w_up, w_down, w_gate = _operands(rng, 80, 24, 8, 16, gated)
+    act = "silu" if gated else "gelu"
+    cotangent = jnp.asarray(rng.standard_normal(x.shape).astype(F32))
+    args = (x, router, w_up, w_down) + ((w_gate,) if gated else ())
+
+    def ours(x, router, w_up, w_down, w_gate=None):
+        y, stats = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=2, activation=act,
+                                   router=kind, dtype=jnp.float32)
+        return jnp.sum(y * cotangent) + stats.load_balancing_loss
+
+    def dense(x, router, w_up, w_down, w_gate=None):
+        y, lb = dense_form(x, router, w_up, w_down, w_gate, top_k=2, activation=act, kind=kind)
+        return jnp.sum(y * cotangent) + lb
+
+    argnums = tuple(range(len(args)))
+    got = jax.jit(jax.grad(ours, argnums))(*args)
+    want = jax.jit(jax.grad(dense, argnums))(*args)
+    for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), got, want):
+        assert rel_error(g, w) <= 1e-5, name
+
+
+def test_zero_tokens_and_compute_dtype(rng):
+    x, router, w_up, w_down, w_gate = _operands(rng, 0, 16, 4, 8)
+    y, stats = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=2, dtype=jnp.bfloat16)
+    assert y.shape == (0, 16) and y.dtype == jnp.bfloat16
+    assert int(jnp.sum(stats.tokens_per_expert)) == 0
+    x, router, w_up, w_down, w_gate = _operands(rng, 64, 16, 4, 8)
+    y, _ = jax_tma.moe_mlp(x.astype(BF16), router, w_up, w_down, w_gate, top_k=2)
+    assert y.dtype == jnp.bfloat16  # the compute type defaults to x's
+    want, _ = reference(x.astype(BF16).astype(F32), router, w_up, w_down, w_gate, top_k=2)
+    assert rel_error(y, want) <= 2e-2
+
+
+# ---------------------------------------------------------------- expert parallelism (CPU)
+def _cpu_mesh(shape, names, explicit=False):
+    devices = jax.devices("cpu")
+    if len(devices) < math.prod(shape):
+        pytest.skip(f"needs {math.prod(shape)} CPU devices (conftest forces 8)")
+    kind = AxisType.Explicit if explicit else AxisType.Auto
+    return Mesh(np.array(devices[:math.prod(shape)]).reshape(shape), names,
+                axis_types=(kind,) * len(shape))
+
+
+def _host(*arrays):
+    """NumPy operands: uncommitted, so that jit lays them out over the CPU mesh."""
+    return tuple(None if a is None else np.asarray(a) for a in arrays)
+
+
+@pytest.mark.parametrize("layout", ["ep8", "ep4-explicit", "data2-ep4"])
+def test_expert_parallel_matches_one_device(layout, rng, exact_f32):
+    shape, names = {"ep8": ((8,), ("ep",)), "ep4-explicit": ((4,), ("ep",)),
+                    "data2-ep4": ((2, 4), ("data", "ep"))}[layout]
+    mesh = _cpu_mesh(shape, names, explicit=layout.endswith("explicit"))
+    args = _host(*_operands(rng, 128, 32, 16, 24))
+    one = _moe(top_k=4)
+    y1, s1 = jax.jit(one)(*args)
+    g1 = jax.jit(jax.grad(lambda *a: _loss(one, *a), argnums=(0, 1, 2, 3, 4)))(*args)
+    ep = _moe(top_k=4, expert_axis="ep", mesh=mesh)
+    with jax.set_mesh(mesh):
+        y, s = jax.jit(ep)(*args)
+        g = jax.jit(jax.grad(lambda *a: _loss(ep, *a), argnums=(0, 1, 2, 3, 4)))(*args)
+    assert rel_error(y, y1) <= 1e-6
+    for name in ("load_balancing_loss", "router_z_loss", "dropped_fraction"):
+        assert abs(float(getattr(s, name)) - float(getattr(s1, name))) <= 1e-5, name
+    np.testing.assert_array_equal(np.asarray(s.tokens_per_expert),
+                                  np.asarray(s1.tokens_per_expert))
+    for a, b in zip(g, g1):
+        assert rel_error(a, b) <= 1e-5
+
+
+def _moe(**kw):
+    def f(x, router, w_up, w_down, w_gate):
+        return jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, dtype=jnp.float32, **kw)
+    return f
+
+
+def _loss(f, *args):
+    y, stats = f(*args)
+    return jnp.sum(jnp.sin(y)) + stats.load_balancing_loss
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 2.0])
+def test_expert_parallel_capacity(capacity_factor, rng, exact_f32):
+    devices = 4
+    mesh = _cpu_mesh((devices,), ("ep",))
+    x, router, w_up, w_down, w_gate = _operands(rng, 128, 32, 8, 16)
+    router = router * 3
+    f = _moe(top_k=2, capacity_factor=capacity_factor, expert_axis="ep",
+                              mesh=mesh)
+    y, stats = jax.jit(f)(*_host(x, router, w_up, w_down, w_gate))
+    want, want_stats = reference(x, router, w_up, w_down, w_gate, top_k=2,
+                                 capacity_factor=capacity_factor, devices=devices)
+    assert rel_error(y, want) <= 1e-5
+    _check_stats(stats, want_stats)
+    if capacity_factor == 0.5:
+        assert float(stats.dropped_fraction) > 0
+
+
+def test_expert_parallel_exchange_is_capacity_sized(rng):
+    """The all_to_all buffers hold C = ceil(cf * T_local * k / n) rows per device pair."""
+    mesh = _cpu_mesh((4,), ("ep",))
+    args = _host(*_operands(rng, 256, 32, 8, 16))
+    f = _moe(top_k=2, capacity_factor=1.25, expert_axis="ep", mesh=mesh)
+    hlo = jax.jit(f).lower(*args).as_text()
+    capacity = math.ceil(1.25 * 64 * 2 / 4)  # 40 rows, against T_local * k = 128
+    assert f"tensor<4x{capacity}x32xf32>" in hlo
+    assert "tensor<4x128x32xf32>" not in hlo
+    assert hlo.count("all_to_all") >= 3  # rows and expert ids out, results back
+
+
+# ---------------------------------------------------------------- errors
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(top_k=5), "top_k must be an int in"),
+    (dict(top_k=0), "top_k must be an int in"),
+    (dict(top_k=2, activation="tanh"), "activation must be one of"),
+    (dict(top_k=2, activation=None), "activation must be one of"),  # gated needs one
+    (dict(top_k=2, router="softmax"), "router must be one of"),
+    (dict(top_k=2, capacity_factor=0.0), "capacity_factor must be None"),
+    (dict(top_k=2, capacity_factor=float("nan")), "capacity_factor must be None"),
+    (dict(top_k=2, implementation="pallas"), "implementation must be one of"),
+    (dict(top_k=2, dtype=jnp.int8), "dtype must be floating"),
+])
+def test_bad_options(kwargs, message, rng):
+    x, router, w_up, w_down, w_gate = _operands(rng, 16, 8, 4, 8)
+    with pytest.raises((ValueError, TypeError), match=message):
+        jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, **kwargs)
+
+
+def test_bad_shapes_and_dtypes(rng):
+    x, router, w_up, w_down, w_gate = _operands(rng, 16, 8, 4, 8)
+    with pytest.raises(ValueError, match=r"x \[16, 9\].*w_up \[4, 8, 8\]"):
+        jax_tma.moe_mlp(x[:, :1].repeat(9, 1), router, w_up, w_down, w_gate, top_k=2)
+    with pytest.raises(ValueError, match="w_down"):
+        jax_tma.moe_mlp(x, router, w_up, w_down[:, :, :4], w_gate, top_k=2)
+    with pytest.raises(ValueError, match="w_gate"):
+        jax_tma.moe_mlp(x, router, w_up, w_down, w_gate[:3], top_k=2)
+    with pytest.raises(TypeError, match="x must be floating point, got int32"):
+        jax_tma.moe_mlp(x.astype(np.int32), router, w_up, w_down, w_gate, top_k=2)
+
+
+def test_bad_expert_axis(rng):
+    x, router, w_up, w_down, w_gate = _operands(rng, 16, 8, 6, 8)
+    with pytest.raises(ValueError, match="no mesh is set"):
+        jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=2, expert_axis="ep")
+    mesh = _cpu_mesh((4,), ("ep",))
+    with pytest.raises(ValueError, match=r"expert_axis='x' is not an axis of the mesh; "
+                       r"the mesh's axes are \('ep',\)"):
+        jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=2, expert_axis="x", mesh=mesh)
+    with pytest.raises(ValueError, match=r"experts \(6\) and the tokens \(16.*multiples of 4"):
+        jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=2, expert_axis="ep", mesh=mesh)
+
+
+# ---------------------------------------------------------------- Flax layers
+def test_linen_layer(rng, exact_f32):
+    x = jnp.asarray(rng.standard_normal((2, 24, 32)).astype(F32))
+    layer = jtf.MoE(num_experts=8, top_k=2, hidden_dim=16, dtype=jnp.float32)
+    params = jax.jit(layer.init)(jax.random.key(0), x)["params"]
+    assert {k: v.shape for k, v in params.items()} == {
+        "router": (32, 8), "gate": (8, 32, 16), "up": (8, 32, 16), "down": (8, 16, 32)}
+    y, state = jax.jit(lambda p, x: layer.apply(p, x, mutable=["intermediates"]))(
+        {"params": params}, x)
+    want, want_stats = reference(x, params["router"], params["up"], params["down"],
+                                 params["gate"], top_k=2)
+    assert rel_error(y, want) <= 1e-5
+    sown = state["intermediates"]
+    assert abs(float(sown["load_balancing_loss"][0]) - want_stats["load_balancing_loss"]) < 1e-5
+    assert set(sown) == {"load_balancing_loss", "router_z_loss", "tokens_per_expert",
+                         "dropped_fraction"}
+    plain = jtf.MoE(num_experts=8, top_k=2, hidden_dim=16, gated=False, activation="relu")
+    assert set(jax.eval_shape(plain.init, jax.random.key(0), x)["params"]) == {
+        "router", "up", "down"}
+
+
+def test_linen_layer_expert_axis_annotates_params():
+    mesh = _cpu_mesh((4,), ("ep",))
+    layer = jtf.MoE(num_experts=8, top_k=2, hidden_dim=16, expert_axis="ep", mesh=mesh)
+    variables = jax.eval_shape(layer.init, jax.random.key(0), jnp.ones((8, 32)))
+    specs = nn_partition_specs(variables)
+    assert specs["up"] == P("ep", None, None) and specs["router"] is None
+
+
+def nn_partition_specs(variables):
+    import flax.linen as nn  # noqa: PLC0415
+    specs = nn.get_partition_spec(variables)["params"]
+    return {k: (v if isinstance(v, P) and v != P() else None) for k, v in specs.items()}
+
+
+def test_nnx_layer_matches_linen(rng, exact_f32):
+    from flax import nnx  # noqa: PLC0415
+    x = jnp.asarray(rng.standard_normal((40, 32)).astype(F32))
+    layer = jtf.NnxMoE(32, 8, 2, 16, dtype=jnp.float32, router="sigmoid_topk",
+                       rngs=nnx.Rngs(0))
+    y, sown = nnx.capture(layer, nnx.Intermediate)(x)
+    linen = jtf.MoE(num_experts=8, top_k=2, hidden_dim=16, dtype=jnp.float32,
+                    router="sigmoid_topk")
+    params = {name: getattr(layer, name)[...] for name in ("router", "gate", "up", "down")}
+    np.testing.assert_allclose(np.asarray(y), np.asarray(linen.apply({"params": params}, x)),
+                               rtol=1e-6, atol=1e-6)
+    assert set(sown) == {"load_balancing_loss", "router_z_loss", "tokens_per_expert",
+                         "dropped_fraction"}
+    np.testing.assert_array_equal(np.asarray(layer(x)), np.asarray(y))  # outside capture too
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(num_experts=4, top_k=5, hidden_dim=8), "top_k must be an int in"),
+    (dict(num_experts=0, top_k=1, hidden_dim=8), "num_experts must be a positive int"),
+    (dict(num_experts=4, top_k=2, hidden_dim=0), "hidden_dim must be a positive int"),
+    (dict(num_experts=4, top_k=2, hidden_dim=8, gated=False, activation="swish"),
+     "activation must be one of"),
+])
+def test_layers_reject_bad_options_at_construction(kwargs, message):
+    from flax import nnx  # noqa: PLC0415
+    with pytest.raises(ValueError, match=r"jax_tma\.flax\.MoE: " + message):
+        jtf.MoE(**kwargs)
+    with pytest.raises(ValueError, match=r"jax_tma\.flax\.NnxMoE: " + message):
+        jtf.NnxMoE(16, kwargs.pop("num_experts"), kwargs.pop("top_k"), kwargs.pop("hidden_dim"),
+                   rngs=nnx.Rngs(0), **kwargs)
+
+
+# ---------------------------------------------------------------- the kernels
+def _kernel_calls(hlo: str) -> int:
+    return hlo.count(f"@{rd.KERNEL_TARGET}(") + hlo.count(f'"{rd.KERNEL_TARGET}"')
+
+
+def _step_fn(implementation="jax_tma", gated=True):
+    """Loss and gradients of a bf16 layer (x, router, w_up, w_down[, w_gate])."""
+    def loss(x, router, w_up, w_down, w_gate=None):
+        y, stats = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=2,
+                                   dtype=jnp.bfloat16, implementation=implementation)
+        return jnp.sum(y.astype(jnp.float32) ** 2) + 1e-2 * stats.load_balancing_loss
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4) if gated else (0, 1, 2, 3))
+
+
+@needs_extension
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_cuda_lowering_is_six_kernel_calls(gated):
+    """Forward: the (gate and) up product and the down product; backward: each one's weight
+    gradient and input gradient (the first's reaches x)."""
+    specs = [jax.ShapeDtypeStruct(s, F32) for s in
+             ((512, 64), (64, 8), (8, 64, 128), (8, 128, 64), (8, 64, 128))]
+    args = specs if gated else specs[:4]
+    assert _kernel_calls(cuda_hlo(_step_fn(gated=gated), *args)) == 6
+    assert _kernel_calls(cuda_hlo(_step_fn("xla"), *specs)) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_step_runs_kernel(rng):
+    x, router, w_up, w_down, w_gate = _operands(rng, 2048, 256, 16, 512)
+    args = tuple(jnp.asarray(a) for a in (x, router, w_up, w_down, w_gate))
+    step = jax.jit(_step_fn())
+    assert _kernel_calls(step.lower(*args).compile().as_text()) == 6
+    y, _ = jax.jit(lambda *a: jax_tma.moe_mlp(*a, top_k=2, dtype=jnp.bfloat16))(*args)
+    want, _ = reference(x, router, w_up, w_down, w_gate, top_k=2)
+    assert rel_error(y, want) <= 2e-2
+    (_, grads) = step(*args)
+    (_, xla_grads) = jax.jit(_step_fn("xla"))(*args)
+    for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), grads, xla_grads):
+        assert rel_error(g, w) <= 3e-2, name
