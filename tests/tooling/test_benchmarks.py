@@ -883,3 +883,24 @@ def test_bench_fp8_dry_run(tmp_path):
 def test_bench_fp8_rejects_bad_shapes():
     result = _script("bench_fp8.py", "--shapes", "4,4")
     assert result.returncode == 2 and "--shapes takes M,N,K of positive ints" in result.stderr
+
+
+def test_bench_moe_layer_dry_run(tmp_path):
+    result = _run("bench_moe_layer.py", "--out", str(tmp_path), "--commit", "0123abc")
+    assert result.returncode == 0, result.stderr
+    assert "| tiny | 128 | 64 | 8 | 32 | 2 |" in result.stdout, result.stdout
+    (row,) = _written(tmp_path, "bench_moe_layer")["rows"]
+    assert row["check_ok"], row  # the layer on the kernel and on lax.ragged_dot agree
+    assert row["expert_tflop_per_step"] == 6 * 128 * 2 * 3 * 64 * 32 / 1e12
+    for name in ("jax_tma", "xla_ragged", "einsum"):
+        assert row[name]["ms_per_step"] > 0 and row[name]["tokens_per_s"] > 0
+
+
+def test_bench_moe_layer_leaves_out_an_einsum_form_too_large(capsys):
+    module = _bench_module("bench_moe_layer")
+    big = module.LayerConfig("qwen3", *module.SHAPES["qwen3"], 32768)
+    assert big.einsum_capacity == math.ceil(1.25 * 32768 * 8 / 128)
+    assert big.einsum_gib() > 24  # the default --einsum-gib: not run at this size
+    with pytest.raises(SystemExit):
+        module._parse(["--config", "qwen3", "--tokens", "0"])
+    assert "--tokens must be positive" in capsys.readouterr().err

@@ -1,0 +1,269 @@
+"""Forward + backward of a Mixture-of-Experts layer (jax_tma.moe_mlp, the function behind
+jax_tma.flax.MoE): tokens per second, every contender in one run and one harness.
+
+Contenders, on the same float32 parameters (router [d, E], SwiGLU experts gate / up [E, d, F]
+and down [E, F, d], cast to bf16 for the experts as the layer does) and the same tokens:
+  jax_tma      the layer on jax_tma's grouped kernel (implementation="jax_tma")
+  xla_ragged   the same layer on lax.ragged_dot (implementation="xla")
+  einsum       the capacity-based dense form many JAX codebases use (GShard / Switch): one-hot
+               dispatch and combine tensors [T, E, C] with C = ceil(1.25 * T * k / E), the
+               experts as batched einsums over [E, C, d]; it drops the pairs past C (a different
+               layer when routing is uneven: its output is not compared). Left out where its
+               dispatch tensors would pass --einsum-gib.
+A step is value_and_grad of sum(y * dy) + 1e-2 * load-balancing loss with respect to x and
+every parameter. Timing: jax_tma._timing.compare (on a GPU the sum of the step's kernel times,
+CUPTI; each timed call runs --sets steps on distinct tokens; rounds alternate between the
+contenders). Before timing, jax_tma's loss and gradients are compared with xla_ragged's.
+
+    python benchmarks/bench_moe_layer.py             # the suite below
+    python benchmarks/bench_moe_layer.py --quick     # its first configuration
+    python benchmarks/bench_moe_layer.py --config qwen3 --tokens 16384
+    python benchmarks/bench_moe_layer.py --dry-run   # tiny sizes; runs without a GPU (CI)
+
+Reports ms per step, tokens/s and the TFLOP/s of the expert products (6 * T * k * 3 * d * F
+per step: forward and both gradients of three d x F products per pair); writes
+bench_moe_layer.json, .md and .png under benchmarks/results/<device>/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jax_tma
+from jax_tma import _timing
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
+
+CHECK_TOLERANCE = 2e-2
+EINSUM_CAPACITY = 1.25
+AUX_WEIGHT = 1e-2
+CONTENDERS = ("jax_tma", "xla_ragged", "einsum")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerConfig:
+    name: str
+    d_model: int
+    hidden: int
+    experts: int
+    top_k: int
+    tokens: int
+
+    @property
+    def expert_flops(self) -> float:
+        return 6.0 * self.tokens * self.top_k * 3 * self.d_model * self.hidden
+
+    @property
+    def einsum_capacity(self) -> int:
+        return math.ceil(EINSUM_CAPACITY * self.tokens * self.top_k / self.experts)
+
+    def einsum_gib(self) -> float:
+        """The dense form's dispatch and combine tensors (bf16 and fp32), GiB."""
+        return self.tokens * self.experts * self.einsum_capacity * 6 / 2 ** 30
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.tokens} tokens, d {self.d_model}, {self.experts} experts of "
+                f"width {self.hidden}, top-{self.top_k}")
+
+
+SHAPES = {"qwen3": (2048, 768, 128, 8), "deepseek": (7168, 2048, 32, 8),
+          "mixtral": (4096, 14336, 8, 2)}
+SUITE = [LayerConfig("qwen3", *SHAPES["qwen3"], 8192), LayerConfig("qwen3", *SHAPES["qwen3"], 32768),
+         LayerConfig("deepseek", *SHAPES["deepseek"], 8192),
+         LayerConfig("mixtral", *SHAPES["mixtral"], 8192)]
+DRY_RUN = [LayerConfig("tiny", 64, 32, 8, 2, 128)]
+
+
+def _params(cfg: LayerConfig, key) -> tuple[jax.Array, ...]:
+    """router, w_up, w_down, w_gate in fp32 (lecun-normal scale)."""
+    k = jax.random.split(key, 4)
+    d, f, e = cfg.d_model, cfg.hidden, cfg.experts
+    normal = lambda key, shape, fan_in: (jax.random.normal(key, shape, jnp.float32)  # noqa: E731
+                                         / math.sqrt(fan_in))
+    return (normal(k[0], (d, e), d), normal(k[1], (e, d, f), d), normal(k[2], (e, f, d), f),
+            normal(k[3], (e, d, f), d))
+
+
+def _layer(implementation: str, cfg: LayerConfig):
+    def run(x, router, w_up, w_down, w_gate):
+        y, stats = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=cfg.top_k,
+                                   dtype=jnp.bfloat16, implementation=implementation)
+        return y, stats.load_balancing_loss
+    return run
+
+
+def _einsum_layer(cfg: LayerConfig):
+    """The dense dispatch / combine form with capacity C (pairs past it dropped)."""
+    capacity = cfg.einsum_capacity
+
+    def run(x, router, w_up, w_down, w_gate):
+        bf = jnp.bfloat16
+        logits = jnp.dot(x.astype(jnp.float32), router, precision=lax.Precision.HIGHEST)
+        probs = jax.nn.softmax(logits)
+        top, choice = lax.top_k(probs, cfg.top_k)
+        weights = top / top.sum(-1, keepdims=True)
+        mask = jax.nn.one_hot(choice, cfg.experts, dtype=jnp.int32)  # [T, k, E]
+        # Position of each pair in its expert's buffer: first choices first, as the layer does.
+        flat = mask.transpose(1, 0, 2).reshape(-1, cfg.experts)
+        position = (jnp.cumsum(flat, axis=0) - 1).reshape(cfg.top_k, -1, cfg.experts)
+        position = position.transpose(1, 0, 2)
+        keep = mask * (position < capacity)
+        slot = jax.nn.one_hot(jnp.sum(position * keep, -1), capacity, dtype=jnp.float32)
+        combine = jnp.einsum("tk,tke,tkc->tec", weights, keep.astype(jnp.float32), slot)
+        dispatch = (combine > 0).astype(bf)
+        rows = jnp.einsum("td,tec->ecd", x.astype(bf), dispatch)
+        gate = jnp.einsum("ecd,edf->ecf", rows, w_gate.astype(bf))
+        up = jnp.einsum("ecd,edf->ecf", rows, w_up.astype(bf))
+        h = (jax.nn.silu(gate.astype(jnp.float32)) * up.astype(jnp.float32)).astype(bf)
+        out = jnp.einsum("ecf,efd->ecd", h, w_down.astype(bf))
+        y = jnp.einsum("ecd,tec->td", out, combine.astype(bf))
+        f = jnp.sum(mask, (0, 1)) / (x.shape[0] * cfg.top_k)
+        return y, cfg.experts * jnp.sum(f * probs.mean(0))
+    return run
+
+
+def _step(layer):
+    """(x, dy, router, w_up, w_down, w_gate) -> (loss, gradients of x and every parameter)."""
+    def loss(x, dy, *params):
+        y, balance = layer(x, *params)
+        return jnp.sum(y.astype(jnp.float32) * dy) + AUX_WEIGHT * balance
+    grad = jax.value_and_grad(loss, argnums=(0, 2, 3, 4, 5))
+    return grad
+
+
+def _rel(a, b) -> float:
+    num = sum(float(jnp.sum((jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32)) ** 2))
+              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+    den = sum(float(jnp.sum(jnp.asarray(y, jnp.float32) ** 2)) for y in jax.tree.leaves(b))
+    return math.sqrt(num / max(den, 1e-30))
+
+
+def bench(cfg: LayerConfig, args) -> dict:
+    params = _params(cfg, jax.random.key(cfg.tokens + cfg.experts))
+    sets = []
+    for i in range(args.sets):
+        kx, kd = jax.random.split(jax.random.key(1000 + i))
+        x = jax.random.normal(kx, (cfg.tokens, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
+        dy = jax.random.normal(kd, (cfg.tokens, cfg.d_model), jnp.float32)
+        sets.append((x, dy, *params))
+    steps = {"jax_tma": _step(_layer("jax_tma", cfg)), "xla_ragged": _step(_layer("xla", cfg))}
+    if cfg.einsum_gib() <= args.einsum_gib:
+        steps["einsum"] = _step(_einsum_layer(cfg))
+    ours = jax.jit(steps["jax_tma"])(*sets[0])
+    ref = jax.jit(steps["xla_ragged"])(*sets[0])
+    loss_diff = abs(float(ours[0]) - float(ref[0])) / max(abs(float(ref[0])), 1e-30)
+    grad_err = _rel(ours[1], ref[1])
+    timings = _timing.compare(steps, sets, rounds=args.rounds, iterations=args.iterations)
+    row = dict(dataclasses.asdict(cfg), expert_tflop_per_step=cfg.expert_flops / 1e12,
+               loss_rel_diff=loss_diff, grad_rel_error=grad_err,
+               check_ok=loss_diff <= CHECK_TOLERANCE and grad_err <= CHECK_TOLERANCE,
+               einsum_capacity=cfg.einsum_capacity, einsum_gib=cfg.einsum_gib())
+    for name, t in timings.items():
+        row[name] = {"ms_per_step": t.median_s * 1e3, "spread_ms": t.spread_s * 1e3,
+                     "samples": t.samples, "tokens_per_s": cfg.tokens / t.median_s,
+                     "expert_tflops": cfg.expert_flops / t.median_s / 1e12}
+    return row
+
+
+def _table(rows: list[dict], env: dict) -> str:
+    lines = [
+        f"{env['device']}, driver {env['driver']}, CUDA {env.get('cuda_runtime')}, "
+        f"jax {env['jax']}, {env['date']}, bf16 experts, fp32 router and parameters, timing: "
+        f"{env['timing']}; forward + backward of the layer; TFLOP/s counts the expert products "
+        f"(6 · T · k · 3 · d · F); einsum drops pairs past C = 1.25 · T · k / E",
+        "",
+        "| config | tokens | d | E | F | k | " + " | ".join(
+            f"{c} ms (tokens/s, TFLOP/s)" for c in CONTENDERS)
+        + " | jax_tma vs xla_ragged | check |",
+        "|---|---|---|---|---|---|" + "---|" * len(CONTENDERS) + "---|---|",
+    ]
+    for r in rows:
+        cells = []
+        for c in CONTENDERS:
+            t = r.get(c)
+            cells.append("not run (dispatch > --einsum-gib)" if t is None else
+                         f"{t['ms_per_step']:.3f} ± {t['spread_ms']:.3f} "
+                         f"({t['tokens_per_s'] / 1e3:.0f} k, {t['expert_tflops']:.0f})")
+        ratio = r["xla_ragged"]["ms_per_step"] / r["jax_tma"]["ms_per_step"]
+        check = "ok" if r["check_ok"] else (
+            f"MISMATCH (loss {r['loss_rel_diff']:.1e}, grads {r['grad_rel_error']:.1e})")
+        lines.append(f"| {r['name']} | {r['tokens']} | {r['d_model']} | {r['experts']} "
+                     f"| {r['hidden']} | {r['top_k']} | " + " | ".join(cells)
+                     + f" | {ratio:.2f}x | {check} |")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: pathlib.Path, title: str) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    x = np.arange(len(rows))
+    fig, ax = plt.subplots(figsize=(max(5, 2.5 * len(rows)), 4))
+    for i, name in enumerate(CONTENDERS):
+        ax.bar(x + (i - 1) * 0.27, [r[name]["tokens_per_s"] / 1e3 if name in r else 0
+                                    for r in rows], 0.27, label=name)
+    ax.set_xticks(x, [f"{r['name']}\n{r['tokens']} tokens" for r in rows], fontsize=8)
+    ax.set_ylabel("thousand tokens / s (forward + backward)")
+    ax.set_title(title)
+    ax.legend()
+    return save_figure(plt, fig, path)
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="the suite's first configuration")
+    p.add_argument("--config", choices=sorted(SHAPES), help="one configuration")
+    p.add_argument("--tokens", type=int, default=8192, help="with --config")
+    p.add_argument("--sets", type=int, default=2, help="steps per timed call")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--iterations", type=int, default=3)
+    p.add_argument("--einsum-gib", type=float, default=24.0,
+                   help="largest dispatch + combine tensors the einsum form may use")
+    p.add_argument("--out", type=pathlib.Path, default=None)
+    p.add_argument("--commit", help="commit to record instead of `git rev-parse HEAD`")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny sizes, 1 round; files only with --out; runs without a GPU")
+    args = p.parse_args(argv)
+    if args.config:
+        if args.tokens < 1:
+            p.error(f"--tokens must be positive, got {args.tokens}")
+        args.configs = [LayerConfig(args.config, *SHAPES[args.config], args.tokens)]
+    else:
+        args.configs = DRY_RUN if args.dry_run else SUITE[:1] if args.quick else SUITE
+    if args.sets < 1:
+        p.error(f"--sets must be positive, got {args.sets}")
+    if args.dry_run:
+        args.rounds, args.iterations = 1, 1
+    return args
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    env = environment(args.commit)
+    print(banner(env, "bf16"), flush=True)
+    rows = []
+    for i, cfg in enumerate(args.configs):
+        print(f"[{i + 1}/{len(args.configs)}] {cfg.describe()} ...", file=sys.stderr, flush=True)
+        rows.append(bench(cfg, args))
+    table = _table(rows, env)
+    print(table)
+    if args.dry_run and args.out is None:
+        return 0
+    write_report(args.out, env, "bench_moe_layer",
+                 {"environment": env, "dry_run": args.dry_run, "sets": args.sets, "rows": rows},
+                 table, lambda path: _plot(rows, path, env["device"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
