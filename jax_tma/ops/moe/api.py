@@ -293,8 +293,7 @@ def _place(bucket: jax.Array, buckets: int, capacity: int | None, slotted: bool)
 def _gather_rows(x: jax.Array, token: jax.Array, p: _Placement, dtype) -> jax.Array:
     """[p.rows, d]: each kept pair's token row at its buffer row, zeros elsewhere."""
     source = jnp.full((p.rows,), x.shape[0], jnp.int32).at[p.dest].set(token, mode="drop")
-    padded = jnp.concatenate([x.astype(dtype), jnp.zeros((1, x.shape[1]), dtype)])
-    return padded[source]
+    return jnp.take(x.astype(dtype), source, axis=0, mode="fill", fill_value=0)
 
 
 def _combine(y_rows: jax.Array, p: _Placement, r: _Routing, dtype) -> jax.Array:
