@@ -66,6 +66,20 @@ inline constexpr int kConsumerRegs = 232;
 inline constexpr int kEpilogueWarpsProducerRegs = 56;
 inline constexpr int kEpilogueWarpsConsumerRegs = 224;
 
+// The split a mainloop asks for (its kProducerRegs and kConsumerRegs, where it has them), else
+// 40 / 232.
+template <class Mainloop, class = void>
+struct MainloopRegs {
+  static constexpr int kProducer = kProducerRegs;
+  static constexpr int kConsumer = kConsumerRegs;
+};
+template <class Mainloop>
+struct MainloopRegs<Mainloop, std::void_t<decltype(Mainloop::kConsumerRegs)>> {
+  static constexpr int kProducer = Mainloop::kProducerRegs;
+  static constexpr int kConsumer = Mainloop::kConsumerRegs;
+  static_assert(kProducer + 2 * kConsumer <= 504 && kProducer % 8 == 0 && kConsumer % 8 == 0);
+};
+
 // The maps and arguments of a fused epilogue (epilogue/fusion.h), one kernel parameter: gated
 // products read B from `b` (gate) and `b2` (up); `aux` is the [M, N] operand the epilogue reads
 // (gated gradient: the gate's pre-activations, `aux2` the up's), `pre` its second output (gated:
@@ -134,9 +148,9 @@ struct Kernel {
   }
   static constexpr bool kStoreReadsAux = Fusion::kMayReadAux && !kOffloadAlways;
   static constexpr int kProducerRegs =
-      kOffload ? kEpilogueWarpsProducerRegs : sm90_gemm::kProducerRegs;
+      kOffload ? kEpilogueWarpsProducerRegs : MainloopRegs<Mainloop>::kProducer;
   static constexpr int kConsumerRegs =
-      kOffload ? kEpilogueWarpsConsumerRegs : sm90_gemm::kConsumerRegs;
+      kOffload ? kEpilogueWarpsConsumerRegs : MainloopRegs<Mainloop>::kConsumer;
 
   struct Empty {};
   struct SharedStorage {

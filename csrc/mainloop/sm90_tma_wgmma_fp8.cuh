@@ -21,12 +21,13 @@
 // sums, so long contractions accumulated inside it lose accuracy; promoted every 128 K they
 // lose none that fp32 keeps. The schedule follows the tile's width (kParts groups of kPartN
 // columns per slice and warpgroup, kSets sets of partial-sum registers):
-//   N <= 128 (kSets 2): slice kb + 1's group runs while slice kb is promoted (overlapped).
-//   128 < N <= 192 (one group, kSets 1): the group retires before it is promoted, and the
+//   N <= 144 (kSets 2): slice kb + 1's group runs while slice kb is promoted (overlapped). At
+//      144 the promoted sums and the two sets take 72 + 2 x 72 = 216 registers per thread.
+//   144 < N <= 192 (one group, kSets 1): the group retires before it is promoted, and the
 //      other warpgroup's group keeps the tensor core busy meanwhile (cross). Its partial sums
 //      and the promoted ones take N registers of the consumer's 232.
 //   N = 256 (two groups of 128): as the cross schedule, a part at a time (in parts).
-// A tile whose width neither divides nor is a multiple of 128 (192) may span two of B's scale
+// A tile whose width neither divides nor is a multiple of 128 (144, 192) may span two of B's scale
 // blocks (a width whose tiles can span three, such as 176, is rejected at compile time): its
 // first `split` register quads (8 columns each) take the first block's scale, the rest the
 // next one's; `split` is fixed per tile, and each value it can take for the width has its own
@@ -67,10 +68,17 @@ struct MainloopSm90Fp8 {
   static constexpr int kMidwaySlice = Operands::kMidwaySlice;  // (the hook runs at the end)
   // NOTE: a promoted group spans at most 192 columns, so that its partial sums and the tile's
   // promoted sums fit a consumer's 232 registers together (128 x 256 tiles: two parts of 128,
-  // 64 + 128 registers); 128 columns or fewer keep two sets of partial sums.
+  // 64 + 128 registers); 144 columns or fewer keep two sets of partial sums (3 x 72 registers
+  // at 144, of the 240 such tiles' consumers get: kConsumerRegs).
   static constexpr int kPartN = !kPromote || kBlockN <= 192 ? kBlockN : 128;
   static constexpr int kParts = kBlockN / kPartN;
-  static constexpr int kSets = kPromote && kBlockN <= 128 ? 2 : 1;
+  static constexpr int kSets = kPromote && kBlockN <= 144 ? 2 : 1;
+  // NOTE: two sets wider than 128 columns leave too few of 232 registers for the kernel's
+  // per-tile state (ptxas 13.0, 128 x 144: 32-40 bytes of stack and spills); these tiles'
+  // consumers take 240 and their producer 24 (no epilogue warps; it needs 17).
+  static constexpr bool kWideSets = kSets == 2 && kBlockN > 128;
+  static constexpr int kConsumerRegs = kWideSets ? 240 : 232;
+  static constexpr int kProducerRegs = kWideSets ? 24 : 40;
   static constexpr int kAccRegs = kBlockN / 2;
   static constexpr int kPartRegs = kPartN / 2;
   static constexpr int kPartQuads = kPartN / 8;  // register quads: 8 columns each
@@ -283,12 +291,17 @@ struct MainloopSm90Fp8 {
     }
   }
 
-  // Tiles of one column part (N <= 128: up to 64 registers of partial sums): two sets of partial
+  // Tiles of one column part (N <= 144: up to 72 registers of partial sums): two sets of partial
   // sums, so that slice kb + 1's wgmma group runs while slice kb is promoted; the tensor core
   // always has a group queued, as in the unpromoted schedule. (Measured on an H100, 8192^3
   // block-scaled on 128 x 128 tiles: 1008 TFLOP/s with one set, which waits for every group
   // to retire before the next is issued; 1386 without promotion.) The loop is unrolled by two
   // so that each set is a fixed register array.
+  // NOTE: 128 x 144 tiles read a slice's scales when its group has retired, not when it is
+  // issued: held across the other group they cost 8 registers (ptxas 13.0 at 232 per consumer:
+  // 56 bytes of stack, 32 after the move; none at 240). Choosing the split once per tile, with
+  // the loop unrolled for each, made ptxas call the loop as a function (C7510) or, inlined by
+  // force, spill more.
   template <class Waited>
   __device__ static void promoted_overlapped(Pipeline& pipeline, State& read,
                                              const SharedStorage& smem, int a_block,
@@ -296,11 +309,12 @@ struct MainloopSm90Fp8 {
                                              float (&acc)[kAccRegs], Waited&& waited) {
     float d0[kPartRegs], d1[kPartRegs];
     SliceScales s0, s1;
-    // Waits for slice kb's stage, reads its scales and issues its group into `d`.
+    // Waits for slice kb's stage and issues its group into `d` (reading its scales into `s`,
+    // except on wide sets).
     const auto start = [&](float (&d)[kPartRegs], SliceScales& s, int kb) {
       pipeline.consumer_wait(read);
       if (kb == k_blocks - 1) waited();
-      s = slice_scales(smem.scales[read.index], at);
+      if constexpr (!kWideSets) s = slice_scales(smem.scales[read.index], at);
       ptx::wgmma_fence();
       issue(smem, read.index, a_block, 0, d, false);
       ptx::wgmma_commit_group();
@@ -309,13 +323,14 @@ struct MainloopSm90Fp8 {
     // Retires the oldest group (`d`): its stage goes back to the producer (the group still in
     // flight, if `more`, reads the next one) and its sums are promoted.
     State oldest = read;
-    const auto finish = [&](float (&d)[kPartRegs], const SliceScales& s, bool more) {
+    const auto finish = [&](float (&d)[kPartRegs], SliceScales& s, bool more) {
       if (more) {
         ptx::wgmma_wait_group<1>();
       } else {
         ptx::wgmma_wait_group<0>();
       }
       ptx::wgmma_fence_operands(d);
+      if constexpr (kWideSets) s = slice_scales(smem.scales[oldest.index], at);
       Operands::release(pipeline, oldest);
       ++oldest;
       promote(acc, 0, d, s, split);

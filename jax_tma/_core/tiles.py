@@ -212,6 +212,13 @@ DENSE_TYPES = ("bf16", "f16")
 F128x256C2 = Tile("Fp8Tile128x256C2", 128, 256, 3, 2, element_bytes=1)
 F128x256 = Tile("Fp8Tile128x256", 128, 256, 3, 1, element_bytes=1)
 F128x192C2 = Tile("Fp8Tile128x192C2", 128, 192, 4, 2, element_bytes=1)
+F128x144C2 = Tile(
+    "Fp8Tile128x144C2", 128, 144, 5, 2, epilogue_buffers=1, element_bytes=1,
+    note="144 is the widest tile whose promoted sums and two sets of partial sums fit a "
+         "consumer's registers (72 + 2 x 72), so it promotes in the overlapped schedule; cuBLAS's "
+         "FP8 kernel at precision=HIGHEST on an H200 uses this geometry (1 x 2 cluster, 64 x 144 "
+         "per consumer warpgroup). One staging chunk, as fp32 blocks are 4.5 chunks wide (the "
+         "epilogue stores whole batches), leaves room for 5 stages. Not yet measured.")
 F128x128C2 = Tile("Fp8Tile128x128C2", 128, 128, 5, 2, element_bytes=1)
 F128x128 = Tile("Fp8Tile128x128", 128, 128, 5, 1, element_bytes=1)
 F64x128 = Tile("Fp8Tile64x128", 64, 128, 7, 1, element_bytes=1)
@@ -219,15 +226,18 @@ FP8_TILES = (
     Entry(F128x256C2, "large products (8192^3, 16384 x 7168 x 2048)"),
     Entry(F128x256, "wide N at few rows (64 x 28672 x 4096)"),
     Entry(F128x192C2, "wave count: 4096 x 2112 x 7168 (11 x 192 = 2112 columns) 1.25x 128 x 256"),
+    Entry(F128x144C2, "overlapped promotion at cuBLAS's width; unmeasured: not in the heuristic"),
     Entry(F128x128C2, "medium products"),
     Entry(F128x128, "few rows, medium N (256 x 7168 x 2048)"),
     Entry(F64x128, "small and decode products (128 x 7168 x 16384)"),
 )
 FP8_TILES_NOTE = (
-    "the stage counts are the most that fit 227 KB beside a whole block's output staging. "
-    "Promotion (mainloop/sm90_tma_wgmma_fp8.cuh): 128-wide tiles keep two sets of partial sums; "
-    "192 one group per slice, retired before it is promoted; 256 two parts of 128 (64 registers "
-    "of partial sums beside 128 promoted ones); 64-row tiles are ping-pong. Dropped after one "
+    "the stage counts are the most that fit 227 KB beside a whole block's output staging (128 x "
+    "144: beside one chunk of it, as its fp32 block is not whole chunks). Promotion "
+    "(mainloop/sm90_tma_wgmma_fp8.cuh): tiles up to 144 wide keep two sets of partial sums "
+    "(overlapped); 192 one group per slice, retired before it is promoted; 256 two parts of 128 "
+    "(64 registers of partial sums beside 128 promoted ones); 64-row tiles are ping-pong. A "
+    "144-wide tile spans two of B's scale blocks, at 8 offsets into the first. Dropped after one "
     "sweep on an H200: 64 x 256 (never the fastest), 128 x 112 and 128 x 176 pairs (wave "
     "count; slower than 128 x 128 and 128 x 192 where they fit the grid better, and a 176-wide "
     "tile spans three of B's scale blocks).")

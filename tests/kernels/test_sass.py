@@ -284,10 +284,10 @@ def _promoted(name: str) -> bool:
 def test_fp8_kernels(kernels):
     """FP8 products: the registry's tiles (promoted) and fast tiles x (e4m3, e5m2) x (bf16,
     fp32 out). Every one runs FP8 wgmma (QGMMA) of its type on K-major operands (no
-    transposes): promoted kernels one group of the tile's width per K slice, or two of 128 on
-    256-wide tiles, fast ones one of the tile's width; loads A, B and the scales by TMA (rank 3),
-    scales in the epilogue (FusionKind::kScaled), stores by TMA, and never touches local
-    memory."""
+    transposes): promoted kernels one group of the tile's width per K slice (144 included), or
+    two of 128 on 256-wide tiles, fast ones one of the tile's width; loads A, B and the scales by
+    TMA (rank 3), scales in the epilogue (FusionKind::kScaled), stores by TMA, and never touches
+    local memory."""
     found = _fp8_kernels(kernels)
     assert len(found) == tiles.kernel_counts()["fp8"]
     promoted = {n for n in found if _promoted(n)}
@@ -303,7 +303,11 @@ def test_fp8_kernels(kernels):
         assert _fusion(name) == (4, 0), name
         assert set(re.findall(r"\bUTMALDG\.(\w+)", body)) == {"3D"}, name
         assert re.search(r"\bUTMASTG\.4D\b", body), name
-        assert re.search(r"\bUSETMAXREG\b", body), name
+        # The register split: consumers 240 and producer 24 where a promoted tile keeps two
+        # sets wider than 128 columns (the 144-wide ones), else 232 and 40.
+        wide = name in promoted and 128 < width <= 144
+        assert set(re.findall(r"\bUSETMAXREG\.(?:TRY_ALLOC|DEALLOC)\S* (?:UP0, )?(0x[0-9a-f]+)",
+                              body)) == ({"0xf0", "0x18"} if wide else {"0xe8", "0x28"}), name
         assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"
         if _tile(name)[3] > 1:
             assert re.search(r"\bUTMALDG\.3D\.MULTICAST\b", body), name
@@ -311,6 +315,9 @@ def test_fp8_kernels(kernels):
         # accumulators: at least one FFMA per partial-sum register of a group.
         if name in promoted:
             assert len(re.findall(r"\bFFMA\b", body)) >= part // 2, name
-    # 128-column tiles keep the next slice's group in flight while promoting (wait_group 1).
-    narrow = [b for n, b in found.items() if n in promoted and _tile(n)[1] == 128]
-    assert narrow and all(re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", b) for b in narrow)
+    # Tiles up to 144 columns wide keep the next slice's group in flight while promoting
+    # (wait_group 1: the overlapped schedule, two sets of partial sums).
+    narrow = {n: b for n, b in found.items() if n in promoted and _tile(n)[1] <= 144}
+    assert {_tile(n)[1] for n in narrow} == {128, 144}
+    for name, body in narrow.items():
+        assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", body), name

@@ -56,6 +56,8 @@ FP8_FAST_CONFIGS: tuple[Fp8Config, ...] = tuple(Fp8Config(*t) for t in _FAST_TIL
 # promoted and fast (H200, bench_fp8.py --sweep at 8192^3 and 6144^3, per-tensor:
 # 128 x 256 pairs 1232 TFLOP/s, 128 x 192 pairs 1200, 128 x 128 1160, 64 x 128 1010; fast
 # 128 x 256 pairs 1436).
+# A compiled tile without an entry is selectable with config= and swept by bench_fp8.py, but not a
+# heuristic candidate until it is measured: 128 x 144 pairs (overlapped promotion) await theirs.
 _TILE_EFFICIENCY = {(128, 256): 0.62, (128, 192): 0.61, (128, 128): 0.585, (64, 128): 0.51}
 _FAST_EFFICIENCY = {(128, 256): 0.73, (128, 128): 0.62}
 _PEAK_FLOPS = 1.979e15
@@ -88,12 +90,14 @@ def default_config(m: int, n: int, k: int, num_sms: int | None = None,
                    fast: bool = False) -> Fp8Config:
     """The compiled tile and split with the least estimated time (ties: no split, the larger
     tile), among the tiles compiled with promotion or, `fast`, for the tensor core's
-    accumulation. Split-K is considered only where the tiles fill less than one wave."""
+    accumulation, that have a measured rate. Split-K is considered only where the tiles fill less
+    than one wave."""
     num_sms = device.num_sms() if num_sms is None else num_sms
+    efficiency = _FAST_EFFICIENCY if fast else _TILE_EFFICIENCY
 
     def candidates():
         for tile in _FAST_TILES if fast else _FP8_TILES:
-            if not cluster_fits(tile[0], tile[3], m):
+            if tile[:2] not in efficiency or not cluster_fits(tile[0], tile[3], m):
                 continue
             tiles = -(-m // tile[0]) * -(-n // tile[1])
             for split in (1, 2, 4, 8) if tiles < num_sms else (1,):

@@ -412,6 +412,26 @@ def test_kernel_block_scaled_matches_float64(rng, config, dtype, out_dtype):
     assert rel_error(out, ref + bias) <= OUT_TOL[out_dtype]
 
 
+# Promoted tiles whose width neither divides nor is a multiple of B's 128-column scale blocks
+# (192, 144): their tiles span two blocks, split at one of lcm(width, 128) / width offsets.
+SPLIT_CONFIGS = [c for c in fp8_config.FP8_CONFIGS
+                 if fp8_config.SCALE_BLOCK % c.block_n and c.block_n % fp8_config.SCALE_BLOCK]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", SPLIT_CONFIGS, ids=_config_id)
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
+def test_kernel_block_scaled_every_split(rng, config, out_dtype):
+    """Every offset into a scale block that the tile's columns start at (144: 0, 16, .., 112),
+    the last tile cut by N inside the second block it spans; distinct column-block scales."""
+    period = np.lcm(config.block_n, fp8_config.SCALE_BLOCK)
+    m, n, k = 264, int(period) - 56, 1040
+    assert period // config.block_n == -(-n // config.block_n)  # one tile per offset
+    a, b, sa, sb, ref = _block_operands(rng, m, n, k)
+    out = _kernel(a, b, sa, sb, has_sa=True, has_sb=True, out_dtype=out_dtype, config=config)
+    assert rel_error(out, ref) <= OUT_TOL[out_dtype]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", SCALE_CASES, ids=str)
 def test_kernel_scale_forms_match_float64(rng, case):
@@ -494,6 +514,19 @@ def test_precision_picks_the_accumulation():
     assert promote(None, config=slow)
 
 
+def test_unmeasured_tiles_are_selectable_but_not_picked():
+    """A compiled tile without a measured rate (128 x 144 pairs) runs only when asked for."""
+    unmeasured = [c for c in fp8_config.FP8_CONFIGS
+                  if c.tile[:2] not in fp8_config._TILE_EFFICIENCY]
+    assert [c.tile for c in unmeasured] == [(128, 144, 5, 2)]
+    assert fp8_config.Fp8Config(128, 144, 5, 2).tile == (128, 144, 5, 2)
+    for m, n, k in [(8192, 8192, 8192), (4096, 2304, 7168), (1152, 1152, 4096), (128, 144, 512),
+                    (4096, 7168, 16384), (256, 7168, 2048)]:
+        for num_sms in (114, 132):
+            cfg = fp8_config.default_config(m, n, k, num_sms=num_sms)
+            assert cfg.tile[:2] in fp8_config._TILE_EFFICIENCY, (m, n, k, cfg)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k", [(1, 256, 512), (1, 1000, 1000), (7, 8, 16), (64, 136, 200),
                                    (130, 1001, 4100)])
@@ -512,7 +545,9 @@ def test_kernel_edge_shapes(rng, m, n, k):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", fp8_config.FP8_CONFIGS[:4:2], ids=_config_id)
+@pytest.mark.parametrize("config", [c for c in fp8_config.FP8_CONFIGS
+                                    if c.tile in {(128, 256, 3, 2), (128, 192, 4, 2),
+                                                  (128, 144, 5, 2)}], ids=_config_id)
 def test_kernel_is_deterministic(rng, config):
     a, b, sa, sb, _ = _block_operands(rng, 1024, 1024, 2048)
     first = _kernel(a, b, sa, sb, has_sa=True, has_sb=True, out_dtype=BF16, config=config)
