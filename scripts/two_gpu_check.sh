@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # On a host with two (or more) Hopper GPUs: builds jax_tma in place, runs the multi-GPU tests
 # (an M- and a K-sharded product on the kernel, matching one GPU), the Flax example with
-# data-parallel batches, and the sharded-matmul speedup benchmark. Logs go to $OUT (or
-# ./gpu_check_logs).
+# data-parallel batches, and every op's sharded speedups (benchmarks/bench_sharded.py, on 1 to
+# all GPUs present). Logs go to $OUT (or ./gpu_check_logs).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG_DIR="${OUT:-gpu_check_logs}"
@@ -25,8 +25,8 @@ echo "== Flax example, data parallel over every GPU"
 "$PY" examples/flax_mlp.py --devices "$("$PY" -c 'import jax; print(jax.device_count())')" \
   2>&1 | tee "$LOG_DIR/flax_dp.log" || status=1
 
-echo "== sharded matmul speedup"
-"$PY" benchmarks/bench_sharded_gemm.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG_DIR/bench_sharded.log" || status=1
+echo "== sharded speedups"
+"$PY" benchmarks/bench_sharded.py ${BENCH_ARGS:-} 2>&1 | tee "$LOG_DIR/bench_sharded.log" || status=1
 cp -r benchmarks/results "$LOG_DIR/" 2>/dev/null || true
 
 [ "$status" -eq 0 ] && echo "SUMMARY: OK" || echo "SUMMARY: FAILED"

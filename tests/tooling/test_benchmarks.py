@@ -904,3 +904,27 @@ def test_bench_moe_layer_leaves_out_an_einsum_form_too_large(capsys):
     with pytest.raises(SystemExit):
         module._parse(["--config", "qwen3", "--tokens", "0"])
     assert "--tokens must be positive" in capsys.readouterr().err
+
+
+def test_bench_sharded_dry_run(tmp_path):
+    """On the forced host devices (conftest: 8): rows for 1 and 2 devices, speedups relative to
+    the one-device row of the same op and layout."""
+    result = _run("bench_sharded.py", "--out", str(tmp_path), "--commit", "0123abc",
+                  "--ops", "matmul", "moe_layer", "--devices", "1", "2")
+    assert result.returncode == 0, result.stderr
+    report = _written(tmp_path, "bench_sharded")
+    rows = {(r["op"], r["layout"], r["devices"]): r for r in report["rows"]}
+    assert set(rows) == {(op, layout, d) for op, layout in (
+        ("matmul", "M sharded"), ("matmul", "N sharded"), ("matmul", "K sharded"),
+        ("moe_layer", "expert parallel")) for d in (1, 2)}
+    assert report["environment"]["device_count"] >= 2
+    for (op, layout, d), r in rows.items():
+        assert r["seconds"] > 0 and set(r) >= {"op", "layout", "devices", "seconds", "speedup",
+                                                "kernel"}
+        assert math.isclose(r["speedup"], rows[(op, layout, 1)]["seconds"] / r["seconds"])
+
+
+def test_bench_sharded_needs_the_one_device_base(capsys):
+    with pytest.raises(SystemExit):
+        _bench_module("bench_sharded")._parse(["--devices", "2", "4"])
+    assert "--devices must include 1" in capsys.readouterr().err

@@ -1,0 +1,280 @@
+"""Every op sharded over the GPUs of one host against the same work on one GPU.
+
+Each op runs on 1, 2 and 4 devices (those present; --devices picks) in every sharding form it
+supports, with its operands already placed as the layout says and XLA left to choose the output
+layout:
+
+  op           layout            operands
+  matmul       M sharded         a [M, K] rows, b [K, N] replicated
+               N sharded         b's columns
+               K sharded         a's columns and b's rows (one all-reduce of fp32 partials)
+  ragged_dot   tokens sharded    x [M, K] rows (group sizes replicated: each device finds its
+                                 rows' groups on the device), w [G, K, N] replicated
+               N sharded         w's columns
+  dense        M sharded         gelu(x @ w + bias): x's rows
+               N sharded         w's and bias's columns
+  gated_dense  M sharded         silu(x @ wg) * (x @ wu): x's rows
+               N sharded         wg's and wu's columns
+  fp8          M sharded         block-scaled e4m3 (1x128 / 128x128 scales): a's rows and scales
+               K sharded         a's and b's K with their scales (one all-reduce)
+  moe_layer    expert parallel   forward + backward of jax_tma.moe_mlp (SwiGLU experts, top-k):
+                                 tokens and experts sharded, pairs exchanged by all_to_all;
+                                 one device runs the same layer with every expert
+
+Timing: wall clock (a sharded call is done when its slowest device is), each timed call
+evaluating --products distinct operand sets inside one jit, median over --repeats with half the
+min-max spread. Speedup = one device's time / this one's. `kernel` says whether jax_tma's
+kernel ran (its custom call in the compiled HLO). Writes bench_sharded.json (rows {op, layout,
+devices, seconds, spread_s, speedup, kernel}), .md and .png under benchmarks/results/<device>/.
+
+    python benchmarks/bench_sharded.py                       # every op, 1 / 2 / 4 GPUs
+    python benchmarks/bench_sharded.py --ops matmul fp8 --devices 1 4
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python benchmarks/bench_sharded.py \\
+        --dry-run                                            # tiny sizes on CPU devices (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import pathlib
+import statistics
+import sys
+import time
+import zlib
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_tma
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
+
+AX = "x"
+BF16 = jnp.bfloat16
+OPS = ("matmul", "ragged_dot", "dense", "gated_dense", "fp8", "moe_layer")
+NT = (((1,), (1,)), ((), ()))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One op in one layout: `make(key)` builds one operand set (global arrays), `specs` their
+    PartitionSpecs over the mesh axis AX, `fn` the work."""
+
+    op: str
+    layout: str
+    fn: Callable
+    make: Callable
+    specs: tuple
+
+
+def _normal(key, shape, dtype=BF16, scale=1.0):
+    return (jax.random.normal(key, shape, jnp.float32) * scale).astype(dtype)
+
+
+def _cases(sizes: dict) -> list[Case]:
+    cases = []
+    m, n, k = sizes["matmul"]
+
+    def mm(key):
+        ka, kb = jax.random.split(key)
+        return _normal(ka, (m, k)), _normal(kb, (k, n), scale=k ** -0.5)
+    for layout, specs in (("M sharded", (P(AX), P())), ("N sharded", (P(), P(None, AX))),
+                          ("K sharded", (P(None, AX), P(AX)))):
+        cases.append(Case("matmul", layout, jax_tma.matmul, mm, specs))
+
+    m, k, n, g = sizes["ragged_dot"]
+
+    def ragged(key):
+        kx, kw = jax.random.split(key)
+        sizes_ = jnp.full((g,), m // g, jnp.int32)
+        return _normal(kx, (m, k)), _normal(kw, (g, k, n), scale=k ** -0.5), sizes_
+    for layout, specs in (("tokens sharded", (P(AX), P(), P())),
+                          ("N sharded", (P(), P(None, None, AX), P()))):
+        cases.append(Case("ragged_dot", layout, jax_tma.ragged_dot, ragged, specs))
+
+    m, n, k = sizes["dense"]
+
+    def dense_ops(key):
+        kx, kw, kb = jax.random.split(key, 3)
+        return _normal(kx, (m, k)), _normal(kw, (k, n), scale=k ** -0.5), _normal(kb, (n,))
+    dense = lambda x, w, b: jax_tma.dense(x, w, b, "gelu")  # noqa: E731
+    for layout, specs in (("M sharded", (P(AX), P(), P())),
+                          ("N sharded", (P(), P(None, AX), P(AX)))):
+        cases.append(Case("dense", layout, dense, dense_ops, specs))
+
+    def gated_ops(key):
+        kx, kg, ku = jax.random.split(key, 3)
+        return (_normal(kx, (m, k)), _normal(kg, (k, n), scale=k ** -0.5),
+                _normal(ku, (k, n), scale=k ** -0.5))
+    gated = lambda x, wg, wu: jax_tma.gated_dense(x, wg, wu, "silu")  # noqa: E731
+    for layout, specs in (("M sharded", (P(AX), P(), P())),
+                          ("N sharded", (P(), P(None, AX), P(None, AX)))):
+        cases.append(Case("gated_dense", layout, gated, gated_ops, specs))
+
+    m, n, k = sizes["fp8"]
+
+    def fp8_ops(key):
+        kx, kw = jax.random.split(key)
+        a, sa = jax_tma.quantize_fp8(_normal(kx, (m, k), jnp.float32), (1, 128))
+        b, sb = jax_tma.quantize_fp8(_normal(kw, (n, k), jnp.float32), (128, 128))
+        return a, b, sa, sb
+    fp8 = lambda a, b, sa, sb: jax_tma.fp8_dot_general(a, b, sa, sb, NT)  # noqa: E731
+    for layout, specs in (("M sharded", (P(AX), P(), P(None, AX), P())),
+                          ("K sharded", (P(None, AX), P(None, AX), P(AX), P(AX)))):
+        cases.append(Case("fp8", layout, fp8, fp8_ops, specs))
+
+    tokens, d, experts, hidden, top_k = sizes["moe_layer"]
+
+    def moe_ops(key):
+        ks = jax.random.split(key, 6)
+        return (_normal(ks[0], (tokens, d)), _normal(ks[1], (tokens, d)),
+                _normal(ks[2], (d, experts), jnp.float32, d ** -0.5),
+                _normal(ks[3], (experts, d, hidden), jnp.float32, d ** -0.5),
+                _normal(ks[4], (experts, hidden, d), jnp.float32, hidden ** -0.5),
+                _normal(ks[5], (experts, d, hidden), jnp.float32, d ** -0.5))
+    cases.append(Case("moe_layer", "expert parallel", _moe_step(top_k), moe_ops,
+                      (P(AX), P(AX), P(), P(AX), P(AX), P(AX))))
+    return cases
+
+
+def _moe_step(top_k: int) -> Callable:
+    """value_and_grad of the layer (expert-parallel over AX when the mesh has several devices:
+    `mesh` is bound by the caller)."""
+    def step(x, dy, router, w_up, w_down, w_gate, *, mesh=None):
+        def loss(x, router, w_up, w_down, w_gate):
+            y, stats = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=top_k,
+                                       dtype=BF16, expert_axis=None if mesh is None else AX,
+                                       mesh=mesh)
+            return (jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
+                    + 1e-2 * stats.load_balancing_loss)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))(x, router, w_up, w_down, w_gate)
+    step.moe = True
+    return step
+
+
+SIZES = {"matmul": (32768, 8192, 8192), "ragged_dot": (65536, 4096, 4096, 16),
+         "dense": (32768, 14336, 4096), "fp8": (16384, 8192, 8192),
+         "moe_layer": (32768, 2048, 128, 768, 8)}
+DRY_SIZES = {"matmul": (64, 32, 64), "ragged_dot": (64, 32, 16, 4), "dense": (64, 32, 64),
+             "fp8": (64, 256, 512), "moe_layer": (64, 32, 8, 16, 2)}
+
+
+def _time(fn: Callable, sets: list, repeats: int) -> tuple[float, float]:
+    """(median, half the min-max spread) of one set's wall time."""
+    batch = jax.jit(lambda s: [fn(*ops) for ops in s])
+    for _ in range(2):
+        jax.block_until_ready(batch(sets))
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(batch(sets))
+        samples.append((time.perf_counter() - start) / len(sets))
+    return statistics.median(samples), (max(samples) - min(samples)) / 2
+
+
+def _run_case(case: Case, devices: list, args) -> dict:
+    mesh = Mesh(np.array(devices), (AX,))
+    fn = case.fn
+    if getattr(fn, "moe", False) and len(devices) > 1:
+        fn = (lambda f: lambda *a: f(*a, mesh=mesh))(case.fn)
+    seed = zlib.crc32(f"{case.op} {case.layout}".encode())
+    keys = jax.random.split(jax.random.key(seed), args.products)
+    sets = []
+    for key in keys:
+        ops = jax.jit(case.make)(key)
+        sets.append(tuple(jax.device_put(v, NamedSharding(mesh, s))
+                          for v, s in zip(ops, case.specs)))
+    hlo = jax.jit(fn).lower(*sets[0]).compile().as_text()
+    seconds, spread = _time(fn, sets, args.repeats)
+    return {"op": case.op, "layout": case.layout, "devices": len(devices), "seconds": seconds,
+            "spread_s": spread, "kernel": 'custom_call_target="jax_tma_' in hlo}
+
+
+def _table(rows: list[dict], env: dict) -> str:
+    lines = [f"{env['device']} x {env['device_count']}, driver {env['driver']}, jax {env['jax']}, "
+             f"{env['date']}, commit {str(env.get('commit'))[:12]}; wall time per call, median "
+             "(± half the spread); speedup over the same work on one device",
+             "", "| op | layout | devices | ms | speedup | jax_tma kernel |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['op']} | {r['layout']} | {r['devices']} | {r['seconds'] * 1e3:.3f} "
+                     f"± {r['spread_s'] * 1e3:.3f} | {r['speedup']:.2f}x "
+                     f"| {'yes' if r['kernel'] else 'no'} |")
+    return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: pathlib.Path, title: str) -> bool:
+    plt = pyplot()
+    if plt is None:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key in dict.fromkeys((r["op"], r["layout"]) for r in rows):
+        pts = sorted((r["devices"], r["speedup"]) for r in rows if (r["op"], r["layout"]) == key)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=" / ".join(key))
+    most = max(r["devices"] for r in rows)
+    ax.plot([1, most], [1, most], color="gray", linestyle=":", label="linear")
+    ax.set_xlabel("devices")
+    ax.set_ylabel("speedup over one device")
+    ax.set_title(title)
+    ax.legend(fontsize=6)
+    return save_figure(plt, fig, path)
+
+
+def _parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    p.add_argument("--devices", nargs="+", type=int, default=[1, 2, 4])
+    p.add_argument("--products", type=int, default=3, help="operand sets per timed call")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", type=pathlib.Path, default=None)
+    p.add_argument("--commit", help="commit to record instead of `git rev-parse HEAD`")
+    p.add_argument("--dry-run", action="store_true",
+                   help="tiny sizes, 1 repeat; files only with --out; runs on CPU devices")
+    args = p.parse_args(argv)
+    if min(args.devices) < 1 or 1 not in args.devices:
+        p.error(f"--devices must include 1 (the base of every speedup), got {args.devices}")
+    if args.products < 1 or args.repeats < 1:
+        p.error("--products and --repeats must be positive")
+    if args.dry_run:
+        args.repeats, args.products = 1, 1
+    return args
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    env = environment(args.commit)
+    print(banner(env, "bf16"), flush=True)
+    present = jax.devices()
+    counts = sorted({c for c in args.devices if c <= len(present)})
+    skipped = sorted(set(args.devices) - set(counts))
+    if skipped:
+        print(f"only {len(present)} devices: leaving out {skipped}", file=sys.stderr)
+    rows = []
+    for case in _cases(DRY_SIZES if args.dry_run else SIZES):
+        if case.op not in args.ops:
+            continue
+        for count in counts:
+            print(f"{case.op} {case.layout} on {count} ...", file=sys.stderr, flush=True)
+            rows.append(_run_case(case, present[:count], args))
+    base = {(r["op"], r["layout"]): r["seconds"] for r in rows if r["devices"] == 1}
+    for r in rows:
+        r["speedup"] = base[(r["op"], r["layout"])] / r["seconds"]
+    table = _table(rows, env)
+    print(table)
+    if args.dry_run and args.out is None:
+        return 0
+    write_report(args.out, env, "bench_sharded",
+                 {"environment": env, "dry_run": args.dry_run, "sizes": DRY_SIZES
+                  if args.dry_run else SIZES, "rows": rows},
+                 table, lambda path: _plot(rows, path, f"{env['device']} x {len(present)}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
