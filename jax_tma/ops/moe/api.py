@@ -198,11 +198,10 @@ def moe_mlp(x: Any, router_kernel: Any, w_up: Any, w_down: Any, w_gate: Any = No
     Returns:
       y [..., d] in ``dtype``, and the router's MoeStats.
     """
-    check_options("jax_tma.moe_mlp", num_experts=np.shape(router_kernel)[-1]
-                  if np.ndim(router_kernel) == 2 else 1, top_k=top_k, hidden_dim=None,
+    d, experts, _ = _check_arrays(x, router_kernel, w_up, w_down, w_gate, dtype)
+    check_options("jax_tma.moe_mlp", num_experts=experts, top_k=top_k, hidden_dim=None,
                   activation=activation, gated=w_gate is not None, router=router,
                   capacity_factor=capacity_factor, implementation=implementation)
-    d, experts, _ = _check_arrays(x, router_kernel, w_up, w_down, w_gate, dtype)
     x = jnp.asarray(x)
     lead = x.shape[:-1]
     tokens = math.prod(lead)

@@ -313,6 +313,9 @@ def test_bad_shapes_and_dtypes(rng):
         jax_tma.moe_mlp(x, router, w_up, w_down[:, :, :4], w_gate, top_k=2)
     with pytest.raises(ValueError, match="w_gate"):
         jax_tma.moe_mlp(x, router, w_up, w_down, w_gate[:3], top_k=2)
+    with pytest.raises(ValueError, match=r"router_kernel \[d, E\]; got .*router_kernel "
+                                         r"\[1, 8, 4\]"):
+        jax_tma.moe_mlp(x, router[None], w_up, w_down, w_gate, top_k=2)
     with pytest.raises(TypeError, match="x must be floating point, got int32"):
         jax_tma.moe_mlp(x.astype(np.int32), router, w_up, w_down, w_gate, top_k=2)
 
