@@ -61,15 +61,19 @@ struct TileConfig {
   static constexpr int kStageReaderWarps = kPingPong ? 4 : 4 * kConsumerWarpgroups;
   // Elements in one 128-byte swizzle row: the inner extent of every operand box.
   static constexpr int kSwizzleElems = 128 / kElementBytes;
-  // B arrives in blocks of 64 N indices (the unit the cluster splits), whatever its layout.
-  // A tile whose width is not a multiple of 64 loads its last block whole: wgmma reads only
-  // the tile's columns of it, and the rest (the next tile's, or TMA's zero fill) goes unused.
-  // Blocks wholly past the matrix's last column are not loaded at all: TMA zero-fills a whole
-  // box slowly (MainloopSm90TmaWgmma::boxes_within).
+  // B arrives in kBColumnBlocks blocks of kBBlockN N indices (the unit the cluster splits): 64,
+  // whatever its layout. A 16-bit tile whose width is not a multiple of 64 loads its last block
+  // whole: wgmma reads only the tile's columns of it, and the rest (the next tile's, or TMA's
+  // zero fill) goes unused. FP8 tiles (B K-major, one 128-byte row per N index) split such a
+  // width into equal blocks instead (128 x 144: three of 48), so that a stage holds no column
+  // the tile does not read. Blocks wholly past the matrix's last column are not loaded at all:
+  // TMA zero-fills a whole box slowly (MainloopSm90TmaWgmma::boxes_within).
   static constexpr int kBColumnBlocks = (kBlockN + 63) / 64;
+  static constexpr int kBBlockN =
+      kElementBytes == 1 && kBlockN % (8 * kBColumnBlocks) == 0 ? kBlockN / kBColumnBlocks : 64;
 
   static constexpr uint32_t kTileABytes = kBlockM * kBlockK * kElementBytes;
-  static constexpr uint32_t kTileBBytes = kBlockK * kBColumnBlocks * 64 * kElementBytes;
+  static constexpr uint32_t kTileBBytes = kBlockK * kBColumnBlocks * kBBlockN * kElementBytes;
   // FP8 K slices bring their scales: kBlockM fp32 of A's, and one box of B's, 8 column blocks of
   // 128 from the 4-aligned block at or before the tile's first (TMA's innermost box coordinate
   // falls on 16 bytes; a tile up to 256 wide then spans at most blocks 0..4 of the box), in a
@@ -166,8 +170,9 @@ struct OperandBoxes {
   static constexpr int kABoxMN = 64;
   static constexpr int kBoxA[3] = {Tile::kSwizzleElems, 64, 1};
   static constexpr int kALoads = Tile::kBlockM / kABoxMN;
-  static constexpr int kBBoxMN = 64;
+  static constexpr int kBBoxMN = Tile::kBBlockN;
   static constexpr int kBoxB[3] = {Tile::kSwizzleElems, kBKMajor ? kBBoxMN : Tile::kBlockK, 1};
+  static_assert(kBKMajor || kBBoxMN == 64, "an N-major B box is one 128-byte row of 64 N");
   static constexpr int kBLoads = Tile::kBColumnBlocks;
   static constexpr uint32_t kABoxBytes = kBoxA[0] * kBoxA[1] * Tile::kElementBytes;
   static constexpr uint32_t kBBoxBytes = kBoxB[0] * kBoxB[1] * Tile::kElementBytes;

@@ -49,22 +49,22 @@ using Fp8Tile128x256 = Fp8Tile<128, 256, 3, 1>;
 using Fp8Tile128x192C2 = Fp8Tile<128, 192, 4, 2>;
 // NOTE: 144 is the widest tile whose promoted sums and two sets of partial sums fit a consumer's
 // registers (72 + 2 x 72), so it promotes in the overlapped schedule; cuBLAS's FP8 kernel at
-// precision=HIGHEST on an H200 uses this geometry (1 x 2 cluster, 64 x 144 per consumer warpgroup).
-// One staging chunk, as fp32 blocks are 4.5 chunks wide (the epilogue stores whole batches), leaves
-// room for 5 stages. Not yet measured.
-using Fp8Tile128x144C2 = Fp8Tile<128, 144, 5, 2, 1>;
+// precision=HIGHEST on an H200 uses this geometry (1 x 2 cluster, 64 x 144 per consumer warpgroup,
+// 6 stages). B arrives in three blocks of 48 rows, and one staging chunk (fp32 blocks are 4.5
+// chunks wide; the epilogue stores whole batches) leaves room for 6 stages. Not yet measured.
+using Fp8Tile128x144C2 = Fp8Tile<128, 144, 6, 2, 1>;
 using Fp8Tile128x128C2 = Fp8Tile<128, 128, 5, 2>;
 using Fp8Tile128x128 = Fp8Tile<128, 128, 5, 1>;
 using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
 // NOTE (FP8 tiles): the stage counts are the most that fit 227 KB beside a whole block's output
-// staging (128 x 144: beside one chunk of it, as its fp32 block is not whole chunks). Promotion
-// (mainloop/sm90_tma_wgmma_fp8.cuh): tiles up to 144 wide keep two sets of partial sums
-// (overlapped); 192 one group per slice, retired before it is promoted; 256 two parts of 128 (64
-// registers of partial sums beside 128 promoted ones); 64-row tiles are ping-pong. A 144-wide tile
-// spans two of B's scale blocks, at 8 offsets into the first. Dropped after one sweep on an H200:
-// 64 x 256 (never the fastest), 128 x 112 and 128 x 176 pairs (wave count; slower than 128 x 128
-// and 128 x 192 where they fit the grid better, and a 176-wide tile spans three of B's scale
-// blocks).
+// staging (128 x 144: beside one chunk of it, as its fp32 block is not whole chunks, and with B in
+// blocks of 48 rows). Promotion (mainloop/sm90_tma_wgmma_fp8.cuh): tiles up to 144 wide keep two
+// sets of partial sums (overlapped); 192 one group per slice, retired before it is promoted; 256
+// two parts of 128 (64 registers of partial sums beside 128 promoted ones); 64-row tiles are ping-
+// pong. A 144-wide tile spans two of B's scale blocks, at 8 offsets into the first. Dropped after
+// one sweep on an H200: 64 x 256 (never the fastest), 128 x 112 and 128 x 176 pairs (wave count;
+// slower than 128 x 128 and 128 x 192 where they fit the grid better, and a 176-wide tile spans
+// three of B's scale blocks).
 
 }  // namespace jax_tma::sm90_gemm
 

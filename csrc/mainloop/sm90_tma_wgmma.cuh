@@ -88,23 +88,23 @@ struct MainloopSm90TmaWgmma {
 
   struct SharedStorage {
     alignas(1024) T a[kStages][kBlockM * kBlockK];
-    alignas(1024) T b[kStages][kBlockK * Tile::kBColumnBlocks * 64];  // whole 64-wide blocks
+    alignas(1024) T b[kStages][kBlockK * Tile::kBColumnBlocks * Tile::kBBlockN];  // whole blocks
   };
   static_assert(sizeof(T) == Tile::kElementBytes);
   static_assert(sizeof(SharedStorage::a[0]) == Tile::kTileABytes);
   static_assert(sizeof(SharedStorage::b[0]) == Tile::kTileBBytes);
   static_assert(kABoxElems == kAWarpgroupElems, "an A box is one warpgroup's share");
-  static_assert(Boxes::kBBoxMN == 64 && kBBoxElems == 64 * kBlockK);
+  static_assert(Boxes::kBBoxMN == Tile::kBBlockN && kBBoxElems == Tile::kBBlockN * kBlockK);
 
-  // An operand's boxes (`boxes` of 64 M or N indices from index `from`) that hold indices of
+  // An operand's boxes (`boxes` of `box` M or N indices from index `from`) that hold indices of
   // a matrix of `extent`. The rest lie wholly past the matrix: they are not loaded, and the
   // stale rows or columns wgmma reads in their place reach only outputs past the matrix,
   // which no epilogue stores. TMA's zero fill of such boxes cost whole microseconds: on an
   // H100, 128 x 232 pairs ran 3072 x 1024 x 3072 (two of the last column's four B blocks past
   // the matrix) in 39.0 us with them, 33.1 without.
   // (`from` < `extent`: written so that an extent near 2^31 does not wrap.)
-  __device__ static int boxes_within(int boxes, int extent, int from) {
-    return min(boxes, (extent - from - 1) / 64 + 1);
+  __device__ static int boxes_within(int boxes, int box, int extent, int from) {
+    return min(boxes, (extent - from - 1) / box + 1);
   }
 
   // The consumer warpgroups of a cooperative tile run apart: one may skip() a tile whose rows
@@ -119,11 +119,11 @@ struct MainloopSm90TmaWgmma {
 
   // How many of the tile's A and B boxes hold indices of the matrix (boxes_within).
   __device__ static int a_loads(const LoadPlan& plan) {
-    return boxes_within(Boxes::kALoads, plan.rows, plan.at.m0);
+    return boxes_within(Boxes::kALoads, Boxes::kABoxMN, plan.rows, plan.at.m0);
   }
   __device__ static int b_loads(const LoadPlan& plan) {
-    return kPairedB ? min(Boxes::kBLoads, 2 * boxes_within(Boxes::kBLoads, plan.cols, plan.at.n0))
-                    : boxes_within(Boxes::kBLoads, plan.cols, plan.at.n0);
+    const int within = boxes_within(Boxes::kBLoads, Boxes::kBBoxMN, plan.cols, plan.at.n0);
+    return kPairedB ? min(Boxes::kBLoads, 2 * within) : within;
   }
   // The bytes they bring into one stage; `a_stage_bytes` is what all of A's boxes bring
   // (GemmShape::a_stage_bytes).

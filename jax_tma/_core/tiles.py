@@ -213,12 +213,13 @@ F128x256C2 = Tile("Fp8Tile128x256C2", 128, 256, 3, 2, element_bytes=1)
 F128x256 = Tile("Fp8Tile128x256", 128, 256, 3, 1, element_bytes=1)
 F128x192C2 = Tile("Fp8Tile128x192C2", 128, 192, 4, 2, element_bytes=1)
 F128x144C2 = Tile(
-    "Fp8Tile128x144C2", 128, 144, 5, 2, epilogue_buffers=1, element_bytes=1,
+    "Fp8Tile128x144C2", 128, 144, 6, 2, epilogue_buffers=1, element_bytes=1,
     note="144 is the widest tile whose promoted sums and two sets of partial sums fit a "
          "consumer's registers (72 + 2 x 72), so it promotes in the overlapped schedule; cuBLAS's "
          "FP8 kernel at precision=HIGHEST on an H200 uses this geometry (1 x 2 cluster, 64 x 144 "
-         "per consumer warpgroup). One staging chunk, as fp32 blocks are 4.5 chunks wide (the "
-         "epilogue stores whole batches), leaves room for 5 stages. Not yet measured.")
+         "per consumer warpgroup, 6 stages). B arrives in three blocks of 48 rows, and one "
+         "staging chunk (fp32 blocks are 4.5 chunks wide; the epilogue stores whole batches) "
+         "leaves room for 6 stages. Not yet measured.")
 F128x128C2 = Tile("Fp8Tile128x128C2", 128, 128, 5, 2, element_bytes=1)
 F128x128 = Tile("Fp8Tile128x128", 128, 128, 5, 1, element_bytes=1)
 F64x128 = Tile("Fp8Tile64x128", 64, 128, 7, 1, element_bytes=1)
@@ -233,7 +234,8 @@ FP8_TILES = (
 )
 FP8_TILES_NOTE = (
     "the stage counts are the most that fit 227 KB beside a whole block's output staging (128 x "
-    "144: beside one chunk of it, as its fp32 block is not whole chunks). Promotion "
+    "144: beside one chunk of it, as its fp32 block is not whole chunks, and with B in blocks of "
+    "48 rows). Promotion "
     "(mainloop/sm90_tma_wgmma_fp8.cuh): tiles up to 144 wide keep two sets of partial sums "
     "(overlapped); 192 one group per slice, retired before it is promoted; 256 two parts of 128 "
     "(64 registers of partial sums beside 128 promoted ones); 64-row tiles are ping-pong. A "
