@@ -39,9 +39,7 @@ import argparse
 import dataclasses
 import math
 import pathlib
-import statistics
 import sys
-import time
 import zlib
 from typing import Callable
 
@@ -51,6 +49,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_tma
+from jax_tma import _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
@@ -165,19 +164,6 @@ DRY_SIZES = {"matmul": (64, 32, 64), "ragged_dot": (64, 32, 16, 4), "dense": (64
              "fp8": (64, 256, 512), "moe_layer": (64, 32, 8, 16, 2)}
 
 
-def _time(fn: Callable, sets: list, repeats: int) -> tuple[float, float]:
-    """(median, half the min-max spread) of one set's wall time."""
-    batch = jax.jit(lambda s: [fn(*ops) for ops in s])
-    for _ in range(2):
-        jax.block_until_ready(batch(sets))
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(batch(sets))
-        samples.append((time.perf_counter() - start) / len(sets))
-    return statistics.median(samples), (max(samples) - min(samples)) / 2
-
-
 def _run_case(case: Case, devices: list, args) -> dict:
     mesh = Mesh(np.array(devices), (AX,))
     fn = case.fn
@@ -191,9 +177,9 @@ def _run_case(case: Case, devices: list, args) -> dict:
         sets.append(tuple(jax.device_put(v, NamedSharding(mesh, s))
                           for v, s in zip(ops, case.specs)))
     hlo = jax.jit(fn).lower(*sets[0]).compile().as_text()
-    seconds, spread = _time(fn, sets, args.repeats)
-    return {"op": case.op, "layout": case.layout, "devices": len(devices), "seconds": seconds,
-            "spread_s": spread, "kernel": 'custom_call_target="jax_tma_' in hlo}
+    t = _timing.time_products(fn, sets, repeats=args.repeats)
+    return {"op": case.op, "layout": case.layout, "devices": len(devices), "seconds": t.median_s,
+            "spread_s": t.spread_s, "kernel": 'custom_call_target="jax_tma_' in hlo}
 
 
 def _table(rows: list[dict], env: dict) -> str:
