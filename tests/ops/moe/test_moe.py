@@ -438,3 +438,19 @@ def test_gpu_bf16_step_runs_kernel(rng):
     (_, xla_grads) = jax.jit(_step_fn("xla"))(*args)
     for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), grads, xla_grads):
         assert rel_error(g, w) <= 3e-2, name
+
+
+def test_nnx_layer_expert_parallel(rng, exact_f32):
+    """NnxMoE with expert_axis, built inside jax.set_mesh: expert parameters sharded over the
+    axis, the result the one-device layer's."""
+    from flax import nnx  # noqa: PLC0415
+    mesh = _cpu_mesh((4,), ("ep",))
+    x = rng.standard_normal((64, 32)).astype(F32)
+    with jax.set_mesh(mesh):
+        layer = jtf.NnxMoE(32, 8, 2, 16, dtype=jnp.float32, expert_axis="ep", rngs=nnx.Rngs(0))
+        assert layer.up[...].sharding.spec == P("ep", None, None)
+        y = jax.jit(lambda x: layer(x))(x)
+    params = {name: np.asarray(getattr(layer, name)[...]) for name in ("router", "gate", "up",
+                                                                       "down")}
+    one = jtf.MoE(num_experts=8, top_k=2, hidden_dim=16, dtype=jnp.float32)
+    assert rel_error(y, jax.jit(one.apply)({"params": params}, x)) <= 1e-6
