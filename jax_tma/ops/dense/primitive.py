@@ -17,6 +17,7 @@ from jax.interpreters import ad, batching
 
 from jax_tma._core import device
 from jax_tma._core.aval import result_aval
+from jax_tma._core.activations import GATED_ACTIVATIONS, activate  # noqa: F401 (re-exported)
 from jax_tma._core.primitive import bind_local, define_primitive, kernel_ffi_call
 from jax_tma.ops.dense import sharding as dense_sharding
 from jax_tma.ops.dense.config import (_KIND, FORWARD, GATED, GATED_GRADIENT,
@@ -26,23 +27,7 @@ from jax_tma.ops.gemm.config import KERNEL_INPUT_DTYPES
 
 KERNEL_TARGET = "jax_tma_dense_sm90"
 ACTIVATIONS = {None: 0, "relu": 1, "gelu": 2, "gelu_tanh": 2, "gelu_erf": 3, "silu": 4}
-GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "gelu_erf")
 _STRIDE = 8  # k and n multiples of 8: 16-byte rows
-
-
-def activate(name: str | None, z):
-    """The activation in fp32 jnp (the XLA path, and the reference of the kernel's)."""
-    if name is None:
-        return z
-    if name == "relu":
-        return jnp.maximum(z, 0)
-    if name == "gelu_tanh":
-        return jax.nn.gelu(z, approximate=True)
-    if name == "gelu_erf":
-        return jax.nn.gelu(z, approximate=False)
-    if name == "silu":
-        return jax.nn.silu(z)
-    raise ValueError(name)
 
 
 def activation_grad(name: str | None, z):

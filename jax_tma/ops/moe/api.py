@@ -66,12 +66,11 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_tma._core.activations import ACTIVATIONS, GATED_ACTIVATIONS, activate
 from jax_tma.ops.ragged.api import ragged_dot
 
 ROUTERS = ("softmax_topk", "sigmoid_topk")
 IMPLEMENTATIONS = ("jax_tma", "xla")
-GATED_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "gelu_erf")
-ACTIVATIONS = (None, "relu", *GATED_ACTIVATIONS)
 _F32 = jnp.float32
 
 
@@ -93,16 +92,6 @@ class _Options(NamedTuple):
     capacity_factor: float | None
     dtype: Any
     implementation: str
-
-
-def _activate(name: str | None, z: jax.Array) -> jax.Array:
-    if name is None:
-        return z
-    if name == "relu":
-        return jax.nn.relu(z)
-    if name == "silu":
-        return jax.nn.silu(z)
-    return jax.nn.gelu(z, approximate=name in ("gelu", "gelu_tanh"))
 
 
 def check_options(op: str, *, num_experts: int, top_k: int, hidden_dim: int | None,
@@ -318,12 +307,12 @@ def _experts(rows: jax.Array, group_sizes: jax.Array, weights, o: _Options) -> j
     dtype = o.dtype
     if w_gate is None:
         h = dot(rows, jnp.asarray(w_up, dtype), group_sizes)
-        h = _activate(o.activation, h.astype(_F32)).astype(dtype)
+        h = activate(o.activation, h.astype(_F32)).astype(dtype)
     else:
         hidden = w_up.shape[-1]
         w = jnp.concatenate([jnp.asarray(w_gate, dtype), jnp.asarray(w_up, dtype)], axis=-1)
         gu = dot(rows, w, group_sizes)
-        gate = _activate(o.activation, gu[:, :hidden].astype(_F32)).astype(dtype)
+        gate = activate(o.activation, gu[:, :hidden].astype(_F32)).astype(dtype)
         h = (gate.astype(_F32) * gu[:, hidden:].astype(_F32)).astype(dtype)
     return dot(h, jnp.asarray(w_down, dtype), group_sizes)
 
