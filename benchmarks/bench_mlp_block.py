@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import math
 import pathlib
 import re
 import sys
@@ -168,13 +167,6 @@ def kernel_calls(fn: Callable, *args) -> int:
     return len(_CALL_TARGET.findall(hlo))
 
 
-def _tree_rel_error(a, b) -> float:
-    num = sum(float(np.sum((np.asarray(x, np.float64) - np.asarray(y, np.float64)) ** 2))
-              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    den = sum(float(np.sum(np.asarray(y, np.float64) ** 2)) for y in jax.tree.leaves(b))
-    return math.sqrt(num / max(den, 1e-300))
-
-
 def breakdown(step: Callable, operands) -> dict | None:
     """One step's kernels (CUPTI medians, launch order), its products' total and the rest's;
     None where CUPTI timing is unavailable."""
@@ -217,7 +209,7 @@ def bench_block(cfg: BlockConfig, dtype, args) -> dict:
     loss_b, grads_b = jax.jit(jax.value_and_grad(loss_xla))(params, x, target)
     loss_c, grads_c = jax.jit(jax.value_and_grad(loss_fused))(params, x, target)
     loss_diff = max(abs(float(v) - float(loss_b)) / abs(float(loss_b)) for v in (loss_a, loss_c))
-    grad_err = max(_tree_rel_error(g, grads_b) for g in (grads_a, grads_c))
+    grad_err = max(_timing.tree_relative_error(g, grads_b) for g in (grads_a, grads_c))
     calls = {name: kernel_calls(fn, params, opt_state, x, target)
              for name, fn in (("jax_tma", step_tma), ("jax_tma_fused", step_fused),
                               ("xla", step_xla))}

@@ -141,13 +141,6 @@ def _step(layer):
     return grad
 
 
-def _rel(a, b) -> float:
-    num = sum(float(jnp.sum((jnp.asarray(x, jnp.float32) - jnp.asarray(y, jnp.float32)) ** 2))
-              for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
-    den = sum(float(jnp.sum(jnp.asarray(y, jnp.float32) ** 2)) for y in jax.tree.leaves(b))
-    return math.sqrt(num / max(den, 1e-30))
-
-
 def bench(cfg: LayerConfig, args) -> dict:
     params = _params(cfg, jax.random.key(cfg.tokens + cfg.experts))
     sets = []
@@ -162,7 +155,7 @@ def bench(cfg: LayerConfig, args) -> dict:
     ours = jax.jit(steps["jax_tma"])(*sets[0])
     ref = jax.jit(steps["xla_ragged"])(*sets[0])
     loss_diff = abs(float(ours[0]) - float(ref[0])) / max(abs(float(ref[0])), 1e-30)
-    grad_err = _rel(ours[1], ref[1])
+    grad_err = _timing.tree_relative_error(ours[1], ref[1])
     timings = _timing.compare(steps, sets, rounds=args.rounds, iterations=args.iterations)
     row = dict(dataclasses.asdict(cfg), expert_tflop_per_step=cfg.expert_flops / 1e12,
                loss_rel_diff=loss_diff, grad_rel_error=grad_err,

@@ -74,6 +74,13 @@ def relative_error(x, ref) -> float:
     return float(np.linalg.norm(x - ref) / (denom if denom > 0 else 1.0))
 
 
+def tree_relative_error(x, ref) -> float:
+    """relative_error over every leaf of two pytrees of one structure taken together."""
+    flat = lambda tree: np.concatenate(  # noqa: E731
+        [np.ravel(np.asarray(v, np.float64)) for v in jax.tree.leaves(tree)])
+    return relative_error(flat(x), flat(ref))
+
+
 # ------------------------------------------------------------------ kernel-time comparison
 
 def _cupti_measure():
