@@ -261,11 +261,11 @@ def _place(bucket: jax.Array, buckets: int, capacity: int | None, slotted: bool)
     order = jnp.argsort(bucket, stable=True)
     sorted_bucket = bucket[order]
     sizes = jnp.zeros((buckets,), jnp.int32).at[bucket].add(1)
-    position = jnp.arange(pairs, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[sorted_bucket]
     if capacity is None:
         rows, kept = pairs, sizes
         dest_sorted = jnp.arange(pairs, dtype=jnp.int32)
     else:
+        position = jnp.arange(pairs, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[sorted_bucket]
         kept = jnp.minimum(sizes, capacity)
         if slotted:
             rows = buckets * capacity
