@@ -38,8 +38,9 @@ AXIS = "ep"
 
 def setup_expert_parallel(mesh: Mesh, *, tokens, d_model, d_ff, experts, top_k, dtype, seed,
                           learning_rate, capacity_factor=None):
-    """flax_moe.setup's model, data and initial parameters (the one-device Setup is returned
-    too), with the layer expert-parallel over `mesh`: tokens and experts sharded on AXIS."""
+    """flax_moe.setup's model, data and initial parameters with the layer expert-parallel over
+    `mesh` (tokens and experts sharded on AXIS): (the one-device Setup, the expert-parallel one,
+    the expert-parallel model)."""
     one = flax_moe.setup(tokens=tokens, d_model=d_model, d_ff=d_ff, experts=experts,
                          top_k=top_k, dtype=dtype, use_tma=True, seed=seed,
                          learning_rate=learning_rate)
@@ -64,7 +65,7 @@ def setup_expert_parallel(mesh: Mesh, *, tokens, d_model, d_ff, experts, top_k, 
     opt_state = optimizer.init(params)
     batches = [tuple(jax.device_put(v, NamedSharding(mesh, P(AXIS))) for v in b)
                for b in one.batches]
-    return one, flax_moe.Setup(step, params, opt_state, batches)
+    return one, flax_moe.Setup(step, params, opt_state, batches), model
 
 
 def _parse(argv=None) -> argparse.Namespace:
@@ -93,13 +94,10 @@ def main(argv=None) -> int:
     print(f"MoE: {args.tokens} tokens, d={args.d_model}, {args.experts} SwiGLU experts "
           f"({args.experts // args.devices} per device) of width {args.d_ff}, top-{args.top_k}, "
           f"{args.dtype}, {args.steps} adam steps, capacity factor {args.capacity_factor}")
-    one, ep = setup_expert_parallel(
+    one, ep, model = setup_expert_parallel(
         mesh, tokens=args.tokens, d_model=args.d_model, d_ff=args.d_ff, experts=args.experts,
         top_k=args.top_k, dtype=args.dtype, seed=args.seed, learning_rate=args.lr,
         capacity_factor=args.capacity_factor)
-    model = flax_moe.Model(experts=args.experts, top_k=args.top_k, d_ff=args.d_ff,
-                           dtype=flax_moe.DTYPES[args.dtype], expert_axis=AXIS, mesh=mesh,
-                           capacity_factor=args.capacity_factor)
     _, state = jax.jit(lambda p, x: model.apply(p, x, mutable=["intermediates"]))(
         ep.params, ep.batches[0][0])
     dropped = float(state["intermediates"]["moe"]["dropped_fraction"][0])
