@@ -31,6 +31,11 @@ def cuda_hlo(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
+def target_calls(hlo: str, target: str) -> int:
+    """Custom calls to `target` in StableHLO text (@target) or compiled HLO (target="...")."""
+    return hlo.count(f"@{target}(") + hlo.count(f'"{target}"')
+
+
 def hopper_available() -> bool:
     devices = _ext.cuda_devices()
     return bool(devices) and _ext.non_hopper_reason(devices) is None

@@ -19,7 +19,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 import jax_tma
 import jax_tma.flax as jtf
 from jax_tma.ops.ragged import primitive as rd
-from support import cuda_hlo, needs_extension, rel_error
+from support import cuda_hlo, needs_extension, rel_error, target_calls
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.float32
@@ -401,7 +401,7 @@ def test_layers_reject_bad_options_at_construction(kwargs, message):
 
 # ---------------------------------------------------------------- the kernels
 def _kernel_calls(hlo: str) -> int:
-    return hlo.count(f"@{rd.KERNEL_TARGET}(") + hlo.count(f'"{rd.KERNEL_TARGET}"')
+    return target_calls(hlo, rd.KERNEL_TARGET)
 
 
 def _step_fn(implementation="jax_tma", gated=True):

@@ -23,7 +23,7 @@ import jax_tma
 from jax_tma.ops.ragged import config as rd_config
 from jax_tma.ops.ragged import primitive as rd
 from jax_tma.ops.ragged import sharding as ragged_sharding
-from support import REPO, cuda_hlo, needs_extension, random_array, rel_error
+from support import REPO, cuda_hlo, needs_extension, random_array, rel_error, target_calls
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -281,8 +281,7 @@ def _spec(shape, dtype):
 
 
 def _kernel_calls(hlo: str) -> int:
-    """Kernel custom calls in StableHLO text (@target) or compiled HLO (target="...")."""
-    return hlo.count(f"@{rd.KERNEL_TARGET}(") + hlo.count(f'"{rd.KERNEL_TARGET}"')
+    return target_calls(hlo, rd.KERNEL_TARGET)
 
 
 @needs_extension
