@@ -77,8 +77,9 @@ def header() -> str:
         "",
     ]
     seen = {}
-    for entries in (tiles.GEMM_TILES, tiles.RAGGED_TILES, tiles.DENSE_TILES,
-                    tiles.DENSE_NARROW_TILES, tiles.DENSE_RING_TILES, tiles.FP8_TILES):
+    for entries in (tiles.GEMM_TILES, tiles.RAGGED_TILES, tiles.RAGGED_GATED_TILES,
+                    tiles.DENSE_TILES, tiles.DENSE_NARROW_TILES, tiles.DENSE_RING_TILES,
+                    tiles.FP8_TILES):
         for e in entries:
             seen.setdefault(e.tile.cxx, e.tile)
     for tile in seen.values():
@@ -107,6 +108,17 @@ def header() -> str:
                   [f"X(TILE, {layout}, {mode})" for layout, mode in tiles.RAGGED_LAYOUTS])
     out += ["#define JAX_TMA_SM90_RAGGED_KERNELS(X) "
             "JAX_TMA_SM90_RAGGED_TILES(JAX_TMA_SM90_RAGGED_LAYOUTS, X)", ""]
+
+    # Gated ragged: X(tile, LayoutNN, fusion).
+    out += _why_table("Gated ragged tiles (gated_ragged_dot's configs):",
+                      tiles.RAGGED_GATED_TILES)
+    out += _comment(tiles.RAGGED_GATED_NOTE, first="NOTE: ")
+    out += _macro("JAX_TMA_SM90_RAGGED_GATED_TILES(X, ARG)",
+                  [f"X(ARG, {e.tile.cxx})" for e in tiles.RAGGED_GATED_TILES])
+    out += _macro("JAX_TMA_SM90_RAGGED_GATED_FUSIONS(X, TILE)",
+                  [f"X(TILE, LayoutNN, {f})" for f in tiles.RAGGED_GATED_FUSIONS])
+    out += ["#define JAX_TMA_SM90_RAGGED_GATED_KERNELS(X) "
+            "JAX_TMA_SM90_RAGGED_GATED_TILES(JAX_TMA_SM90_RAGGED_GATED_FUSIONS, X)", ""]
 
     # Dense: X(tile, layout, fusion), per fusion group (one instantiation file each).
     notes = {"dense": tiles.DENSE_TILES_NOTE, "narrow": tiles.DENSE_NARROW_NOTE,
@@ -173,6 +185,13 @@ def instantiation(unit) -> str:
         params = "TILE, LAYOUT, MODE"
         body = [f"template cudaError_t launch_ragged<{t[0]}, {t[1]}, TILE, LAYOUT, MODE>(",
                 "    const LaunchArgs&, const RaggedArgs&);"]
+    elif unit.op == "ragged_gated":
+        what = (f"the gated grouped (ragged) products for {_names(unit.types)} inputs and "
+                "output: every (tile, fusion)")
+        include, macro = "kernels/sm90_ragged_dot.cuh", "JAX_TMA_SM90_RAGGED_GATED_KERNELS"
+        params = "TILE, LAYOUT, FUSION"
+        body = [f"template cudaError_t launch_ragged_gated<{t[0]}, TILE, LAYOUT, FUSION>(",
+                "    const LaunchArgs&, const RaggedArgs&, const CUtensorMap&, bool);"]
     elif unit.op == "dense":
         what = (f"the {unit.group} fused dense products for {_names(unit.types)} inputs and "
                 "output: every (tile, layout, fusion) of the group")

@@ -12,6 +12,12 @@
 //                                  out[b, g] = lhs[b, rows of g]^T @ dy[b, rows of g]
 //                                  lhs [batch, M, K] (the product's A, M-major: LayoutTN),
 //                                  dy [batch, M, N], out [batch, G, K, N]; zero for an empty group.
+//   gated rows mode (gated_ragged_dot):
+//                                  out[b, rows of g] = act(lhs[b, rows of g] @ gate[b or -, g]) *
+//                                  (lhs[b, rows of g] @ up[b or -, g]), gate and up [G, K, F]
+//                                  N-major (LayoutNN), out [batch, M, F]; optionally the two
+//                                  pre-activations as second outputs pre [2, batch, M, F], clipped
+//                                  per segment like out. Rows past the last group are zero.
 // Group g's rows start after groups 0..g-1's; sizes are clamped to [0, M] and the running sum
 // to M (a sum past M cuts the last groups short).
 #pragma once
@@ -21,6 +27,7 @@
 
 #include <cstdint>
 
+#include "contract/sm90_dense.h"
 #include "contract/sm90_gemm.h"
 
 namespace jax_tma::sm90_gemm {
@@ -36,15 +43,23 @@ inline constexpr int64_t ragged_segments(RaggedMode mode, int64_t groups, int64_
 inline constexpr int ragged_maps_per_segment(RaggedMode mode) {
   return mode == RaggedMode::kRows ? 1 : 2;
 }
+// The gated rows mode's: D's, then the gate's and the up's pre-activations (the epilogue finds
+// a segment's second outputs in the maps after its D's).
+inline constexpr int kRaggedGatedMapsPerSegment = 3;
+inline constexpr int kRaggedMaxMapsPerSegment = 3;
 inline constexpr int64_t kRaggedMapBytes = 128;
 inline constexpr int64_t kRaggedSegmentBytes = 16;  // RaggedSegment
 inline constexpr int64_t kRaggedAlign = 128;        // tensormap.replace edits aligned maps
 // Workspace: the maps, then the segment table (one entry past the last segment), with room to
 // align the start.
-inline constexpr int64_t ragged_workspace_bytes(RaggedMode mode, int64_t groups, int64_t batch) {
+inline constexpr int64_t ragged_workspace_bytes(RaggedMode mode, int64_t groups, int64_t batch,
+                                               int maps_per_segment) {
   const int64_t segments = ragged_segments(mode, groups, batch);
-  return kRaggedAlign + segments * ragged_maps_per_segment(mode) * kRaggedMapBytes +
+  return kRaggedAlign + segments * maps_per_segment * kRaggedMapBytes +
          (segments + 1) * kRaggedSegmentBytes;
+}
+inline constexpr int64_t ragged_workspace_bytes(RaggedMode mode, int64_t groups, int64_t batch) {
+  return ragged_workspace_bytes(mode, groups, batch, ragged_maps_per_segment(mode));
 }
 
 // The tiles compiled for ragged products (a subset of the GEMM's, all with the TMA-store
@@ -61,10 +76,11 @@ struct RaggedArgs {
   int batch;
   int rows;  // M, rows of each batch entry
   // The maps the prepare kernel edits per segment (address and row extent): rows mode D's
-  // (map 0), contraction mode A's and B's; `bases` and `row_bytes` of their tensors.
-  const CUtensorMap* templates[2];
-  const void* bases[2];
-  int64_t row_bytes[2];
+  // (map 0), contraction mode A's and B's, gated rows mode D's and the two pre-activations';
+  // `bases` and `row_bytes` of their tensors.
+  const CUtensorMap* templates[kRaggedMaxMapsPerSegment];
+  const void* bases[kRaggedMaxMapsPerSegment];
+  int64_t row_bytes[kRaggedMaxMapsPerSegment];
   void* workspace;  // ragged_workspace_bytes
 };
 
@@ -75,5 +91,17 @@ struct RaggedArgs {
 // and the stream.
 template <class In, class Out, class Tile, class Layout, RaggedMode kMode>
 cudaError_t launch_ragged(const LaunchArgs& args, const RaggedArgs& ragged);
+
+// The gated rows mode's kernels, JAX_TMA_SM90_RAGGED_GATED_KERNELS(X), X(tile, layout, fusion)
+// with the gated fusions of contract/sm90_dense.h, are in contract/sm90_tiles.generated.h.
+
+// Defined in sm90_ragged_gated_<in>.cu for every (Tile, Layout, Fusion) of
+// JAX_TMA_SM90_RAGGED_GATED_KERNELS, output type = input type. `args` as launch_ragged's rows
+// mode, with `args.shape.n` counting accumulator columns (2 F) and `args.tmap_b` the gate's
+// map; `up` the up's map; `store_pre`: write the pre-activations through the maps of
+// `ragged.templates[1]` (gate) and `[2]` (up).
+template <class In, class Tile, class Layout, class Fusion>
+cudaError_t launch_ragged_gated(const LaunchArgs& args, const RaggedArgs& ragged,
+                                const CUtensorMap& up, bool store_pre);
 
 }  // namespace jax_tma::sm90_gemm

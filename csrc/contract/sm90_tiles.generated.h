@@ -123,6 +123,22 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
   X(TILE, LayoutTN, RaggedMode::kContraction)
 #define JAX_TMA_SM90_RAGGED_KERNELS(X) JAX_TMA_SM90_RAGGED_TILES(JAX_TMA_SM90_RAGGED_LAYOUTS, X)
 
+// Gated ragged tiles (gated_ragged_dot's configs):
+//   Tile128x128  large groups: ragged and dense gated both compile it (64 outputs a tile)
+//   Tile64x128   small groups and few rows (ping-pong, as ragged_dot's 64 x 128)
+// NOTE: only tiles that both the ragged rows mode and the gated dense fusion compile already,
+// without clusters, so that the one new combination is the per-segment maps of the gated epilogue;
+// 128 x 256 (dense gated's large tile) is not a ragged tile, and ragged's 128 x 256 pairs were
+// never compiled with the paired-B mainloop.
+#define JAX_TMA_SM90_RAGGED_GATED_TILES(X, ARG) \
+  X(ARG, Tile128x128)                           \
+  X(ARG, Tile64x128)
+#define JAX_TMA_SM90_RAGGED_GATED_FUSIONS(X, TILE) \
+  X(TILE, LayoutNN, GatedSilu)                     \
+  X(TILE, LayoutNN, GatedGeluTanh)                 \
+  X(TILE, LayoutNN, GatedGeluErf)
+#define JAX_TMA_SM90_RAGGED_GATED_KERNELS(X) JAX_TMA_SM90_RAGGED_GATED_TILES(JAX_TMA_SM90_RAGGED_GATED_FUSIONS, X)
+
 // Dense tiles (jax_tma.DENSE_CONFIGS: forward, gradient and gated fusions):
 //   Tile128x256  large fused products, with stream-K (bench_epilogues, bench_mlp_block)
 //   Tile128x128  narrow N, with stream-K

@@ -17,7 +17,9 @@
 // epilogue reads it into their staging buffers (epilogue/tma_store.cuh). The gradient fusions
 // read their saved pre-activations through the ring too (they are offloaded only where it fits);
 // the gated gradient's pair of them fills both slots, and its second output leaves from the up's
-// slot.
+// slot. Where D's maps lie in global memory, one per segment of a grouped product
+// (kSegmentMaps > 0: kernels/sm90_gemm_problems.cuh), the issuing thread acquires each before
+// its stores, and a gated block's pre-activations leave through the maps after its D's.
 #pragma once
 
 #include <cuda.h>
@@ -34,6 +36,7 @@
 #include "ptx/ldmatrix.cuh"
 #include "ptx/pack.cuh"
 #include "ptx/stmatrix.cuh"
+#include "ptx/tensormap.cuh"
 #include "ptx/tma.cuh"
 
 namespace jax_tma {
@@ -57,7 +60,9 @@ __device__ inline StagedHandoff staged_handoff(int warpgroup, int epilogue_threa
       NamedBarrier{static_cast<uint32_t>(NamedBarrierId::kHandoffEmpty0) + w, threads}};
 }
 
-template <class Out, int kBlockN, class FusionT>
+// kSegmentMaps: 0 where the stores' maps are kernel parameters; else the maps per segment in
+// global memory, D's first.
+template <class Out, int kBlockN, class FusionT, int kSegmentMaps = 0>
 struct EpilogueWarps {
   using F = FusionT;
   // Fusions finished here: 16-bit outputs of whole 64-column chunks; BiasActivation with a
@@ -107,6 +112,28 @@ struct EpilogueWarps {
       Stage::template write_batch<0, Stage::Pass::kOut, false>(
           acc, smem, to, FusionArgs{}, std::make_integer_sequence<int, kChunks>{});
       ptx::fence_proxy_async_shared();  // the pre-activations may be stored as they are
+    }
+    handoff.commit();
+  }
+
+  // Every thread of consumer warpgroup `warpgroup`: hand over a block of zeros to be stored at
+  // `to` (a work tile with nothing to contract). Only for the gated fusion, whose output and
+  // pre-activations of zeros are zeros: written into the staging buffers in place of the
+  // accumulators (which, written on this path, would serialise the tile's wgmma).
+  __device__ static void hand_off_zeros(SharedStorage& smem,
+                                        typename Handoff::SharedStorage& slot,
+                                        const StorePlan& to, int warpgroup) {
+    static_assert(F::kGated, "a zero block's fusion must give zeros");
+    const Handoff handoff = staged_handoff(warpgroup, kThreads);
+    const bool store = to.row < to.rows;
+    handoff.acquire();
+    if (threadIdx.x % 128 == 0) slot.slot = Slot{to, store ? Block::kStore : Block::kSkip};
+    if (store) {
+      constexpr int kUnits16 = kChunks * Stage::kChunkBytes / 16;
+      for (int u = threadIdx.x % 128; u < kUnits16; u += 128) {
+        reinterpret_cast<uint4*>(&smem.buffer[0][0])[u] = make_uint4(0, 0, 0, 0);
+      }
+      ptx::fence_proxy_async_shared();
     }
     handoff.commit();
   }
@@ -434,8 +461,9 @@ struct EpilogueWarps {
     } else if constexpr (F::kGated) {
       if (args.store_pre) {  // the staged gate and up chunks as they are
         if (issuer) {
-          store(in.pre, smem, to, 0, 2);
-          store(in.pre2, smem, to, 1, 2);
+          // The segment's pre-activations' maps follow its D's (acquired in run()).
+          store(kSegmentMaps > 0 ? to.d + 1 : in.pre, smem, to, 0, 2);
+          store(kSegmentMaps > 0 ? to.d + 2 : in.pre2, smem, to, 1, 2);
           StorePipeline::producer_tail();
         }
         barrier.sync();  // their stores have read the chunks about to be rewritten
@@ -499,6 +527,9 @@ struct EpilogueWarps {
     AuxLoads loads{loaded};
     const Handoff handoff[2] = {staged_handoff(0, kThreads), staged_handoff(1, kThreads)};
     bool open[2] = {true, true};
+    // kSegmentMaps: the issuer's last acquired segment maps (an earlier kernel wrote them; the
+    // tensormap proxy acquires each once per thread).
+    const CUtensorMap* acquired = nullptr;
     while (open[0] || open[1]) {
       // The last pair's stores have read the buffers (the issuer's wait comes before its part
       // in the release, which the writer's acquire needs): each block's store overlapped the
@@ -521,6 +552,13 @@ struct EpilogueWarps {
         if (slot.kind == Block::kEnd) {
           open[w] = false;
         } else if (slot.kind == Block::kStore) {
+          if constexpr (kSegmentMaps > 0) {
+            if (t == 0 && slot.to.d != acquired) {
+              const int maps = in.args.store_pre ? kSegmentMaps : 1;
+              for (int i = 0; i < maps; ++i) ptx::fence_tensormap_acquire(slot.to.d + i);
+              acquired = slot.to.d;
+            }
+          }
           finish(staging[w], slot.to, in, barrier, t, ring, loads);
         }
       }

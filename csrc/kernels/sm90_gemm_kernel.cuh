@@ -117,7 +117,10 @@ struct Kernel {
   // pre-activation, only with the ring; a gated gradient is compiled only where it is (its
   // two pre-activations and two outputs pass through the ring: the warps alone finish it).
   // Ping-pong tiles hide their epilogue under the other consumer's mainloop already.
-  using Warps = EpilogueWarps<Out, Tile::kBlockN, Fusion>;
+  // Where the problem keeps D's maps per segment in global memory (then its second outputs' after
+  // each), the warps store through those.
+  static constexpr int kSegmentMaps = Problem::kGlobalStoreMaps ? 1 + Problem::kSecondOutputs : 0;
+  using Warps = EpilogueWarps<Out, Tile::kBlockN, Fusion, kSegmentMaps>;
   // (The ring follows the staging, the barriers and the handoff slots: 1024 bytes at most.)
   static constexpr uint32_t kMaxSmemBytes = 227 * 1024;
   static constexpr bool kAuxRingFits =
@@ -324,6 +327,9 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
     TensormapAcquirer acquire_d;
     EpilogueLoad aux_load{&smem.aux_load[warpgroup]};
     const FusedStore fused_store{&fused.aux, &fused.pre, &fused.pre2, fused.args, &aux_load};
+    // The maps a segment's tile acquires before its stores: D's, and its second outputs' where
+    // the problem keeps them after D's and the fusion stores them.
+    const int store_maps = 1 + (fused.args.store_pre ? P::kSecondOutputs : 0);
     float acc[K::Mainloop::kAccRegs];
     bool closed = false;  // kOffload: this warpgroup has no more blocks for the epilogue warps
     for (auto w = scheduler.first(); scheduler.valid(w); w = scheduler.next(w), ++turn) {
@@ -344,12 +350,29 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         // accumulators: wgmma's registers written on a divergent path serialise it.)
         if (count == 0) {
           hand_over();
-          const StorePlan to = P::store_plan(params, w, shape, &tmap_d, row0, col0);
+          StorePlan to = P::store_plan(params, w, shape, &tmap_d, row0, col0);
+          if constexpr (F::kGated) to.cols /= 2;
+          if constexpr (K::kOffload) {
+            // The staging buffers are the epilogue warps': a block of zeros goes through them
+            // (the gated fusion of zeros is zero, and so are its pre-activations).
+            if (K::offload(fused.args)) {
+              K::Warps::hand_off_zeros(smem.staging[warpgroup], smem.handoff[warpgroup], to,
+                                       warpgroup);
+              continue;
+            }
+          }
           if (to.row >= to.rows) continue;
           if constexpr (P::kGlobalStoreMaps) {
-            if (threadIdx.x % 128 == 0) acquire_d(to.d);
+            if (threadIdx.x % 128 == 0) acquire_d(to.d, store_maps);
           }
-          K::Epilogue::store_zeros(smem.staging[warpgroup], to, epilogue_barrier);
+          K::Epilogue::store_zeros(K::staging(smem, warpgroup), to, epilogue_barrier);
+          if constexpr (P::kSecondOutputs > 0) {
+            for (int i = 1; i < store_maps; ++i) {  // zero pre-activations too
+              StorePlan pre = to;
+              pre.d = to.d + i;
+              K::Epilogue::store_zeros(K::staging(smem, warpgroup), pre, epilogue_barrier);
+            }
+          }
           continue;
         }
       }
@@ -437,10 +460,15 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
         }
         if (to.row < to.rows) {  // else this warpgroup's rows lie past D's
           if constexpr (P::kGlobalStoreMaps) {
-            if (threadIdx.x % 128 == 0) acquire_d(to.d);
+            if (threadIdx.x % 128 == 0) acquire_d(to.d, store_maps);
+          }
+          FusedStore tile_store = fused_store;
+          if constexpr (P::kSecondOutputs > 0) {  // the segment's, after its D's
+            tile_store.pre = to.d + 1;
+            tile_store.pre2 = to.d + 2;
           }
           K::Epilogue::template store<K::kStoreReadsAux>(acc, K::staging(smem, warpgroup), to,
-                                                          epilogue_barrier, fused_store,
+                                                          epilogue_barrier, tile_store,
                                                           prefetched);
         }
         // Closed: the last unit (and nothing held across the store, where the consumers'

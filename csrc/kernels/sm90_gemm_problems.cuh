@@ -8,6 +8,9 @@
 //                   through the launch's maps; D through one map per segment, in global memory,
 //                   whose rows end where the segment ends: TMA clips a tile's rows past it, so
 //                   no tile writes another segment's rows.
+//   RaggedGatedRowsGemm
+//                   the same for a gated fusion: per segment D's map, then the gate's and the
+//                   up's pre-activations' (second outputs clipped like D).
 //   RaggedKGemm     D[s] = A[rows of s] @ B[rows of s], the rows contracted (RaggedKScheduler).
 //                   A and B through one map each per segment whose row extent ends where the
 //                   segment ends: TMA zero-fills the last K slice past it. D through the
@@ -19,6 +22,7 @@
 #include <cuda.h>
 
 #include "contract/sm90_gemm.h"
+#include "contract/sm90_ragged_dot.h"
 #include "epilogue/tma_store.cuh"
 #include "mainloop/sm90_tma_wgmma.cuh"
 #include "ptx/tensormap.cuh"
@@ -28,12 +32,13 @@
 namespace jax_tma {
 
 // Acquires a tensor map in global memory before this thread's first copy through it (maps that
-// an earlier kernel wrote must be acquired by the tensormap proxy; once per map and thread).
+// an earlier kernel wrote must be acquired by the tensormap proxy; once per map and thread), and
+// the `count` - 1 maps after it with it (a segment's second outputs after its D).
 struct TensormapAcquirer {
   const CUtensorMap* last = nullptr;
-  __device__ void operator()(const CUtensorMap* map) {
+  __device__ void operator()(const CUtensorMap* map, int count = 1) {
     if (map != last) {
-      ptx::fence_tensormap_acquire(map);
+      for (int i = 0; i < count; ++i) ptx::fence_tensormap_acquire(map + i);
       last = map;
     }
   }
@@ -48,6 +53,7 @@ struct DenseGemm {
   static constexpr bool kEmptyTiles = false;  // every tile has K slices
   static constexpr bool kGlobalLoadMaps = false;
   static constexpr bool kGlobalStoreMaps = false;
+  static constexpr int kSecondOutputs = 0;  // in maps after D's (none: the kernel's parameters)
 
   __device__ static Scheduler scheduler(const Params& p) { return Scheduler(p); }
 
@@ -67,19 +73,23 @@ struct DenseGemm {
   }
 };
 
-template <class Tile>
-struct RaggedRowsGemm {
+// The rows mode with kStoreMaps maps per segment in global memory: D's, then (the gated rows
+// mode) its kSecondOutputs second outputs' (the pre-activations), which the epilogue finds in
+// the maps after D's.
+template <class Tile, int kStoreMaps>
+struct RaggedRowsProblem {
   using Scheduler = RaggedRowScheduler<Tile::kBlockM, Tile::kBlockN, Tile::kClusterM,
                                        Tile::kBlockK>;
   struct Params {
     typename Scheduler::Params tiles;
-    const CUtensorMap* d_maps;  // one per segment
+    const CUtensorMap* d_maps;  // kStoreMaps per segment
   };
   using Work = RaggedWorkTile;
   static constexpr bool kStreamK = false;
   static constexpr bool kEmptyTiles = true;  // zero rows, empty groups
   static constexpr bool kGlobalLoadMaps = false;
   static constexpr bool kGlobalStoreMaps = true;
+  static constexpr int kSecondOutputs = kStoreMaps - 1;
 
   __device__ static Scheduler scheduler(const Params& p) { return Scheduler(p.tiles); }
 
@@ -97,9 +107,15 @@ struct RaggedRowsGemm {
   __device__ static StorePlan store_plan(const Params& p, const Work& w,
                                          const sm90_gemm::GemmShape& s, const CUtensorMap*,
                                          int row, int col) {
-    return {p.d_maps + w.segment, row, col, 0, 0, w.rows, s.n};
+    return {p.d_maps + kStoreMaps * w.segment, row, col, 0, 0, w.rows, s.n};
   }
 };
+
+template <class Tile>
+struct RaggedRowsGemm : RaggedRowsProblem<Tile, 1> {};
+template <class Tile>
+struct RaggedGatedRowsGemm
+    : RaggedRowsProblem<Tile, sm90_gemm::kRaggedGatedMapsPerSegment> {};
 
 template <class Tile>
 struct RaggedKGemm {
@@ -114,6 +130,7 @@ struct RaggedKGemm {
   static constexpr bool kEmptyTiles = true;  // zero rows, empty groups
   static constexpr bool kGlobalLoadMaps = true;
   static constexpr bool kGlobalStoreMaps = false;
+  static constexpr int kSecondOutputs = 0;
 
   __device__ static Scheduler scheduler(const Params& p) { return Scheduler(p.tiles); }
 

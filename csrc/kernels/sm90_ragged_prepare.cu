@@ -38,14 +38,14 @@ __device__ inline int64_t cta_exclusive_scan(int64_t v, int64_t* warp_sums, int6
 
 // Segment s's maps: the templates moved to its first row, cut to its rows (at least 1: a map
 // has no empty dimension, and an empty segment's map is never used).
-__device__ inline void write_segment_maps(const RaggedPrepareParams& p, const CUtensorMap* t0,
-                                          const CUtensorMap* t1, int s, int64_t first_row,
-                                          int rows) {
+__device__ inline void write_segment_maps(const RaggedPrepareParams& p,
+                                          const RaggedTemplates& templates, int s,
+                                          int64_t first_row, int rows) {
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < kRaggedMaxMapsPerSegment; ++i) {
     if (i == p.maps_per_segment) break;
     CUtensorMap* map = p.maps + static_cast<int64_t>(s) * p.maps_per_segment + i;
-    ptx::tensormap_copy(map, i == 0 ? t0 : t1);
+    ptx::tensormap_copy(map, &templates.maps[i]);
     ptx::tensormap_replace_global_address(map, p.bases[i] + first_row * p.row_bytes[i]);
     ptx::tensormap_replace_global_dim<1>(map, static_cast<uint32_t>(max(rows, 1)));
   }
@@ -53,8 +53,7 @@ __device__ inline void write_segment_maps(const RaggedPrepareParams& p, const CU
 }
 
 __global__ void __launch_bounds__(kPrepareThreads, 1)
-    sm90_ragged_prepare_kernel(const __grid_constant__ CUtensorMap template0,
-                               const __grid_constant__ CUtensorMap template1,
+    sm90_ragged_prepare_kernel(const __grid_constant__ RaggedTemplates templates,
                                RaggedPrepareParams p) {
   __shared__ int64_t warp_sums[32];
   const int per_entry = p.groups + (p.tail ? 1 : 0);
@@ -86,7 +85,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 1)
         const int weight = p.weights_batched ? b * p.groups + g : g;
         p.segments[s] = RaggedSegment{static_cast<int32_t>(entry_row + begin), rows, weight,
                                       static_cast<int32_t>(first_block)};
-        write_segment_maps(p, &template0, &template1, s, entry_row + begin, rows);
+        write_segment_maps(p, templates, s, entry_row + begin, rows);
       }
       row_carry += chunk_rows;
       block_carry += chunk_blocks;
@@ -99,7 +98,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 1)
         const int s = b * per_entry + p.groups;
         p.segments[s] = RaggedSegment{static_cast<int32_t>(entry_row + begin), rows, -1,
                                       static_cast<int32_t>(block_carry)};
-        write_segment_maps(p, &template0, &template1, s, entry_row + begin, rows);
+        write_segment_maps(p, templates, s, entry_row + begin, rows);
       }
       block_carry += whole_clusters(blocks_of(rows));
     }
@@ -113,9 +112,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 1)
 
 }  // namespace
 
-cudaError_t launch_ragged_prepare(const CUtensorMap& template0, const CUtensorMap& template1,
+cudaError_t launch_ragged_prepare(const RaggedTemplates& templates,
                                   const RaggedPrepareParams& params, cudaStream_t stream) {
-  sm90_ragged_prepare_kernel<<<1, kPrepareThreads, 0, stream>>>(template0, template1, params);
+  sm90_ragged_prepare_kernel<<<1, kPrepareThreads, 0, stream>>>(templates, params);
   return cudaGetLastError();
 }
 

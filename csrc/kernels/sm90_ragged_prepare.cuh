@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "contract/sm90_ragged_dot.h"
 #include "scheduler/ragged_scheduler.cuh"
 
 namespace jax_tma::sm90_gemm {
@@ -24,13 +25,19 @@ struct RaggedPrepareParams {
   int block_m, cluster_m;
   RaggedSegment* segments;  // segments + 1 entries
   CUtensorMap* maps;        // maps_per_segment per segment
-  int maps_per_segment;
-  const uint8_t* bases[2];
-  int64_t row_bytes[2];
+  int maps_per_segment;     // up to kRaggedMaxMapsPerSegment
+  const uint8_t* bases[kRaggedMaxMapsPerSegment];
+  int64_t row_bytes[kRaggedMaxMapsPerSegment];
 };
 
-// Launches the prepare kernel on `stream`; `template1` is read only with two maps per segment.
-cudaError_t launch_ragged_prepare(const CUtensorMap& template0, const CUtensorMap& template1,
+// The maps each segment's are copied from: templates[i] is read only with more than i maps per
+// segment.
+struct RaggedTemplates {
+  CUtensorMap maps[kRaggedMaxMapsPerSegment];
+};
+
+// Launches the prepare kernel on `stream`.
+cudaError_t launch_ragged_prepare(const RaggedTemplates& templates,
                                   const RaggedPrepareParams& params, cudaStream_t stream);
 
 }  // namespace jax_tma::sm90_gemm

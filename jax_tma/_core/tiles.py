@@ -147,6 +147,20 @@ RAGGED_LAYOUTS = (("LayoutNN", "RaggedMode::kRows"), ("LayoutNT", "RaggedMode::k
                   ("LayoutTN", "RaggedMode::kContraction"))
 RAGGED_TYPES = GEMM_TYPES
 
+# --- gated ragged (gated_ragged_dot): ragged rows mode with the gated epilogue ----------------
+# Output type = input type, weights [G, K, F] N-major (LayoutNN); one file per input type.
+RAGGED_GATED_TILES = (
+    Entry(T128x128, "large groups: ragged and dense gated both compile it (64 outputs a tile)"),
+    Entry(T64x128, "small groups and few rows (ping-pong, as ragged_dot's 64 x 128)"),
+)
+RAGGED_GATED_NOTE = (
+    "only tiles that both the ragged rows mode and the gated dense fusion compile already, "
+    "without clusters, so that the one new combination is the per-segment maps of the gated "
+    "epilogue; 128 x 256 (dense gated's large tile) is not a ragged tile, and ragged's 128 x "
+    "256 pairs were never compiled with the paired-B mainloop.")
+RAGGED_GATED_FUSIONS = ("GatedSilu", "GatedGeluTanh", "GatedGeluErf")
+RAGGED_GATED_TYPES = ("bf16", "f16")
+
 # --- dense (fused epilogues): output type = input type ---------------------------------------
 DENSE_TILES = (
     Entry(T128x256, "large fused products, with stream-K (bench_epilogues, bench_mlp_block)"),
@@ -301,6 +315,9 @@ def translation_units() -> tuple[TranslationUnit, ...]:
     for a, b in RAGGED_TYPES:
         units.append(TranslationUnit(f"sm90_ragged_dot_{a}_{b}.cu", "ragged", (a, b),
                                      kernels=len(RAGGED_TILES) * len(RAGGED_LAYOUTS)))
+    for t in RAGGED_GATED_TYPES:
+        units.append(TranslationUnit(f"sm90_ragged_gated_{t}.cu", "ragged_gated", (t,),
+                                     kernels=len(RAGGED_GATED_TILES) * len(RAGGED_GATED_FUSIONS)))
     return tuple(units)
 
 
@@ -316,9 +333,9 @@ def expected_entries() -> dict[str, int]:
 
 
 def kernel_counts() -> dict[str, int]:
-    """Kernels per op over every type: gemm, ragged, dense (fused) and fp8 (promoted and
-    fast)."""
-    counts = dict.fromkeys(("gemm", "ragged", "dense", "fp8"), 0)
+    """Kernels per op over every type: gemm, ragged, ragged_gated, dense (fused) and fp8
+    (promoted and fast)."""
+    counts = dict.fromkeys(("gemm", "ragged", "ragged_gated", "dense", "fp8"), 0)
     for u in translation_units():
         counts[u.op] += u.kernels
     return counts
