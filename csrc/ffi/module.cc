@@ -20,6 +20,8 @@ NB_MODULE(_jax_tma, m) {
     targets["jax_tma_dense_sm90"] = handler_capsule(jax_tma::ffi_handlers::DenseSm90);
     targets["jax_tma_fp8_gemm_sm90"] = handler_capsule(jax_tma::ffi_handlers::Fp8GemmSm90);
     targets["jax_tma_ragged_dot_sm90"] = handler_capsule(jax_tma::ffi_handlers::RaggedDotSm90);
+    targets["jax_tma_gated_ragged_dot_sm90"] =
+        handler_capsule(jax_tma::ffi_handlers::GatedRaggedDotSm90);
     return targets;
   });
   // Device facts for the configuration heuristic (jax_tma.ops.gemm.config), by CUDA ordinal:

@@ -10,6 +10,14 @@
 //                         -> out [batch, groups, k, n]
 // The second result is the workspace (sm90_gemm::ragged_workspace_bytes). Inputs bf16 or fp16,
 // out their type or fp32; rows of every operand and of out are 16-byte multiples.
+//
+// The gated rows mode (jax_tma_gated_ragged_dot_sm90), the same checks and maps with a second
+// weight operand and the gated epilogue:
+//   x [batch, rows, k], w_gate and w_up [groups or batch x groups, k, n] (N-major),
+//   group_sizes as above -> out [batch, rows, n] = act(x @ w_gate) * (x @ w_up) per group,
+//   pre (store_pre; else [1]) [2, batch, rows, n]: the gate's and the up's pre-activations,
+//   workspace (ragged_workspace_bytes with three maps per segment). out and pre are the inputs'
+//   type; activation: 2 gelu (tanh), 3 gelu (erf), 4 silu (epilogue/fusion.h).
 #include "ffi/ragged_dot.h"
 
 #include <cuda.h>
@@ -41,9 +49,17 @@ struct RaggedAttrs {
   int64_t weights_batched, group_sizes_batched, w_k_major;
 };
 
+struct GatedRaggedAttrs {
+  int64_t activation, store_pre, block_m, block_n, stages, cluster_m;
+  int64_t rows, n, k, groups, batch;
+  int64_t weights_batched, group_sizes_batched;
+};
+
 namespace {
 
 constexpr char kOp[] = "jax_tma ragged_dot";  // every message's prefix
+constexpr char kGatedOp[] = "jax_tma gated_ragged_dot";  // the gated handler's
+constexpr char kGatedTypes[] = "x, the weights, out and pre must share one type, bf16 or fp16";
 
 using ffi_util::str;
 using ffi_util::ViewDim;
@@ -56,11 +72,68 @@ using sm90_gemm::RaggedMode;
 struct Call {
   DType in, out;
   const ffi::AnyBuffer* x;
-  const ffi::AnyBuffer* w;  // rows mode: the weights; contraction mode: dy
+  const ffi::AnyBuffer* w;  // rows mode: the weights (gated: the gate's); contraction mode: dy
   void* out_data;
   LaunchArgs args;
   RaggedArgs ragged;
 };
+
+// Work units of the rows mode's schedule over `acc_n` accumulator columns.
+// NOTE: each segment's row blocks round up once, and the numbering pads at most two blocks per
+// batch entry and one at the end: stacked / block_m + segments + 2 batch + 1.
+template <class Tile>
+int64_t rows_units(const RaggedAttrs& p, int64_t acc_n) {
+  const int64_t segments = sm90_gemm::ragged_segments(RaggedMode::kRows, p.groups, p.batch);
+  const int64_t n_blocks = (acc_n + Tile::kBlockN - 1) / Tile::kBlockN;
+  return (p.batch * p.rows / Tile::kBlockM + segments + 2 * p.batch + 1) * n_blocks;
+}
+
+// The weights' map of the rows mode: one matrix per weight (batch coordinate), N- or K-major.
+template <class Tile, class Layout>
+ffi_util::TensorMapSpec weights_spec(const RaggedAttrs& p, DType in) {
+  using Boxes = sm90_gemm::OperandBoxes<Tile, Layout>;
+  const int64_t weights = p.weights_batched ? p.batch * p.groups : p.groups;
+  const ViewDim w_n = Layout::kB == Major::kK ? ViewDim{p.n, p.k, "n"} : ViewDim{p.n, 1, "n"};
+  const ViewDim w_k = Layout::kB == Major::kK ? ViewDim{p.k, 1, "k"} : ViewDim{p.k, p.n, "k"};
+  return ffi_util::operand_spec<Layout::kB>(in, w_n, w_k, {weights, p.k * p.n, "groups"},
+                                            Boxes::kBoxB);
+}
+
+// The stacked [batch x rows, n] output rows of `data` as the epilogue stores them (rows mode:
+// the template the prepare kernel moves and cuts per segment).
+template <class Tile>
+ffi_util::TensorMapSpec rows_output_spec(const RaggedAttrs& p, DType out) {
+  return ffi_util::output_spec(out, {p.n, 1, "n"}, {p.batch * p.rows, p.n, "rows"},
+                               {1, 0, "batch"}, {1, 0, "split"}, Tile::kEpilogueRowBytes,
+                               Tile::kEpilogueRows);
+}
+
+// Rows mode: A (the stacked rows, K-major), B (the weights `w`) and D's template (`out_data`),
+// and the launch shape they imply (N: the weights' columns).
+template <class Tile, class Layout>
+ffi::Error encode_rows_maps(const char* op, const RaggedAttrs& p, Call* call, CUtensorMap* a,
+                            CUtensorMap* b, CUtensorMap* d) {
+  using Boxes = sm90_gemm::OperandBoxes<Tile, Layout>;
+  const int64_t stacked = p.batch * p.rows;
+  const int box_a[3] = {Boxes::kBoxA[0], Boxes::a_rows(stacked), 1};
+  call->args.shape.a_stage_bytes = Boxes::a_stage_bytes(stacked);
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(
+      op, a, call->x->untyped_data(),
+      ffi_util::operand_spec<Major::kK>(call->in, {stacked, p.k, "rows"}, {p.k, 1, "k"},
+                                        {1, 0, "batch"}, box_a)));
+  JAX_TMA_RETURN_IF_ERROR(
+      ffi_util::encode(op, b, call->w->untyped_data(), weights_spec<Tile, Layout>(p, call->in)));
+  JAX_TMA_RETURN_IF_ERROR(
+      ffi_util::encode(op, d, call->out_data, rows_output_spec<Tile>(p, call->out)));
+  call->args.shape.m = static_cast<int>(stacked);
+  call->args.shape.k = static_cast<int>(p.k);
+  call->args.shape.n = static_cast<int>(p.n);
+  call->args.tmap_a = a;
+  call->args.tmap_b = b;
+  call->args.tmap_d = d;
+  call->args.d = call->out_data;
+  return ffi::Error::Success();
+}
 
 template <class In, class Tile, class Layout, RaggedMode kMode>
 cudaError_t launch_out(const Call& call) {
@@ -75,14 +148,10 @@ ffi::Error run(const RaggedAttrs& p, Call call) {
   using Boxes = sm90_gemm::OperandBoxes<Tile, Layout>;
   constexpr bool kRows = kMode == RaggedMode::kRows;
   const int64_t stacked = p.batch * p.rows;
-  const int64_t weights = p.weights_batched ? p.batch * p.groups : p.groups;
   const int64_t segments = sm90_gemm::ragged_segments(kMode, p.groups, p.batch);
-  // NOTE: in rows mode each segment's row blocks round up once, and the numbering pads at most
-  // two blocks per batch entry and one at the end: stacked / block_m + segments + 2 batch + 1.
   const int64_t n_blocks = (p.n + Tile::kBlockN - 1) / Tile::kBlockN;
-  const int64_t units =
-      kRows ? (stacked / Tile::kBlockM + segments + 2 * p.batch + 1) * n_blocks
-            : (p.k + Tile::kBlockM - 1) / Tile::kBlockM * n_blocks * segments;
+  const int64_t units = kRows ? rows_units<Tile>(p, p.n)
+                              : (p.k + Tile::kBlockM - 1) / Tile::kBlockM * n_blocks * segments;
   JAX_TMA_RETURN_IF_ERROR(ffi_util::check_work_units(kOp, units, "up to "));
   const int in_bytes = sm90_gemm::dtype_bytes(call.in);
   const int out_bytes = sm90_gemm::dtype_bytes(call.out);
@@ -90,26 +159,8 @@ ffi::Error run(const RaggedAttrs& p, Call call) {
   void* x = call.x->untyped_data();
   void* w = call.w->untyped_data();
   if constexpr (kRows) {
-    // A: the stacked rows, K-major; B: the weights, one batch entry per matrix; D's template:
-    // the stacked output rows (the prepare kernel moves and cuts it per segment).
-    const int box_a[3] = {Boxes::kBoxA[0], Boxes::a_rows(stacked), 1};
-    call.args.shape.a_stage_bytes = Boxes::a_stage_bytes(stacked);
-    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(
-        kOp, &map_a, x,
-        ffi_util::operand_spec<Major::kK>(call.in, {stacked, p.k, "rows"}, {p.k, 1, "k"},
-                                          {1, 0, "batch"}, box_a)));
-    const ViewDim w_n = Layout::kB == Major::kK ? ViewDim{p.n, p.k, "n"} : ViewDim{p.n, 1, "n"};
-    const ViewDim w_k = Layout::kB == Major::kK ? ViewDim{p.k, 1, "k"} : ViewDim{p.k, p.n, "k"};
-    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(
-        kOp, &map_b, w,
-        ffi_util::operand_spec<Layout::kB>(call.in, w_n, w_k, {weights, p.k * p.n, "groups"},
-                                           Boxes::kBoxB)));
-    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(
-        kOp, &map_d, call.out_data,
-        ffi_util::output_spec(call.out, {p.n, 1, "n"}, {stacked, p.n, "rows"}, {1, 0, "batch"},
-                              {1, 0, "split"}, Tile::kEpilogueRowBytes, Tile::kEpilogueRows)));
-    call.args.shape.m = static_cast<int>(stacked);
-    call.args.shape.k = static_cast<int>(p.k);
+    JAX_TMA_RETURN_IF_ERROR((encode_rows_maps<Tile, Layout>(kOp, p, &call, &map_a, &map_b,
+                                                            &map_d)));
     call.ragged.templates[0] = call.ragged.templates[1] = &map_d;
     call.ragged.bases[0] = call.ragged.bases[1] = call.out_data;
     call.ragged.row_bytes[0] = call.ragged.row_bytes[1] = p.n * out_bytes;
@@ -138,12 +189,12 @@ ffi::Error run(const RaggedAttrs& p, Call call) {
     call.ragged.bases[1] = w;
     call.ragged.row_bytes[0] = p.k * in_bytes;
     call.ragged.row_bytes[1] = p.n * in_bytes;
+    call.args.shape.n = static_cast<int>(p.n);
+    call.args.tmap_a = &map_a;
+    call.args.tmap_b = &map_b;
+    call.args.tmap_d = &map_d;
+    call.args.d = call.out_data;
   }
-  call.args.shape.n = static_cast<int>(p.n);
-  call.args.tmap_a = &map_a;
-  call.args.tmap_b = &map_b;
-  call.args.tmap_d = &map_d;
-  call.args.d = call.out_data;
   const cudaError_t launched = call.in == DType::kBF16
                                    ? launch_out<__nv_bfloat16, Tile, Layout, kMode>(call)
                                    : launch_out<__half, Tile, Layout, kMode>(call);
@@ -174,39 +225,39 @@ ffi::Error dispatch(const RaggedAttrs& p, const Call& call) {
       [&] { return ffi_util::no_configuration(kOp, p); });
 }
 
-// The handlers' implementation (the binding follows from its parameters: ffi/dispatch.h).
-ffi::Error ragged_dot_sm90(cudaStream_t stream, int32_t device,
-                           ffi::AnyBuffer x,                       // bf16 or fp16
-                           ffi::AnyBuffer w,                       // w (rows) or dy (contraction)
-                           ffi::AnyBuffer group_sizes,             // int32
-                           ffi::Result<ffi::AnyBuffer> out,        // out
-                           ffi::Result<ffi::AnyBuffer> workspace,  // ragged_workspace_bytes
-                           RaggedAttrs p) {
+// The checks both handlers make (messages prefixed with `op`), and the call they describe:
+// sizes, types (out: the inputs' type, or fp32 where `f32_out`), the element counts of x, w,
+// group_sizes and out, a workspace with `maps_per_segment` maps per segment, TMA's 16-byte rows
+// and the device.
+ffi::Error check_call(const char* op, int32_t device, const ffi::AnyBuffer& x,
+                      const ffi::AnyBuffer& w, const ffi::AnyBuffer& group_sizes,
+                      ffi::AnyBuffer& out, ffi::AnyBuffer& workspace, const RaggedAttrs& p,
+                      bool f32_out, int maps_per_segment, cudaStream_t stream, Call* call) {
+  const std::string prefix = std::string(op) + ": ";
   const std::string dims = "rows=" + str(p.rows) + ", n=" + str(p.n) + ", k=" + str(p.k) +
                            ", groups=" + str(p.groups) + ", batch=" + str(p.batch);
   if (p.mode != 0 && p.mode != 1) {
-    return ffi::Error::InvalidArgument("jax_tma ragged_dot: mode must be 0 (rows) or 1 "
-                                       "(contraction), got " + str(p.mode));
+    return ffi::Error::InvalidArgument(prefix + "mode must be 0 (rows) or 1 (contraction), got " +
+                                       str(p.mode));
   }
   const auto mode = static_cast<RaggedMode>(p.mode);
-  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_sizes(kOp, "rows, n, k, groups and batch",
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_sizes(op, "rows, n, k, groups and batch",
                                                 {p.rows, p.n, p.k, p.groups, p.batch}, 31, dims));
   if (p.batch * p.rows > INT32_MAX || p.batch * p.groups > INT32_MAX / 2) {
     return ffi::Error::InvalidArgument(
-        "jax_tma ragged_dot: batch x rows and batch x groups must fit in int32, got " + dims);
+        prefix + "batch x rows and batch x groups must fit in int32, got " + dims);
   }
-  Call call{};
   DType in_w;
-  if (!ffi_util::to_dtype(x.element_type(), &call.in) ||
-      !ffi_util::to_dtype(w.element_type(), &in_w) || call.in != in_w ||
-      call.in == DType::kF32 || !ffi_util::to_dtype(out->element_type(), &call.out) ||
-      (call.out != call.in && call.out != DType::kF32)) {
+  if (!ffi_util::to_dtype(x.element_type(), &call->in) ||
+      !ffi_util::to_dtype(w.element_type(), &in_w) || call->in != in_w ||
+      call->in == DType::kF32 || !ffi_util::to_dtype(out.element_type(), &call->out) ||
+      (call->out != call->in && (!f32_out || call->out != DType::kF32))) {
     return ffi::Error::InvalidArgument(
-        "jax_tma ragged_dot: both operands must be bf16 or both fp16, and out their type or "
-        "fp32");
+        prefix + (f32_out ? "both operands must be bf16 or both fp16, and out their type or fp32"
+                          : kGatedTypes));
   }
   if (group_sizes.element_type() != ffi::DataType::S32) {
-    return ffi::Error::InvalidArgument("jax_tma ragged_dot: group_sizes must be int32");
+    return ffi::Error::InvalidArgument(prefix + "group_sizes must be int32");
   }
   const bool rows_mode = mode == RaggedMode::kRows;
   const int64_t weights = p.weights_batched ? p.batch * p.groups : p.groups;
@@ -215,44 +266,161 @@ ffi::Error ragged_dot_sm90(cudaStream_t stream, int32_t device,
   const int64_t out_elems =
       rows_mode ? p.batch * p.rows * p.n : p.batch * p.groups * p.k * p.n;
   JAX_TMA_RETURN_IF_ERROR(ffi_util::check_element_counts(
-      kOp,
+      op,
       {{"x", p.batch * p.rows * p.k, x.element_count()},
-       {rows_mode ? "w" : "dy", w_rows * w_cols, w.element_count()},
+       {rows_mode ? (f32_out ? "w" : "w_gate") : "dy", w_rows * w_cols, w.element_count()},
        {"group_sizes", (p.group_sizes_batched ? p.batch : 1) * p.groups,
         group_sizes.element_count()},
-       {"out", out_elems, out->element_count()}},
+       {"out", out_elems, out.element_count()}},
       dims));
-  const int64_t need_workspace = sm90_gemm::ragged_workspace_bytes(mode, p.groups, p.batch);
-  if (static_cast<int64_t>(workspace->size_bytes()) < need_workspace) {
-    return ffi::Error::InvalidArgument("jax_tma ragged_dot: the workspace holds " +
-                                       std::to_string(workspace->size_bytes()) +
+  const int64_t need_workspace =
+      sm90_gemm::ragged_workspace_bytes(mode, p.groups, p.batch, maps_per_segment);
+  if (static_cast<int64_t>(workspace.size_bytes()) < need_workspace) {
+    return ffi::Error::InvalidArgument(prefix + "the workspace holds " +
+                                       std::to_string(workspace.size_bytes()) +
                                        " bytes, the call needs " + str(need_workspace));
   }
-  const int64_t in_bytes = sm90_gemm::dtype_bytes(call.in);
-  const int64_t out_bytes = sm90_gemm::dtype_bytes(call.out);
+  const int64_t in_bytes = sm90_gemm::dtype_bytes(call->in);
+  const int64_t out_bytes = sm90_gemm::dtype_bytes(call->out);
   if ((p.k * in_bytes) % 16 || (p.n * in_bytes) % 16 || (p.n * out_bytes) % 16) {
     return ffi::Error::InvalidArgument(
-        "jax_tma ragged_dot: TMA needs rows of 16-byte multiples: k and n must be multiples of 8 "
-        "(" + dims + ")");
+        prefix + "TMA needs rows of 16-byte multiples: k and n must be multiples of 8 (" + dims +
+        ")");
   }
   const ffi_util::DeviceInfo* info = nullptr;
-  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_sm90_device(kOp, device, &info));
-  call.x = &x;
-  call.w = &w;
-  call.out_data = out->untyped_data();
-  call.args.shape.batch = 1;
-  call.args.shape.splits = 1;
-  call.args.num_sms = info->num_sms;
-  call.args.stream = stream;
-  call.ragged.mode = mode;
-  call.ragged.group_sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
-  call.ragged.group_sizes_batched = p.group_sizes_batched != 0;
-  call.ragged.weights_batched = p.weights_batched != 0;
-  call.ragged.groups = static_cast<int>(p.groups);
-  call.ragged.batch = static_cast<int>(p.batch);
-  call.ragged.rows = static_cast<int>(p.rows);
-  call.ragged.workspace = workspace->untyped_data();
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_sm90_device(op, device, &info));
+  call->x = &x;
+  call->w = &w;
+  call->out_data = out.untyped_data();
+  call->args.shape.batch = 1;
+  call->args.shape.splits = 1;
+  call->args.num_sms = info->num_sms;
+  call->args.stream = stream;
+  call->ragged.mode = mode;
+  call->ragged.group_sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
+  call->ragged.group_sizes_batched = p.group_sizes_batched != 0;
+  call->ragged.weights_batched = p.weights_batched != 0;
+  call->ragged.groups = static_cast<int>(p.groups);
+  call->ragged.batch = static_cast<int>(p.batch);
+  call->ragged.rows = static_cast<int>(p.rows);
+  call->ragged.workspace = workspace.untyped_data();
+  return ffi::Error::Success();
+}
+
+// The handlers' implementation (the binding follows from its parameters: ffi/dispatch.h).
+ffi::Error ragged_dot_sm90(cudaStream_t stream, int32_t device,
+                           ffi::AnyBuffer x,                       // bf16 or fp16
+                           ffi::AnyBuffer w,                       // w (rows) or dy (contraction)
+                           ffi::AnyBuffer group_sizes,             // int32
+                           ffi::Result<ffi::AnyBuffer> out,        // out
+                           ffi::Result<ffi::AnyBuffer> workspace,  // ragged_workspace_bytes
+                           RaggedAttrs p) {
+  Call call{};
+  const int maps = sm90_gemm::ragged_maps_per_segment(static_cast<RaggedMode>(p.mode));
+  JAX_TMA_RETURN_IF_ERROR(
+      check_call(kOp, device, x, w, group_sizes, *out, *workspace, p, true, maps, stream, &call));
   return dispatch(p, call);
+}
+
+// ---------------------------------------------------------------- the gated rows mode
+
+
+// The rows mode's attributes of a gated call (its weights N-major, its n the output's columns).
+RaggedAttrs rows_attrs(const GatedRaggedAttrs& g) {
+  return RaggedAttrs{0,        g.block_m, g.block_n,         g.stages,
+                     g.cluster_m, g.rows, g.n,               g.k,
+                     g.groups, g.batch,   g.weights_batched, g.group_sizes_batched,
+                     0};
+}
+
+template <class Tile, class Layout, class Fusion>
+ffi::Error run_gated(const GatedRaggedAttrs& g, Call call, const ffi::AnyBuffer& up,
+                     void* pre_data) {
+  const RaggedAttrs p = rows_attrs(g);
+  JAX_TMA_RETURN_IF_ERROR(
+      ffi_util::check_work_units(kGatedOp, rows_units<Tile>(p, 2 * p.n), "up to "));
+  CUtensorMap map_a, map_b, map_d, map_up, map_gate_pre, map_up_pre;
+  JAX_TMA_RETURN_IF_ERROR((encode_rows_maps<Tile, Layout>(kGatedOp, p, &call, &map_a, &map_b,
+                                                          &map_d)));
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(kGatedOp, &map_up, up.untyped_data(),
+                                           weights_spec<Tile, Layout>(p, call.in)));
+  // The accumulator holds the gate's and the up's columns.
+  call.args.shape.n = static_cast<int>(2 * p.n);
+  // Per segment: D's map, then (store_pre) the gate's and the up's pre-activations', cut like
+  // D's; without them the last two are D's again (never used).
+  const int64_t row_bytes = p.n * sm90_gemm::dtype_bytes(call.out);
+  const CUtensorMap* templates[3] = {&map_d, &map_d, &map_d};
+  const void* bases[3] = {call.out_data, call.out_data, call.out_data};
+  if (g.store_pre) {
+    auto* up_pre = static_cast<uint8_t*>(pre_data) + p.batch * p.rows * row_bytes;
+    const auto spec = rows_output_spec<Tile>(p, call.out);
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(kGatedOp, &map_gate_pre, pre_data, spec));
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(kGatedOp, &map_up_pre, up_pre, spec));
+    templates[1] = &map_gate_pre;
+    templates[2] = &map_up_pre;
+    bases[1] = pre_data;
+    bases[2] = up_pre;
+  }
+  for (int i = 0; i < 3; ++i) {
+    call.ragged.templates[i] = templates[i];
+    call.ragged.bases[i] = bases[i];
+    call.ragged.row_bytes[i] = row_bytes;
+  }
+  const bool store_pre = g.store_pre != 0;
+  const cudaError_t launched =
+      call.in == DType::kBF16
+          ? sm90_gemm::launch_ragged_gated<__nv_bfloat16, Tile, Layout, Fusion>(
+                call.args, call.ragged, map_up, store_pre)
+          : sm90_gemm::launch_ragged_gated<__half, Tile, Layout, Fusion>(
+                call.args, call.ragged, map_up, store_pre);
+  return ffi_util::cuda_error(launched, "jax_tma gated_ragged_dot launch");
+}
+
+#define JAX_TMA_KERNEL(TILE, LAYOUT, FUSION) \
+  ffi_util::Kernel<sm90_gemm::TILE, sm90_gemm::LAYOUT, sm90_gemm::FUSION>,
+using GatedKernels = ffi_util::KernelList<JAX_TMA_SM90_RAGGED_GATED_KERNELS(JAX_TMA_KERNEL) void>;
+#undef JAX_TMA_KERNEL
+
+ffi::Error gated_ragged_dot_sm90(cudaStream_t stream, int32_t device,
+                                 ffi::AnyBuffer x,                       // bf16 or fp16
+                                 ffi::AnyBuffer w_gate,                  // [.., k, n]
+                                 ffi::AnyBuffer w_up,                    // [.., k, n]
+                                 ffi::AnyBuffer group_sizes,             // int32
+                                 ffi::Result<ffi::AnyBuffer> out,        // out
+                                 ffi::Result<ffi::AnyBuffer> pre,        // pre-activations
+                                 ffi::Result<ffi::AnyBuffer> workspace,  // three maps a segment
+                                 GatedRaggedAttrs g) {
+  const RaggedAttrs p = rows_attrs(g);
+  Call call{};
+  JAX_TMA_RETURN_IF_ERROR(check_call(kGatedOp, device, x, w_gate, group_sizes, *out,
+                                     *workspace, p, false,
+                                     sm90_gemm::kRaggedGatedMapsPerSegment, stream, &call));
+  const std::string dims = "rows=" + str(p.rows) + ", n=" + str(p.n) + ", k=" + str(p.k) +
+                           ", groups=" + str(p.groups) + ", batch=" + str(p.batch);
+  DType up_type, pre_type;
+  if (!ffi_util::to_dtype(w_up.element_type(), &up_type) || up_type != call.in ||
+      !ffi_util::to_dtype(pre->element_type(), &pre_type) || pre_type != call.in) {
+    return ffi::Error::InvalidArgument(std::string(kGatedOp) + ": " + kGatedTypes);
+  }
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_element_counts(
+      kGatedOp,
+      {{"w_up", static_cast<int64_t>(w_gate.element_count()), w_up.element_count()},
+       {"pre", g.store_pre ? 2 * p.batch * p.rows * p.n : 1, pre->element_count()}},
+      dims));
+  return ffi_util::dispatch(
+      GatedKernels{}, g,
+      [&](auto kernel) {
+        return g.activation == static_cast<int64_t>(decltype(kernel)::Variant::kAct);
+      },
+      [&](auto kernel) {
+        using K = decltype(kernel);
+        return run_gated<typename K::Tile, typename K::Layout, typename K::Variant>(
+            g, call, w_up, pre->untyped_data());
+      },
+      [&] {
+        return ffi_util::no_configuration(kGatedOp, g,
+                                          ", activation=" + str(g.activation));
+      });
 }
 
 }  // namespace
@@ -274,9 +442,28 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     xla::ffi::StructMember<int64_t>("group_sizes_batched"),  // group_sizes has batch rows
     xla::ffi::StructMember<int64_t>("w_k_major"));           // w stored [.., n, k]
 
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jax_tma::ffi_handlers::GatedRaggedAttrs,
+    xla::ffi::StructMember<int64_t>("activation"),           // 2 gelu tanh, 3 gelu erf, 4 silu
+    xla::ffi::StructMember<int64_t>("store_pre"),            // also the pre-activations
+    xla::ffi::StructMember<int64_t>("block_m"),              // tile M
+    xla::ffi::StructMember<int64_t>("block_n"),              // tile N (gate and up columns)
+    xla::ffi::StructMember<int64_t>("stages"),               // pipeline depth
+    xla::ffi::StructMember<int64_t>("cluster_m"),            // CTAs per cluster
+    xla::ffi::StructMember<int64_t>("rows"),                 // rows per batch entry (M)
+    xla::ffi::StructMember<int64_t>("n"),                    // output columns (F)
+    xla::ffi::StructMember<int64_t>("k"),                    // columns of x
+    xla::ffi::StructMember<int64_t>("groups"),               // groups per batch entry
+    xla::ffi::StructMember<int64_t>("batch"),                // batch entries
+    xla::ffi::StructMember<int64_t>("weights_batched"),      // weights batch x groups matrices
+    xla::ffi::StructMember<int64_t>("group_sizes_batched")); // group_sizes has batch rows
+
 namespace jax_tma::ffi_handlers {
 
 // RaggedDotSm90Into takes out_in after group_sizes, aliased to out.
 JAX_TMA_DEFINE_HANDLER_PAIR(RaggedDotSm90, RaggedDotSm90Into, ragged_dot_sm90, 1);
+// GatedRaggedDotSm90Into takes out_in and pre_in after group_sizes, aliased to out and pre.
+JAX_TMA_DEFINE_HANDLER_PAIR(GatedRaggedDotSm90, GatedRaggedDotSm90Into, gated_ragged_dot_sm90,
+                            2);
 
 }  // namespace jax_tma::ffi_handlers

@@ -11,5 +11,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(RaggedDotSm90);
 // jax_tma_ragged_dot_sm90_into: (x, w or dy, group_sizes, out_in) -> out aliased to out_in
 // (tests poison out_in).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(RaggedDotSm90Into);
+// jax_tma_gated_ragged_dot_sm90: (x, w_gate, w_up, group_sizes) -> (out, pre, workspace).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GatedRaggedDotSm90);
+// jax_tma_gated_ragged_dot_sm90_into: (x, w_gate, w_up, group_sizes, out_in, pre_in) -> out and
+// pre aliased to out_in and pre_in (tests poison them).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GatedRaggedDotSm90Into);
 
 }  // namespace jax_tma::ffi_handlers
