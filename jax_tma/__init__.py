@@ -14,6 +14,9 @@ Public API:
     gating fused into the GEMM epilogue, with their gradients (also fused).
   ragged_dot(lhs, rhs, group_sizes, ...), ragged_dot_general(...): ``lax.ragged_dot`` and
     ``lax.ragged_dot_general`` on the grouped (MoE) kernel, group sizes read on the device.
+  gated_ragged_dot(x, w_gate, w_up, group_sizes, activation): ``act(ragged_dot(x, w_gate)) *
+    ragged_dot(x, w_up)`` (the SwiGLU / GeGLU experts' first half) in one grouped kernel with
+    the gated epilogue, with its gradients.
   moe_mlp(x, router_kernel, w_up, w_down, w_gate, top_k=...): a Mixture-of-Experts MLP (routing,
     sorting by expert, the experts on the grouped kernel, combine; expert parallelism over a
     mesh axis), returning the output and the router's MoeStats.
@@ -44,7 +47,8 @@ from jax_tma.ops.gemm.autotune import TuneResult, autotune
 from jax_tma.ops.gemm.config import COMPILED_CONFIGS, GemmConfig, default_config
 from jax_tma.ops.moe.api import MoeStats, moe_mlp
 from jax_tma.ops.ragged.api import ragged_dot, ragged_dot_general
-from jax_tma.ops.ragged.config import RAGGED_CONFIGS
+from jax_tma.ops.ragged.config import GATED_RAGGED_CONFIGS, RAGGED_CONFIGS
+from jax_tma.ops.ragged.gated import gated_ragged_dot
 
 __version__ = "0.1.0"
 
@@ -67,6 +71,8 @@ __all__ = [
     "fp8_matmul",
     "gated_dense",
     "gated_mlp",
+    "gated_ragged_dot",
+    "GATED_RAGGED_CONFIGS",
     "kernel_status",
     "matmul",
     "mlp",

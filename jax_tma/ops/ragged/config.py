@@ -42,3 +42,30 @@ def default_config(mode: str, rows: int, n: int, k: int, groups: int,
                                                 dram_bytes_per_s=device.dram_bytes_per_s(),
                                                 l2_bytes=device.l2_bytes()),
                    lambda cfg: (-cfg.stages, -cfg.cluster_m))
+
+
+# The gated rows form (gated_ragged_dot): its own compiled tiles (block_n counts gate and up
+# columns: a tile stores block_n / 2 outputs).
+GATED_RAGGED_CONFIGS: tuple[GemmConfig, ...] = tuple(
+    GemmConfig(*t) for t in tiles.keys(tiles.RAGGED_GATED_TILES))
+
+
+def check_gated_config(config: GemmConfig) -> GemmConfig:
+    """`config` if the gated ragged kernel is compiled with it; else a ValueError naming the
+    choices."""
+    return require_among(config, GATED_RAGGED_CONFIGS, "gated_ragged_dot",
+                         "gated ragged products", split_k=1, stream_k=False)
+
+
+def default_gated_config(rows: int, n: int, k: int, groups: int,
+                         num_sms: int | None = None) -> GemmConfig:
+    """The compiled gated tile with the least estimated time: the rows form's model over the
+    accumulator's 2 n columns (gate and up), groups assumed of equal size."""
+    num_sms = device.num_sms() if num_sms is None else num_sms
+    per_group = max(1, -(-rows // groups))
+    return fastest(GATED_RAGGED_CONFIGS,
+                   lambda cfg: estimate_seconds(cfg, per_group, 2 * n, k, num_sms, 2,
+                                                batch=groups,
+                                                dram_bytes_per_s=device.dram_bytes_per_s(),
+                                                l2_bytes=device.l2_bytes()),
+                   lambda cfg: (-cfg.stages, -cfg.cluster_m))

@@ -33,11 +33,14 @@ _INT32_MAX = 2**31 - 1
 # segment-table entry (one past the last segment).
 _MAP_BYTES, _SEGMENT_BYTES, _ALIGN = 128, 16, 128
 
-def workspace_bytes(mode: str, groups: int, batch: int) -> int:
-    """Bytes of the kernel's workspace: tensor maps and the segment table
-    (sm90_gemm::ragged_workspace_bytes)."""
+def workspace_bytes(mode: str, groups: int, batch: int, maps_per_segment: int | None = None
+                    ) -> int:
+    """Bytes of the kernel's workspace: tensor maps (by default one per segment in the rows mode,
+    two in the contraction mode) and the segment table (sm90_gemm::ragged_workspace_bytes)."""
     segments = batch * (groups + (mode == ROWS))
-    maps = segments * (1 if mode == ROWS else 2)
+    if maps_per_segment is None:
+        maps_per_segment = 1 if mode == ROWS else 2
+    maps = segments * maps_per_segment
     return _ALIGN + maps * _MAP_BYTES + (segments + 1) * _SEGMENT_BYTES
 
 
@@ -62,6 +65,17 @@ def _abstract_eval(x, w, gs, *, mode, w_k_major, out_dtype, config, local):
 
 def _broadcast_batch(v, batch):
     return v if v.shape[0] == batch else jnp.broadcast_to(v, (batch, *v.shape[1:]))
+
+
+def rows_reference(x, w, gs, out_dtype):
+    """The rows form in lax: x [B, M, K] times w [Bw, G, K, N] per group -> [B, M, N]."""
+    return _reference(x, w, gs, mode=ROWS, w_k_major=False, out_dtype=out_dtype, config=None,
+                      local=False)
+
+
+def rows_product(x, w, gs, out_dtype, local: bool = False):
+    """The rows form as this primitive (its JVP and transposes: differentiable to any order)."""
+    return _bind(x, w, gs, ROWS, False, out_dtype, local)
 
 
 def _reference(x, w, gs, *, mode, w_k_major, out_dtype, config, local):
@@ -245,17 +259,18 @@ def _transpose(ct, x, w, gs, *, mode, w_k_major, out_dtype, config, local):
 # ---------------------------------------------------------------- batching
 
 
-def _batch_rule(args, dims, *, mode, w_k_major, out_dtype, config, local):
-    """vmap: the mapped axis joins each operand's batch dim (x [V*B, M, K]); an unmapped weight
-    or group-size operand shared by the batch stays shared; anything else is broadcast."""
-    del config
-    x, w, gs = args
+def fold_vmapped(args, dims, shared_ok) -> tuple[list, int, int]:
+    """vmap of a primitive over operands with a leading batch dim (x [B, ...] first): the mapped
+    axis joins each operand's batch dim ([V*B, ...]); an unmapped operand of batch 1 stays
+    shared where `shared_ok` says it may (weights, group sizes); anything else is broadcast.
+    Returns the folded operands, V and B."""
+    x = args[0]
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    batch = x.shape[0] if dims[0] is None else x.shape[dims[0] + (dims[0] == 0)]
+    batch = x.shape[0] if dims[0] is None else jnp.moveaxis(x, dims[0], 0).shape[1]
 
-    def merged(v, d, shared_ok: bool):
+    def merged(v, d, ok: bool):
         if d is None:
-            if shared_ok and v.shape[0] == 1:
+            if ok and v.shape[0] == 1:
                 return v  # shared by every (new and old) batch entry
             v = jnp.broadcast_to(v[None], (size, *v.shape))
         else:
@@ -264,11 +279,14 @@ def _batch_rule(args, dims, *, mode, w_k_major, out_dtype, config, local):
             v = jnp.broadcast_to(v, (size, batch, *v.shape[2:]))
         return v.reshape(size * batch, *v.shape[2:])
 
-    if dims[0] is not None:
-        batch = jnp.moveaxis(x, dims[0], 0).shape[1]
-    x2 = merged(x, dims[0], False)
-    w2 = merged(w, dims[1], mode == ROWS)
-    gs2 = merged(gs, dims[2], True)
+    return [merged(v, d, ok) for v, d, ok in zip(args, dims, shared_ok)], size, batch
+
+
+def _batch_rule(args, dims, *, mode, w_k_major, out_dtype, config, local):
+    """vmap: the mapped axis joins each operand's batch dim (x [V*B, M, K]); an unmapped weight
+    or group-size operand shared by the batch stays shared; anything else is broadcast."""
+    del config
+    (x2, w2, gs2), size, batch = fold_vmapped(args, dims, (False, mode == ROWS, True))
     out = _bind(x2, w2, gs2, mode, w_k_major, out_dtype, local)
     return out.reshape(size, batch, *out.shape[1:]), 0
 

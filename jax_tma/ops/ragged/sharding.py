@@ -16,6 +16,9 @@ runs the kernel on its shards:
 
 Partial products are summed in fp32 when the output is 16-bit. A mesh axis is used once: the
 batch claims it first, then M, N and K.
+
+The gated rows form (gated_ragged_dot, at the end) shares the rows mode's rules but for K,
+which it never splits.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_tma._core.sharding import Axes, AxisClaims, spec_of
+from jax_tma._core.sharding import Axes, AxisClaims, Params, partitioned_call, spec_of
 
 
 def _spec(dims) -> PartitionSpec:
@@ -161,3 +164,82 @@ def partitioned_ragged_dot(x: jax.Array, w: jax.Array, gs: jax.Array, *, local_o
     """``local_op(x, w, gs, mode, w_k_major, out_dtype, config)`` under the partitioning rules
     above: each device runs local_op on its shards."""
     return _partitioned(x, w, gs, local_op, mode, bool(w_k_major), jnp.dtype(out_dtype), config)
+
+
+# ---------------------------------------------------------------- the gated rows form
+# Operands x [B, M, K], w_gate and w_up [Bw, G, K, F], group sizes [Bg, G]; results out
+# [B, M, F] and (save_pre) pre [2, B, M, F]. The batch, M (with local group sizes, as above)
+# and F keep the operands' sharding; K is never split (the activation of a partial sum is not
+# the partial sum of the activation: a sharded K is gathered first), nor G.
+
+
+def _choose_gated(mesh, arg_shapes):
+    x, wg, _, gs = arg_shapes
+    x_spec, w_spec = spec_of(x.sharding, 3), spec_of(wg.sharding, 4)
+    claim = AxisClaims(mesh)
+    w_batched = wg.shape[0] == x.shape[0] and wg.shape[0] > 1
+    b = claim(x_spec[0] or (w_spec[0] if w_batched else ()), x.shape[0])
+    m = claim(x_spec[1], x.shape[1])
+    f = claim(w_spec[3], wg.shape[3])
+    w = (b if w_batched else (), (), (), f)
+    gs_batched = gs.shape[0] == x.shape[0] and gs.shape[0] > 1
+    return dict(b=b, m=m, x=(b, m, ()), w=w, gs=(b if gs_batched else (), ()),
+                out=(b, m, f), pre=((), b, m, f))
+
+
+def _gated_results(mesh, choice, params):
+    results = [NamedSharding(mesh, _spec(choice["out"]))]
+    if params["save_pre"]:
+        results.append(NamedSharding(mesh, _spec(choice["pre"])))
+    return results
+
+
+def _infer_gated(local_op, params, mesh, arg_shapes, result_shape):
+    del local_op, result_shape
+    return _gated_results(mesh, _choose_gated(mesh, arg_shapes), params)
+
+
+def _partition_gated(local_op, params, mesh, arg_shapes, result_shape):
+    del result_shape
+    choice = _choose_gated(mesh, arg_shapes)
+    rows = arg_shapes[0].shape[1]
+    m_axes = choice["m"]
+    shard_rows = rows // math.prod(mesh.shape[a] for a in m_axes) if m_axes else rows
+    sharded = any(any(d) for key in ("x", "w", "gs") for d in choice[key])
+    local_params = dict(params, config=None) if sharded else dict(params)
+
+    def per_device(x, wg, wu, gs):
+        if m_axes:
+            gs = local_group_sizes(gs, rows, _shard_index(m_axes), shard_rows)
+        return local_op(x, wg, wu, gs, **local_params)
+
+    w = NamedSharding(mesh, _spec(choice["w"]))
+    arg_shardings = (NamedSharding(mesh, _spec(choice["x"])), w, w,
+                     NamedSharding(mesh, _spec(choice["gs"])))
+    return mesh, per_device, _gated_results(mesh, choice, params), arg_shardings
+
+
+def _gated_sharding_rule(local_op, params, mesh, operand_types, result_types):
+    """Factors b, m, k, f, g; k and g are never split. A batch dim of size 1 (shared) gets its
+    own factor."""
+    del local_op, mesh, result_types
+    x_t, w_t, _, gs_t = operand_types
+    batch = x_t.shape[0]
+    wb = "b" if w_t.shape[0] == batch and batch > 1 else "wb"
+    gb = "b" if gs_t.shape[0] == batch and batch > 1 else "gb"
+    outs = "b m f, p b m f" if params["save_pre"] else "b m f"
+    rule = f"b m k, {wb} g k f, {wb} g k f, {gb} g -> {outs}"
+    return rule, dict(need_replication_factors=("k", "g"))
+
+
+_partitioned_gated = partitioned_call(partition=_partition_gated,
+                                      infer_sharding_from_operands=_infer_gated,
+                                      sharding_rule=_gated_sharding_rule, num_static=2)
+
+
+def partitioned_gated_ragged_dot(x: jax.Array, wg: jax.Array, wu: jax.Array, gs: jax.Array, *,
+                                 local_op: Callable, params: dict) -> list[jax.Array]:
+    """``local_op(x, wg, wu, gs, **params)`` (the gated primitive's local product) under the
+    partitioning rules above."""
+    params = Params({k: v for k, v in params.items() if k != "local"})
+    return _partitioned_gated(local_op, params, x, wg, wu, gs)
