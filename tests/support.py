@@ -55,3 +55,67 @@ def rel_error(x, ref) -> float:
     x = np.asarray(x, np.float64)
     ref = np.asarray(ref, np.float64)
     return float(np.linalg.norm(x - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+def cpu_mesh(shape, names):
+    """A mesh of the first prod(shape) CPU devices; skips the test where there are fewer."""
+    from jax.sharding import Mesh  # noqa: PLC0415
+
+    devices = jax.devices("cpu")
+    if len(devices) < np.prod(shape):
+        pytest.skip("needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
+    return Mesh(np.array(devices[: np.prod(shape)]).reshape(shape), names)
+
+
+def f64_act(name, z):
+    """The activations in float64, written out: None, relu, gelu / gelu_tanh, gelu_erf, silu."""
+    z = np.asarray(z, np.float64)
+    if name is None:
+        return z
+    if name == "relu":
+        return np.maximum(z, 0)
+    if name in ("gelu", "gelu_tanh"):
+        return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
+    if name == "gelu_erf":
+        from math import erf  # noqa: PLC0415
+        return 0.5 * z * (1 + np.vectorize(erf)(z / np.sqrt(2)))
+    if name == "silu":
+        return z / (1 + np.exp(-z))
+    raise ValueError(name)
+
+
+def f64_act_grad(name, z):
+    """d act / dz at z in float64, written out (not jax_tma's autodiff of its activation);
+    relu's slope at 0 is 0."""
+    z = np.asarray(z, np.float64)
+    if name is None:
+        return np.ones_like(z)
+    if name == "relu":
+        return (z > 0).astype(np.float64)
+    if name in ("gelu", "gelu_tanh"):
+        c = np.sqrt(2 / np.pi)
+        t = np.tanh(c * (z + 0.044715 * z ** 3))
+        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * c * (1 + 3 * 0.044715 * z ** 2)
+    if name == "gelu_erf":
+        from math import erf  # noqa: PLC0415
+        return (0.5 * (1 + np.vectorize(erf)(z / np.sqrt(2)))
+                + z * np.exp(-0.5 * z * z) / np.sqrt(2 * np.pi))
+    if name == "silu":
+        s = 0.5 * (1 + np.tanh(0.5 * z))  # the logistic sigmoid, without exp's overflow
+        return s * (1 + z * (1 - s))
+    raise ValueError(name)
+
+
+def f64_ragged_rows(x, w, gs, w_k_major=False):
+    """out[rows of g] = x[rows of g] @ w[g] in float64 (w [G, K, N], or [G, N, K] with
+    w_k_major); rows past the last group zero."""
+    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
+    if w_k_major:
+        w = np.swapaxes(w, 1, 2)
+    out = np.zeros((x.shape[0], w.shape[2]))
+    start = 0
+    for g, size in enumerate(np.asarray(gs)):
+        size = int(min(max(size, 0), x.shape[0] - start))
+        out[start:start + size] = x[start:start + size] @ w[g]
+        start += size
+    return out

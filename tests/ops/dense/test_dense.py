@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 from jax import lax
 from jax.test_util import check_grads
 
@@ -25,7 +25,8 @@ import jax_tma
 from jax_tma.ops.dense import api as ep_api
 from jax_tma.ops.dense import config as ep_config
 from jax_tma.ops.dense import primitive as ep
-from support import cuda_hlo, needs_extension, random_array, rel_error
+from support import (cpu_mesh, cuda_hlo, f64_act, f64_act_grad, needs_extension, random_array,
+                     rel_error)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -34,48 +35,10 @@ TOL = {BF16: 1e-2, F16: 2e-3, F32: 1e-5}
 ACTIVATIONS = [None, "relu", "gelu", "gelu_erf", "silu"]
 
 
-def f64_act(name, z):
-    z = np.asarray(z, np.float64)
-    if name is None:
-        return z
-    if name == "relu":
-        return np.maximum(z, 0)
-    if name in ("gelu", "gelu_tanh"):
-        return 0.5 * z * (1 + np.tanh(np.sqrt(2 / np.pi) * (z + 0.044715 * z ** 3)))
-    if name == "gelu_erf":
-        from math import erf
-        return 0.5 * z * (1 + np.vectorize(erf)(z / np.sqrt(2)))
-    if name == "silu":
-        return z / (1 + np.exp(-z))
-    raise ValueError(name)
-
-
-def f64_act_grad(name, z):
-    """d act / dz at z in float64, written out (not jax_tma's autodiff of its activation);
-    relu's slope at 0 is 0."""
-    z = np.asarray(z, np.float64)
-    if name is None:
-        return np.ones_like(z)
-    if name == "relu":
-        return (z > 0).astype(np.float64)
-    if name in ("gelu", "gelu_tanh"):
-        c = np.sqrt(2 / np.pi)
-        t = np.tanh(c * (z + 0.044715 * z ** 3))
-        return 0.5 * (1 + t) + 0.5 * z * (1 - t * t) * c * (1 + 3 * 0.044715 * z ** 2)
-    if name == "gelu_erf":
-        from math import erf
-        return (0.5 * (1 + np.vectorize(erf)(z / np.sqrt(2)))
-                + z * np.exp(-0.5 * z * z) / np.sqrt(2 * np.pi))
-    if name == "silu":
-        s = 0.5 * (1 + np.tanh(0.5 * z))  # the logistic sigmoid, without exp's overflow
-        return s * (1 + z * (1 - s))
-    raise ValueError(name)
-
-
 @pytest.mark.parametrize("activation", ["relu", "gelu_tanh", "gelu_erf", "silu"])
 def test_reference_activation_grads_match_finite_differences(activation):
-    """The float64 derivatives above against central differences of f64_act (step 1e-5:
-    error ~1e-10), away from relu's kink."""
+    """The float64 derivatives (support.f64_act_grad) against central differences of f64_act
+    (step 1e-5: error ~1e-10), away from relu's kink."""
     z = np.concatenate([np.linspace(-8, 8, 1601), [-30.0, -0.3, 0.3, 30.0]])
     z = z[np.abs(z) > 1e-3]
     h = 1e-5
@@ -294,17 +257,10 @@ def test_vmap_of_the_gated_gradient(rng):
 # ---------------------------------------------------------------- sharding (8 CPU devices)
 
 
-def _mesh(shape, names):
-    devices = jax.devices("cpu")
-    if len(devices) < np.prod(shape):
-        pytest.skip("needs 8 CPU devices")
-    return Mesh(np.array(devices[: np.prod(shape)]).reshape(shape), names)
-
-
 @pytest.mark.parametrize("x_spec,w_spec", [(P("x", None), P()), (P(), P(None, "x")),
                                            (P("x", "y"), P("y", None)), (P("x", None), P(None, "y"))])
 def test_sharded_matches_unsharded(rng, x_spec, w_spec):
-    mesh = _mesh((4, 2), ("x", "y"))
+    mesh = cpu_mesh((4, 2), ("x", "y"))
     x, w = _operands(rng, 32, 16, 24, BF16)
     b = rng.standard_normal(24).astype(BF16)
     xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, x_spec))
@@ -321,7 +277,7 @@ def test_sharded_matches_unsharded(rng, x_spec, w_spec):
 
 @pytest.mark.parametrize("x_spec,f_axis", [(P("x", None), None), (P(), "y"), (P("x", None), "y")])
 def test_sharded_gated_mlp_gradients(rng, x_spec, f_axis):
-    mesh = _mesh((4, 2), ("x", "y"))
+    mesh = cpu_mesh((4, 2), ("x", "y"))
     x, wg = _operands(rng, 32, 16, 48, BF16)
     wu = (rng.standard_normal((16, 48)) / 4).astype(BF16)
     wd = (rng.standard_normal((48, 16)) / 7).astype(BF16)

@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_tma
 from jax_tma.ops.fp8 import config as fp8_config
 from jax_tma.ops.fp8 import primitive as fp8
 from jax_tma.ops.fp8 import quantize as fp8_quantize
-from support import cuda_hlo, needs_extension, random_array, rel_error
+from support import cpu_mesh, cuda_hlo, needs_extension, random_array, rel_error
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E5M2 = np.dtype(ml_dtypes.float8_e5m2)
@@ -293,17 +293,10 @@ def test_straight_through_gradients(rng):
 # ---------------------------------------------------------------- sharding (8 CPU devices)
 
 
-def _mesh(shape, names):
-    devices = jax.devices("cpu")
-    if len(devices) < np.prod(shape):
-        pytest.skip("needs 8 CPU devices")
-    return Mesh(np.array(devices[: np.prod(shape)]).reshape(shape), names)
-
-
 @pytest.mark.parametrize("a_spec,b_spec", [(P("x", None), P()), (P(), P("x", None)),
                                            (P("x", "y"), P(None, "y")), (P(None, "x"), P(None, "x"))])
 def test_sharded_matches_unsharded(rng, a_spec, b_spec):
-    mesh = _mesh((4, 2), ("x", "y"))
+    mesh = cpu_mesh((4, 2), ("x", "y"))
     (a, b, sa, sb, dims), ref = _operands(rng, SCALE_CASES[0], 64, 512, 1024)
     bias = rng.standard_normal(512).astype(np.float32)
     a_s = jax.device_put(jnp.asarray(a), NamedSharding(mesh, a_spec))

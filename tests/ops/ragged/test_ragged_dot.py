@@ -16,14 +16,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.test_util import check_grads
 
 import jax_tma
 from jax_tma.ops.ragged import config as rd_config
 from jax_tma.ops.ragged import primitive as rd
 from jax_tma.ops.ragged import sharding as ragged_sharding
-from support import REPO, cuda_hlo, needs_extension, random_array, rel_error, target_calls
+from support import (REPO, cpu_mesh, cuda_hlo, f64_ragged_rows, needs_extension, random_array,
+                     rel_error, target_calls)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -35,20 +36,6 @@ CONTRACTION_DIMS = lax.RaggedDotDimensionNumbers(
 ROWS_KN_DIMS = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
     rhs_group_dimensions=[0])
-
-
-def f64_ragged_rows(x, w, gs, w_k_major=False):
-    """out[rows of g] = x[rows of g] @ w[g] in float64; rows past the last group zero."""
-    x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
-    if w_k_major:
-        w = np.swapaxes(w, 1, 2)
-    out = np.zeros((x.shape[0], w.shape[2]))
-    start = 0
-    for g, size in enumerate(np.asarray(gs)):
-        size = int(min(max(size, 0), x.shape[0] - start))
-        out[start:start + size] = x[start:start + size] @ w[g]
-        start += size
-    return out
 
 
 def f64_ragged_contraction(x, dy, gs):
@@ -246,18 +233,11 @@ def test_nested_vmap_matches_lax(rng):
 # ---------------------------------------------------------------- sharding (8 CPU devices)
 
 
-def _mesh(shape, names):
-    devices = jax.devices("cpu")
-    if len(devices) < np.prod(shape):
-        pytest.skip("needs 8 CPU devices (XLA_FLAGS=--xla_force_host_platform_device_count=8)")
-    return Mesh(np.array(devices[: np.prod(shape)]).reshape(shape), names)
-
-
 @pytest.mark.parametrize("x_spec,w_spec", [(P("x", None), P()), (P(), P(None, None, "x")),
                                            (P(None, "x"), P(None, "x", None)),
                                            (P("x", "y"), P(None, "y", None))])
 def test_sharded_matches_unsharded(rng, x_spec, w_spec):
-    mesh = _mesh((4, 2), ("x", "y"))
+    mesh = cpu_mesh((4, 2), ("x", "y"))
     m, k, n, g = 64, 16, 32, 5
     x, w = random_array(rng, (m, k), F32).astype(BF16), random_array(rng, (g, k, n), BF16)
     gs = sizes("ragged", m, g, rng)
