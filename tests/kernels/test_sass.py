@@ -161,6 +161,24 @@ def test_ragged_kernels_are_sm90a(kernels):
     assert any("sm90_ragged_prepare_kernel" in name for name in kernels)
 
 
+def test_gated_ragged_kernels(kernels):
+    """The gated rows mode (jax_tma.gated_ragged_dot): per type the registry's gated ragged
+    tiles x 3 activations, B N-major; the per-segment maps acquired (UTMACCTL.IV) by the threads
+    that store through them; on 128-row tiles the epilogue warps gate the staged block 16 bytes
+    at a time."""
+    found = _gemm_kernels(kernels, ("RaggedGatedRowsGemm",), fused=True)
+    assert len(found) == tiles.kernel_counts()["ragged_gated"]
+    for name, body in found.items():
+        kind, act = _fusion(name)
+        assert kind == 3 and act in (2, 3, 4), name
+        assert _layout(name) == (0, 1), name
+        assert re.search(r"\bHGMMA\b", body) and re.search(r"\bUTMASTG\.4D\b", body), name
+        assert re.search(r"\bUTMACCTL\.IV\b", body), f"no tensormap acquire in {name}"
+        if _tile(name)[0] == 128:
+            assert re.search(r"\bLDS\.128\b", body) and re.search(r"\bSTS\.128\b", body), name
+        assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"
+
+
 @pytest.mark.parametrize(
     "opcode",
     ["UTMALDG.3D", "SYNCS.ARRIVE", "SYNCS.PHASECHK", "HGMMA", "USETMAXREG", "UTMACCTL.PF"],

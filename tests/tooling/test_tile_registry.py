@@ -63,11 +63,17 @@ def test_python_configs_are_the_registry():
     # Fast tiles are validated as Fp8Config tiles.
     assert set(tiles.keys(tiles.FP8_FAST_TILES)) <= set(tiles.keys(tiles.FP8_TILES))
     assert tuple(c.tile for c in ragged_config.RAGGED_CONFIGS) == tiles.keys(tiles.RAGGED_TILES)
+    assert tuple(c.tile for c in ragged_config.GATED_RAGGED_CONFIGS) == tiles.keys(
+        tiles.RAGGED_GATED_TILES)
+    # The gated ragged tiles are compiled for both halves of the combination already.
+    assert set(tiles.keys(tiles.RAGGED_GATED_TILES)) <= set(tiles.keys(tiles.RAGGED_TILES)) & set(
+        tiles.keys(tiles.DENSE_TILES))
 
 
 @pytest.mark.parametrize("macro, entries", [
     ("JAX_TMA_SM90_GEMM_TILES", tiles.GEMM_TILES),
     ("JAX_TMA_SM90_RAGGED_TILES", tiles.RAGGED_TILES),
+    ("JAX_TMA_SM90_RAGGED_GATED_TILES", tiles.RAGGED_GATED_TILES),
     ("JAX_TMA_SM90_DENSE_TILES", tiles.DENSE_TILES),
     ("JAX_TMA_SM90_DENSE_NARROW_TILES", tiles.DENSE_NARROW_TILES),
     ("JAX_TMA_SM90_DENSE_RING_TILES", tiles.DENSE_RING_TILES),
@@ -109,4 +115,5 @@ def test_counts():
     counts = tiles.kernel_counts()
     assert counts["gemm"] == len(tiles.GEMM_TILES) * 4 * 4
     assert counts["dense"] == 2 * (3 * 11 + 2 * 1 + 1 * 2)
+    assert counts["ragged_gated"] == 2 * len(tiles.RAGGED_GATED_TILES) * 3
     assert sum(tiles.expected_entries().values()) == sum(counts.values()) + 1
