@@ -6,14 +6,20 @@ x [..., d] is routed token by token (the leading dims flattened: T tokens): rout
 ``x @ router_kernel`` in fp32 ([d, E]), each token to its ``top_k`` experts with mixing weights.
 The T * top_k (token, choice) pairs are sorted by expert on the device, so that each expert's
 rows are one run, and every expert applies its MLP to its run as grouped products
-(``jax_tma.ragged_dot``, group sizes counted on the device):
+(group sizes counted on the device):
 
   gated (w_gate given):  (act(rows @ w_gate[e]) * (rows @ w_up[e])) @ w_down[e]   (SwiGLU: silu)
   plain:                  act(rows @ w_up[e]) @ w_down[e]
 
-The gate and up products run as one grouped product of the concatenated weights [E, d, 2F]
-(one kernel call and one read of the rows; the concatenation fuses into the cast to the compute
-type). The results are gathered back into token order and mixed by the weights in fp32:
+The gated first half is ``jax_tma.gated_ragged_dot``: one grouped kernel computes the gate's and
+the up's columns of the same rows and stores act(gate) * up [rows, F] once (no [rows, 2F]
+intermediate); the other products are ``jax_tma.ragged_dot``. Both round where the unfused
+expression rounds (each product, the activation, their product). Differentiated, the gated
+kernel also saves the two pre-activations and its backward pass is ragged_dot's kernels: a
+bf16 training step of gated experts is the gated call and 7 ragged_dot calls (forward: the down
+product; backward: the down product's input and weight gradients, and the rows' gradient
+against w_gate and w_up and the two weight gradients), of plain experts 6 ragged_dot calls.
+The results are gathered back into token order and mixed by the weights in fp32:
 y [..., d] = sum over a token's choices of weight * expert output, in the compute type. No
 residual is added.
 
@@ -49,7 +55,8 @@ top_k without a capacity, so nothing is dropped), runs its own experts on what i
 sends the results back. Without drops the result equals the one-device layer's up to summation
 order; the statistics are the global ones. Other mesh axes are left to the compiler.
 
-``implementation="xla"`` runs the same layer with ``lax.ragged_dot`` (for comparisons).
+``implementation="xla"`` runs the same layer with ``lax.ragged_dot`` (for comparisons; the gated
+half as one product of the concatenated weights [E, d, 2F] and the elementwise combination).
 Gradients flow through everything but the expert choice (the weights through lax.top_k's
 values).
 """
@@ -68,6 +75,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_tma._core.activations import ACTIVATIONS, GATED_ACTIVATIONS, activate
 from jax_tma.ops.ragged.api import ragged_dot
+from jax_tma.ops.ragged.gated import gated_ragged_dot
 
 ROUTERS = ("softmax_topk", "sigmoid_topk")
 IMPLEMENTATIONS = ("jax_tma", "xla")
@@ -303,12 +311,19 @@ def _pairs(r: _Routing) -> tuple[jax.Array, jax.Array]:
 def _experts(rows: jax.Array, group_sizes: jax.Array, weights, o: _Options) -> jax.Array:
     """Every expert's MLP on its run of `rows` (rows past the groups come out zero)."""
     _, w_gate, w_up, w_down = weights
-    dot = ragged_dot if o.implementation == "jax_tma" else lax.ragged_dot
+    kernels = o.implementation == "jax_tma"
+    dot = ragged_dot if kernels else lax.ragged_dot
     dtype = o.dtype
     if w_gate is None:
         h = dot(rows, jnp.asarray(w_up, dtype), group_sizes)
         h = activate(o.activation, h.astype(_F32)).astype(dtype)
+    elif kernels:
+        # o.activation is already canonical ("gelu" -> "gelu_tanh"), a name both take alike.
+        h = gated_ragged_dot(rows, jnp.asarray(w_gate, dtype), jnp.asarray(w_up, dtype),
+                             group_sizes, o.activation)
     else:
+        # One lax.ragged_dot of the concatenated weights [E, d, 2F] (one read of the rows; the
+        # concatenation fuses into the cast to the compute type), rounded as the kernel rounds.
         hidden = w_up.shape[-1]
         w = jnp.concatenate([jnp.asarray(w_gate, dtype), jnp.asarray(w_up, dtype)], axis=-1)
         gu = dot(rows, w, group_sizes)

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 from jax_tma import _ext
 from jax_tma.ops.dense.api import _canonical, _is_zero, _kernel_computes
-from jax_tma.ops.dense.primitive import GATED_ACTIVATIONS, activate, activation_grad
+from jax_tma._core.activations import GATED_ACTIVATIONS, activate
+from jax_tma.ops.dense.primitive import activation_grad
 from jax_tma.ops.gemm.config import GemmConfig
 from jax_tma.ops.ragged.api import ragged_dot
 from jax_tma.ops.ragged.config import check_gated_config
