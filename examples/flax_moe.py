@@ -11,12 +11,14 @@ The loss is the mean squared error against a fixed random teacher of the same sh
 times the layer's load-balancing loss (sown in "intermediates"). Parameters and adam state are
 float32; the experts compute in ``--dtype``.
 
-On an H100/H200 each expert product's forward, weight gradient and (for the down projection)
-input gradient is one ``jax_tma_ragged_dot_sm90`` call: 5 per training step (the gate-and-up
-product's input gradient reaches only the data, which is not trained, and XLA removes it). The
-script prints both curves, their largest relative difference and the kernel calls per compiled
-step; exit status 1 when the curves differ by more than the dtype's tolerance or the call count
-is not the expected one.
+On an H100/H200 the experts' gated first half is one ``jax_tma_gated_ragged_dot_sm90`` call
+(act(gate) * up stored once) and every other grouped product one ``jax_tma_ragged_dot_sm90``
+call: 6 per training step (forward: the gated call and the down projection; backward: the
+weight gradients of w_gate, w_up and w_down and the down projection's input gradient; the rows
+are gathered from the data, which is not trained, so no gradient reaches them). The script
+prints both curves, their largest relative difference and the kernel calls per compiled step;
+exit status 1 when the curves differ by more than the dtype's tolerance or the call count is
+not the expected one.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ DTYPES = {"float32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
 TOLERANCE = {"float32": 1e-3, "bf16": 5e-2, "fp16": 2e-2}
 NUM_BATCHES = 8
 AUX_LOSS_WEIGHT = 1e-2
-_CALL_TARGET = re.compile(r'custom_call_target="(jax_tma_ragged_dot[^"]*)"')
+# Both grouped targets: jax_tma_ragged_dot_sm90 and jax_tma_gated_ragged_dot_sm90.
+_CALL_TARGET = re.compile(r'custom_call_target="(jax_tma_(?:gated_)?ragged_dot[^"]*)"')
 
 
 class Model(nn.Module):
@@ -77,13 +80,15 @@ def loss_fn(model: nn.Module) -> Callable:
 
 
 def expected_kernel_calls() -> int:
-    """jax_tma calls per step: forward and weight gradient of both expert products, and the
-    input gradient of the down projection."""
-    return 5
+    """jax_tma calls per step: the gated forward (one call for gate and up) and the down
+    projection's, the weight gradients of w_gate, w_up and w_down, and the input gradient of
+    the down projection."""
+    return 6
 
 
 def kernel_calls(fn: Callable, *args) -> int:
-    """How many ragged_dot kernel calls the compiled ``jax.jit(fn)(*args)`` makes (0 off GPU)."""
+    """How many grouped kernel calls (ragged_dot's and gated_ragged_dot's) the compiled
+    ``jax.jit(fn)(*args)`` makes (0 off GPU)."""
     return len(_CALL_TARGET.findall(jax.jit(fn).lower(*args).compile().as_text()))
 
 
@@ -189,7 +194,7 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         curves[name] = run(s, args.steps)
         print(f"{name:8s} {time.perf_counter() - start:7.2f} s for {args.steps} steps "
-              f"(first step compiles); ragged_dot kernel calls per step: {calls[name]}")
+              f"(first step compiles); grouped kernel calls per step: {calls[name]}")
 
     print(f"\n{'step':>6} {'loss jax_tma':>14} {'loss xla':>14}")
     marks = sorted({0, args.steps - 1, *range(0, args.steps, max(1, args.steps // 10))})
@@ -197,8 +202,8 @@ def main(argv=None) -> int:
         print(f"{i:6d} {curves['jax_tma'][i]:14.6f} {curves['xla'][i]:14.6f}")
 
     expected = expected_kernel_calls() if status.available and args.dtype != "float32" else 0
-    print(f"\nkernel calls per step: {calls['jax_tma']} ({expected} expected: forward and weight "
-          "gradient of both expert products, input gradient of the down projection)")
+    print(f"\nkernel calls per step: {calls['jax_tma']} ({expected} expected: the gated and the "
+          "down forward, the three weight gradients, input gradient of the down projection)")
     diff = max_relative_difference(curves["jax_tma"], curves["xla"])
     tol = TOLERANCE[args.dtype]
     ok = diff <= tol and all(np.isfinite(curves["jax_tma"])) and calls["jax_tma"] == expected
