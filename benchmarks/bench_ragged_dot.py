@@ -3,14 +3,20 @@ Mosaic-GPU ragged_dot_mgpu kernel (best of its configurations that fit the shape
 product of the same FLOPs (the ceiling), in one run and one harness (jax_tma._timing.compare:
 CUPTI kernel time on a GPU, operands rotated over distinct buffers, rounds alternating).
 
-Shapes are M, K, N, G: lhs [M, K], rhs [G, K, N], group sizes summing to M. The suite has the
-shapes of the issue that asked for this kernel, with uniform group sizes, plus Zipf-skewed sizes
-(exponent 1.2) and the weight-gradient form (contraction: [M, K] x [M, N] -> [G, K, N]), whose
-contenders are jax_tma and lax.ragged_dot_general (Pallas's kernel has no such form).
+Shapes are M, K, N, G: lhs [M, K], rhs [G, K, N], group sizes summing to M. The suite has
+large groups (MoE layers of 8-64 experts) and fine-grained ones (64-512 rows per expert, as
+Qwen3-MoE and DeepSeek-V3 run on one GPU), with uniform group sizes and Zipf-skewed sizes
+(exponent 1.2); the weight-gradient form (contraction: [M, K] x [M, N] -> [G, K, N]), whose
+contenders are jax_tma and lax.ragged_dot_general (Pallas's kernel has no such form); and the
+gated form (a SwiGLU expert's first half, act(x @ w_gate) * (x @ w_up), N = F): jax_tma.
+gated_ragged_dot against jax_tma's and XLA's unfused forms, two ragged_dots and one of the
+weights stored concatenated [G, K, 2F], each followed by the elementwise product.
 
     python benchmarks/bench_ragged_dot.py             # the suite
     python benchmarks/bench_ragged_dot.py --quick     # the first two shapes, fewer rounds
     python benchmarks/bench_ragged_dot.py --shapes 16384,4096,14336,8 --sizes zipf
+    python benchmarks/bench_ragged_dot.py --form gated --shapes 16384,2048,1536,128
+    python benchmarks/bench_ragged_dot.py --only fine gated  # parts: large, fine, gated
     python benchmarks/bench_ragged_dot.py --sweep     # every compiled jax_tma configuration
     python benchmarks/bench_ragged_dot.py --dry-run   # tiny shapes; runs without a GPU (CI)
 
@@ -39,6 +45,7 @@ from _lib.harness import harness_arguments, parse_shapes, sweep_label  # noqa: E
 from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
 
 SUITE = [  # (M, K, N, G, sizes, form)
+    # large groups
     (16384, 4096, 14336, 8, "uniform", "rows"),
     (32768, 2048, 1408, 64, "uniform", "rows"),
     (8192, 7168, 2048, 32, "uniform", "rows"),
@@ -49,8 +56,32 @@ SUITE = [  # (M, K, N, G, sizes, form)
     (16384, 4096, 14336, 8, "uniform", "contraction"),
     (32768, 2048, 1408, 64, "uniform", "contraction"),
     (8192, 7168, 2048, 32, "zipf", "contraction"),
+    # fine-grained: 64-1024 rows per expert
+    (16384, 2048, 1536, 128, "uniform", "rows"),
+    (8192, 7168, 4096, 32, "uniform", "rows"),
+    (4096, 7168, 4096, 32, "uniform", "rows"),
+    (65536, 2048, 768, 64, "uniform", "rows"),
+    (32768, 4096, 1536, 128, "uniform", "rows"),
+    (32768, 4096, 1536, 128, "zipf", "rows"),
+    (16384, 2048, 1536, 128, "uniform", "contraction"),
+    (8192, 7168, 4096, 32, "uniform", "contraction"),
+    (32768, 4096, 1536, 128, "zipf", "contraction"),
+    # gated (SwiGLU first half), N = F
+    (16384, 2048, 1536, 128, "uniform", "gated"),
+    (32768, 2048, 1408, 64, "zipf", "gated"),
+    (8192, 7168, 2048, 32, "uniform", "gated"),
+    (32768, 4096, 1536, 128, "uniform", "gated"),
+    (16384, 4096, 14336, 8, "uniform", "gated"),
 ]
-DRY_RUN = [(256, 64, 128, 4, "uniform", "rows"), (256, 64, 128, 4, "zipf", "contraction")]
+# --only: the suite's large-group cases, its fine-grained ones (G >= 32 with at most 1024 rows
+# per expert), or its gated ones.
+SUBSETS = {
+    "large": lambda c: c[5] != "gated" and c[0] // c[3] > 1024,
+    "fine": lambda c: c[5] != "gated" and c[0] // c[3] <= 1024,
+    "gated": lambda c: c[5] == "gated",
+}
+DRY_RUN = [(256, 64, 128, 4, "uniform", "rows"), (256, 64, 128, 4, "zipf", "contraction"),
+           (256, 64, 128, 4, "zipf", "gated")]
 # Pallas ragged_dot_mgpu configurations: (block_m, block_n, block_k, max_concurrent_steps,
 # grid_block_n); those whose block_n x grid_block_n does not divide N are skipped.
 PALLAS_CONFIGS = [(128, 128, 64, 4, 1), (64, 128, 64, 4, 1), (128, 192, 64, 4, 1),
@@ -89,7 +120,7 @@ def group_sizes(kind: str, m: int, g: int, rng: np.random.Generator) -> np.ndarr
 
 def _label(case) -> str:
     m, k, n, g, sizes, form = case
-    return f"{m}x{k}x{n} G={g} {sizes}" + (" dW" if form == "contraction" else "")
+    return f"{m}x{k}x{n} G={g} {sizes}" + {"rows": "", "contraction": " dW", "gated": " gated"}[form]
 
 
 def _pallas(shape_n: int):
@@ -117,14 +148,53 @@ def _operand_sets(case, dtype, count, seed):
     for i in range(count):
         gs = jnp.asarray(group_sizes(sizes, m, g, rng))
         x = jax.random.normal(keys[2 * i], (m, k), jnp.float32).astype(dtype)
+        if form == "gated":  # w_gate, w_up and the two stored concatenated [G, K, 2F]
+            w = jax.random.normal(keys[2 * i + 1], (2, g, k, n), jnp.float32).astype(dtype)
+            sets.append((x, w[0], w[1], jnp.concatenate([w[0], w[1]], axis=-1), gs))
+            continue
         second = (g, k, n) if form == "rows" else (m, n)
         y = jax.random.normal(keys[2 * i + 1], second, jnp.float32).astype(dtype)
         sets.append((x, y, gs))
     return sets
 
 
+def _gated_tail(h_gate, h_up, dtype):
+    """silu(gate) * up in fp32, rounded once to the operands' type: the unfused forms' epilogue
+    (the kernel's rounds the two products first, which is within the check's tolerance)."""
+    return (jax.nn.silu(h_gate.astype(jnp.float32)) * h_up.astype(jnp.float32)).astype(dtype)
+
+
+def _gated_contenders(sweep: bool):
+    """{name: fn(x, w_gate, w_up, w_cat, group_sizes)} of the gated form."""
+    def fused(x, wg, wu, wc, gs, **kw):
+        return jax_tma.gated_ragged_dot(x, wg, wu, gs, "silu", **kw)
+
+    if sweep:
+        found = {"jax_tma": fused}
+        for cfg in jax_tma.GATED_RAGGED_CONFIGS:
+            found[sweep_label(cfg)] = functools.partial(fused, config=cfg)
+        return found
+
+    def two_calls(dot):
+        return lambda x, wg, wu, wc, gs: _gated_tail(dot(x, wg, gs), dot(x, wu, gs), x.dtype)
+
+    def concatenated(dot):
+        def fn(x, wg, wu, wc, gs):
+            h = dot(x, wc, gs)
+            f = wg.shape[-1]
+            return _gated_tail(h[:, :f], h[:, f:], x.dtype)
+        return fn
+
+    return {"jax_tma": fused, "jax_tma_two": two_calls(jax_tma.ragged_dot),
+            "jax_tma_concat": concatenated(jax_tma.ragged_dot),
+            "xla_two": two_calls(lax.ragged_dot), "xla_concat": concatenated(lax.ragged_dot),
+            "dense": lambda x, wg, wu, wc, gs: x @ wc[0]}  # same FLOPs: M x K @ K x 2F
+
+
 def _contenders(case, sweep: bool = False):
     m, k, n, g, sizes, form = case
+    if form == "gated":
+        return _gated_contenders(sweep)
     if sweep:  # every compiled configuration, and the heuristic's pick
         op = (jax_tma.ragged_dot if form == "rows" else functools.partial(
             jax_tma.ragged_dot_general, ragged_dot_dimension_numbers=CONTRACTION_DIMS))
@@ -153,6 +223,8 @@ def min_bytes(case, itemsize: int) -> int:
     m, k, n, g, _, form = case
     if form == "rows":
         return itemsize * (m * k + g * k * n + m * n)
+    if form == "gated":  # x, both weights, the [M, F] result
+        return itemsize * (m * k + 2 * g * k * n + m * n)
     return itemsize * (m * k + m * n + g * k * n)
 
 
@@ -163,7 +235,7 @@ def peak_dram_bytes_per_s() -> float | None:
 
 def bench_case(case, dtype, args) -> list[Row]:
     m, k, n, g, sizes, form = case
-    flops = 2.0 * m * k * n
+    flops = 2.0 * m * k * n * (2 if form == "gated" else 1)
     sets = _operand_sets(case, dtype, args.sets, args.seed)
     contenders = _contenders(case, args.sweep)
     # Check every contender against jax_tma on the first set (the dense one computes another
@@ -221,25 +293,48 @@ def _table(rows: list[Row], env: dict, dtype: str) -> str:
     def tf(r):
         return f"{r.tflops():.1f}" if r and r.seconds else "—"
 
+    gated_header = [
+        "",
+        "Gated form, act(x @ w_gate) * (x @ w_up) with silu (FLOPs of both products; \"two\": two "
+        "ragged_dots, \"concat\": one of the weights stored concatenated, each then the "
+        "elementwise product in XLA):",
+        "",
+        "| M×K×F, G, sizes | jax_tma µs | jax_tma TFLOP/s | × jax_tma two | × jax_tma concat "
+        "| × XLA best | XLA best | floor µs | % of floor |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    gated_lines = []
     for case, found in by_case.items():
-        ours, xla, pallas, dense = (found.get(c) for c in ("jax_tma", "xla", "pallas_mgpu",
-                                                            "dense"))
+        ours, dense = found.get("jax_tma"), found.get("dense")
         if not (ours and ours.seconds):
             continue
 
         def ratio(other):
             return f"{other.seconds / ours.seconds:.2f}" if other and other.seconds else "—"
 
-        share = f"{100 * dense.seconds / ours.seconds:.0f}" if dense and dense.seconds else "—"
         # The floor: the dense product's time (the chip's speed on these FLOPs) or the time to
         # move the fewest bytes at the device's peak DRAM bandwidth, whichever is longer.
         floor = max(dense.seconds if dense and dense.seconds else 0.0,
                     ours.bytes / bandwidth if bandwidth else 0.0)
         floor_cells = (f"{floor * 1e6:.1f} | {100 * floor / ours.seconds:.0f}" if floor
                        else "— | —")
-        lines.append(f"| {case} | {ours.seconds * 1e6:.1f} ± {ours.spread_s * 1e6:.1f} | "
+        timed = f"{ours.seconds * 1e6:.1f} ± {ours.spread_s * 1e6:.1f}"
+        if "jax_tma_two" in found:  # the gated form
+            xla = [found[c] for c in ("xla_two", "xla_concat") if found.get(c)
+                   and found[c].seconds]
+            best = min(xla, key=lambda r: r.seconds) if xla else None
+            gated_lines.append(
+                f"| {case} | {timed} | {tf(ours)} | {ratio(found.get('jax_tma_two'))} | "
+                f"{ratio(found.get('jax_tma_concat'))} | {ratio(best)} | "
+                f"{best.contender if best else '—'} | {floor_cells} |")
+            continue
+        xla, pallas = found.get("xla"), found.get("pallas_mgpu")
+        share = f"{100 * dense.seconds / ours.seconds:.0f}" if dense and dense.seconds else "—"
+        lines.append(f"| {case} | {timed} | "
                      f"{tf(ours)} | {tf(xla)} | {tf(pallas)} | {tf(dense)} | {ratio(xla)} | "
                      f"{ratio(pallas)} | {share} | {floor_cells} |")
+    if gated_lines:
+        lines += gated_header + gated_lines
     notes = [f"- {r.case} {r.contender}: {r.note}" for r in rows
              if r.note and r.contender in ("pallas_mgpu", "xla") or r.note.startswith("failed")]
     if notes:
@@ -252,7 +347,8 @@ def _plot(rows: list[Row], path: pathlib.Path, title: str) -> bool:
     if plt is None:
         return False
     cases = list(dict.fromkeys(r.case for r in rows))
-    names = [c for c in ("jax_tma", "pallas_mgpu", "xla", "dense")
+    names = [c for c in ("jax_tma", "jax_tma_two", "jax_tma_concat", "pallas_mgpu", "xla",
+                         "xla_two", "xla_concat", "dense")
              if any(r.contender == c for r in rows)]
     value = {(r.case, r.contender): r.tflops() or 0.0 for r in rows}
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(cases)), 5))
@@ -273,7 +369,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="tiny shapes (no GPU needed)")
     p.add_argument("--shapes", nargs="*", metavar="M,K,N,G", help="instead of the suite")
     p.add_argument("--sizes", choices=("uniform", "zipf"), default="uniform")
-    p.add_argument("--form", choices=("rows", "contraction"), default="rows")
+    p.add_argument("--form", choices=("rows", "contraction", "gated"), default="rows")
+    p.add_argument("--only", nargs="+", choices=tuple(SUBSETS), help="parts of the suite")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--sweep", action="store_true",
                    help="time every compiled configuration of jax_tma instead of the contenders")
@@ -291,7 +388,9 @@ def main(argv=None) -> int:
     elif args.shapes:
         cases = [(*shape, args.sizes, args.form) for shape in args.shape_list]
     else:
-        cases = SUITE[:2] if args.quick else SUITE
+        cases = [c for c in SUITE if args.only is None
+                 or any(SUBSETS[name](c) for name in args.only)]
+        cases = cases[:2] if args.quick else cases
         if args.quick:
             args.rounds = 3
     env = environment(args.commit)
@@ -304,7 +403,8 @@ def main(argv=None) -> int:
     print(table)
     if args.dry_run and args.out is None:
         return 0
-    stem = "bench_ragged_dot" + ("_sweep" if args.sweep else "") + (
+    stem = "bench_ragged_dot" + "".join(f"_{name}" for name in args.only or ()) + (
+        "_sweep" if args.sweep else "") + (
         "" if args.dtype == "bf16" else "_fp16")
     payload = {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]}
     write_report(args.out, env, stem, payload, table,

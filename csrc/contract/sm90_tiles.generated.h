@@ -124,13 +124,13 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
 #define JAX_TMA_SM90_RAGGED_KERNELS(X) JAX_TMA_SM90_RAGGED_TILES(JAX_TMA_SM90_RAGGED_LAYOUTS, X)
 
 // Gated ragged tiles (gated_ragged_dot's configs):
-//   Tile128x128  large groups: ragged and dense gated both compile it (64 outputs a tile)
+//   Tile128x256  large groups and wide F: 128 outputs a tile, as dense gated's large tile
+//   Tile128x128  groups of one or a few row blocks: ragged and dense gated both compile it
 //   Tile64x128   small groups and few rows (ping-pong, as ragged_dot's 64 x 128)
-// NOTE: only tiles that both the ragged rows mode and the gated dense fusion compile already,
-// without clusters, so that the one new combination is the per-segment maps of the gated epilogue;
-// 128 x 256 (dense gated's large tile) is not a ragged tile, and ragged's 128 x 256 pairs were
-// never compiled with the paired-B mainloop.
+// NOTE: only tiles that the gated dense fusion compiles already, without clusters: 128 x 256 pairs
+// (ragged's large tile) were never compiled with the paired-B mainloop.
 #define JAX_TMA_SM90_RAGGED_GATED_TILES(X, ARG) \
+  X(ARG, Tile128x256)                           \
   X(ARG, Tile128x128)                           \
   X(ARG, Tile64x128)
 #define JAX_TMA_SM90_RAGGED_GATED_FUSIONS(X, TILE) \

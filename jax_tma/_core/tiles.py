@@ -150,14 +150,13 @@ RAGGED_TYPES = GEMM_TYPES
 # --- gated ragged (gated_ragged_dot): ragged rows mode with the gated epilogue ----------------
 # Output type = input type, weights [G, K, F] N-major (LayoutNN); one file per input type.
 RAGGED_GATED_TILES = (
-    Entry(T128x128, "large groups: ragged and dense gated both compile it (64 outputs a tile)"),
+    Entry(T128x256, "large groups and wide F: 128 outputs a tile, as dense gated's large tile"),
+    Entry(T128x128, "groups of one or a few row blocks: ragged and dense gated both compile it"),
     Entry(T64x128, "small groups and few rows (ping-pong, as ragged_dot's 64 x 128)"),
 )
 RAGGED_GATED_NOTE = (
-    "only tiles that both the ragged rows mode and the gated dense fusion compile already, "
-    "without clusters, so that the one new combination is the per-segment maps of the gated "
-    "epilogue; 128 x 256 (dense gated's large tile) is not a ragged tile, and ragged's 128 x "
-    "256 pairs were never compiled with the paired-B mainloop.")
+    "only tiles that the gated dense fusion compiles already, without clusters: 128 x 256 "
+    "pairs (ragged's large tile) were never compiled with the paired-B mainloop.")
 RAGGED_GATED_FUSIONS = ("GatedSilu", "GatedGeluTanh", "GatedGeluErf")
 RAGGED_GATED_TYPES = ("bf16", "f16")
 

@@ -103,7 +103,7 @@ def _kernel_call(x, wg, wu, gs, *, activation, save_pre, out_dtype, config, plan
                  jax.ShapeDtypeStruct((gated_workspace_bytes(plan.groups, plan.batch),),
                                       jnp.uint8))
     out, pre, _ = kernel_ffi_call(KERNEL_TARGET, out_types, (x, wg, wu, gs), attrs,
-                                  poison=poison, poisoned=(0, 1) if save_pre else (0,))
+                                  poison=poison, poisoned=(0, 1))
     results = [out[..., :plan.n]]
     if save_pre:
         results.append(pre[..., :plan.n])

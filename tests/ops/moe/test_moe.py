@@ -39,6 +39,17 @@ def _operands(rng, tokens, d, experts, hidden, gated=True, lead=None):
     return x, router, w_up, w_down, w_gate
 
 
+def _routable_operands(rng, tokens, d, experts, hidden, top_k, tries=50):
+    """_operands redrawn until every token's top_k-th and next logits are more than 1e-4 apart
+    (reference's condition for the fp32 layer to choose as float64 does)."""
+    for _ in range(tries):
+        ops = _operands(rng, tokens, d, experts, hidden)
+        logits = np.sort(np.asarray(ops[0], np.float64) @ np.asarray(ops[1], np.float64), 1)
+        if np.min(logits[:, -top_k] - logits[:, -top_k - 1]) > 1e-4:
+            return ops
+    raise AssertionError(f"no routable operands in {tries} draws")
+
+
 def _act64(name, z):
     if name is None:
         return z
@@ -435,7 +446,7 @@ def test_cuda_lowering_kernel_calls(gated):
 
 @pytest.mark.gpu
 def test_gpu_bf16_step_runs_kernel(rng):
-    x, router, w_up, w_down, w_gate = _operands(rng, 2048, 256, 16, 512)
+    x, router, w_up, w_down, w_gate = _routable_operands(rng, 2048, 256, 16, 512, top_k=2)
     args = tuple(jnp.asarray(a) for a in (x, router, w_up, w_down, w_gate))
     step = jax.jit(_step_fn())
     compiled = step.lower(*args).compile().as_text()

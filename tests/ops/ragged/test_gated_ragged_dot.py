@@ -303,7 +303,9 @@ def test_export_cpu_round_trip(rng):
     exported = jax.export.export(jax.jit(jax_tma.gated_ragged_dot), platforms=("cpu",))(
         _spec((m, k), BF16), _spec((g, k, f), BF16), _spec((g, k, f), BF16),
         _spec((g,), np.int32))
-    out = jax.export.deserialize(exported.serialize()).call(x, wg, wu, gs)
+    cpu = jax.devices("cpu")[0]
+    out = jax.export.deserialize(exported.serialize()).call(
+        *(jax.device_put(a, cpu) for a in (x, wg, wu, gs)))
     assert rel_error(out, f64_gated(x, wg, wu, gs, "silu")) <= TOL[BF16]
 
 
