@@ -41,7 +41,6 @@ from jax import lax
 import jax_tma
 from jax_tma import _timing
 from jax_tma.ops.fp8 import config as fp8_config
-from jax_tma.ops.fp8 import primitive as fp8
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _lib.harness import harness_arguments, parse_shapes  # noqa: E402

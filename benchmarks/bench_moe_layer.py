@@ -141,6 +141,39 @@ def _step(layer):
     return grad
 
 
+def _out_of_memory(err: Exception) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(err)
+
+
+def _timed(steps: dict, sets: list, args) -> tuple[dict, int, dict]:
+    """(timings, sets per timed call, {contender: note}). A contender whose step over every set
+    in one call (as _timing.compare runs it) does not fit in device memory is tried over one
+    set; if that fits, every contender is timed over one set, else it is left out, noted."""
+    try:
+        return _timing.compare(steps, sets, rounds=args.rounds, iterations=args.iterations), \
+            len(sets), {}
+    except jax.errors.JaxRuntimeError as err:
+        if not _out_of_memory(err):
+            raise
+    notes, fits = {}, {}
+    for name, step in steps.items():
+        for count in dict.fromkeys((len(sets), 1)):
+            try:
+                jax.block_until_ready(jax.jit(lambda s, f=step: [f(*o) for o in s])(sets[:count]))
+            except jax.errors.JaxRuntimeError as err:
+                if not _out_of_memory(err):
+                    raise
+                continue
+            fits[name] = count
+            break
+        else:
+            notes[name] = "out of device memory (XLA's buffers for one step)"
+    count = min(fits.values())
+    kept = {name: steps[name] for name in fits}
+    timings = _timing.compare(kept, sets[:count], rounds=args.rounds, iterations=args.iterations)
+    return timings, count, notes
+
+
 def bench(cfg: LayerConfig, args) -> dict:
     params = _params(cfg, jax.random.key(cfg.tokens + cfg.experts))
     sets = []
@@ -153,14 +186,23 @@ def bench(cfg: LayerConfig, args) -> dict:
     if cfg.einsum_gib() <= args.einsum_gib:
         steps["einsum"] = _step(_einsum_layer(cfg))
     ours = jax.jit(steps["jax_tma"])(*sets[0])
-    ref = jax.jit(steps["xla_ragged"])(*sets[0])
-    loss_diff = abs(float(ours[0]) - float(ref[0])) / max(abs(float(ref[0])), 1e-30)
-    grad_err = _timing.tree_relative_error(ours[1], ref[1])
-    timings = _timing.compare(steps, sets, rounds=args.rounds, iterations=args.iterations)
+    loss_diff = grad_err = check_ok = None
+    try:
+        ref = jax.jit(steps["xla_ragged"])(*sets[0])
+    except jax.errors.JaxRuntimeError as err:
+        if not _out_of_memory(err):
+            raise
+    else:
+        loss_diff = abs(float(ours[0]) - float(ref[0])) / max(abs(float(ref[0])), 1e-30)
+        grad_err = _timing.tree_relative_error(ours[1], ref[1])
+        check_ok = loss_diff <= CHECK_TOLERANCE and grad_err <= CHECK_TOLERANCE
+        del ref
+    del ours
+    timings, timed_sets, notes = _timed(steps, sets, args)
     row = dict(dataclasses.asdict(cfg), expert_tflop_per_step=cfg.expert_flops / 1e12,
-               loss_rel_diff=loss_diff, grad_rel_error=grad_err,
-               check_ok=loss_diff <= CHECK_TOLERANCE and grad_err <= CHECK_TOLERANCE,
-               einsum_capacity=cfg.einsum_capacity, einsum_gib=cfg.einsum_gib())
+               loss_rel_diff=loss_diff, grad_rel_error=grad_err, check_ok=check_ok,
+               einsum_capacity=cfg.einsum_capacity, einsum_gib=cfg.einsum_gib(),
+               sets=len(sets), timed_sets=timed_sets, notes=notes)
     for name, t in timings.items():
         row[name] = {"ms_per_step": t.median_s * 1e3, "spread_ms": t.spread_s * 1e3,
                      "samples": t.samples, "tokens_per_s": cfg.tokens / t.median_s,
@@ -184,15 +226,19 @@ def _table(rows: list[dict], env: dict) -> str:
         cells = []
         for c in CONTENDERS:
             t = r.get(c)
-            cells.append("not run (dispatch > --einsum-gib)" if t is None else
-                         f"{t['ms_per_step']:.3f} ± {t['spread_ms']:.3f} "
+            cells.append(r["notes"].get(c, "not run (dispatch > --einsum-gib)") if t is None
+                         else f"{t['ms_per_step']:.3f} ± {t['spread_ms']:.3f} "
                          f"({t['tokens_per_s'] / 1e3:.0f} k, {t['expert_tflops']:.0f})")
-        ratio = r["xla_ragged"]["ms_per_step"] / r["jax_tma"]["ms_per_step"]
-        check = "ok" if r["check_ok"] else (
-            f"MISMATCH (loss {r['loss_rel_diff']:.1e}, grads {r['grad_rel_error']:.1e})")
+        ratio = (f"{r['xla_ragged']['ms_per_step'] / r['jax_tma']['ms_per_step']:.2f}x"
+                 if "xla_ragged" in r else "—")
+        check = ("not checked (xla_ragged's layer does not fit)" if r["check_ok"] is None
+                 else "ok" if r["check_ok"] else
+                 f"MISMATCH (loss {r['loss_rel_diff']:.1e}, grads {r['grad_rel_error']:.1e})")
+        if r["timed_sets"] < r["sets"]:
+            check += f"; timed over {r['timed_sets']} set"
         lines.append(f"| {r['name']} | {r['tokens']} | {r['d_model']} | {r['experts']} "
                      f"| {r['hidden']} | {r['top_k']} | " + " | ".join(cells)
-                     + f" | {ratio:.2f}x | {check} |")
+                     + f" | {ratio} | {check} |")
     return "\n".join(lines)
 
 
@@ -248,13 +294,16 @@ def main(argv=None) -> int:
     for i, cfg in enumerate(args.configs):
         print(f"[{i + 1}/{len(args.configs)}] {cfg.describe()} ...", file=sys.stderr, flush=True)
         rows.append(bench(cfg, args))
-    table = _table(rows, env)
+        table = _table(rows, env)
+        # Written after every configuration, so that a run cut short keeps what it measured.
+        if not args.dry_run or args.out is not None:
+            partial = "" if i + 1 == len(args.configs) else (
+                f"\n\nPartial: {i + 1} of {len(args.configs)} configurations measured so far.")
+            write_report(args.out, env, "bench_moe_layer",
+                         {"environment": env, "dry_run": args.dry_run, "sets": args.sets,
+                          "rows": rows, "complete": i + 1 == len(args.configs)},
+                         table + partial, lambda path: _plot(rows, path, env["device"]))
     print(table)
-    if args.dry_run and args.out is None:
-        return 0
-    write_report(args.out, env, "bench_moe_layer",
-                 {"environment": env, "dry_run": args.dry_run, "sets": args.sets, "rows": rows},
-                 table, lambda path: _plot(rows, path, env["device"]))
     return 0
 
 

@@ -396,19 +396,21 @@ def main(argv=None) -> int:
     env = environment(args.commit)
     env["peak_dram_bytes_per_s"] = peak_dram_bytes_per_s()
     print(banner(env, args.dtype))
-    rows = []
-    for case in cases:
-        rows += bench_case(case, dtype, args)
-    table = _table(rows, env, args.dtype)
-    print(table)
-    if args.dry_run and args.out is None:
-        return 0
     stem = "bench_ragged_dot" + "".join(f"_{name}" for name in args.only or ()) + (
-        "_sweep" if args.sweep else "") + (
-        "" if args.dtype == "bf16" else "_fp16")
-    payload = {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]}
-    write_report(args.out, env, stem, payload, table,
-                 lambda path: _plot(rows, path, f"ragged_dot, {env['device']}"))
+        "_sweep" if args.sweep else "") + ("" if args.dtype == "bf16" else "_fp16")
+    rows = []
+    for i, case in enumerate(cases):
+        rows += bench_case(case, dtype, args)
+        table = _table(rows, env, args.dtype)
+        # Written after every case, so that a run cut short keeps what it measured.
+        if not args.dry_run or args.out is not None:
+            payload = {"environment": env, "rows": [dataclasses.asdict(r) for r in rows],
+                       "complete": i + 1 == len(cases)}
+            partial = "" if i + 1 == len(cases) else (
+                f"\n\nPartial: {i + 1} of {len(cases)} cases measured so far.")
+            write_report(args.out, env, stem, payload, table + partial,
+                         lambda path: _plot(rows, path, f"ragged_dot, {env['device']}"))
+    print(table)
     return 0
 
 

@@ -15,6 +15,8 @@ import re
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -858,9 +860,12 @@ def test_bench_ragged_dot_dry_run(tmp_path, sweep):
     if sweep:
         import jax_tma
         assert names == {"jax_tma"} | {"jax_tma " + "x".join(map(str, c.tile))
-                                       for c in jax_tma.RAGGED_CONFIGS}
+                                       for c in (*jax_tma.RAGGED_CONFIGS,
+                                                 *jax_tma.GATED_RAGGED_CONFIGS)}
     else:
-        assert {"jax_tma", "xla", "dense"} <= names
+        assert {"jax_tma", "xla", "dense", "jax_tma_two", "jax_tma_concat", "xla_two",
+                "xla_concat"} <= names
+        assert "| 256x64x128 G=4 zipf gated |" in result.stdout.split("Gated form")[1]
     assert all(r["seconds"] > 0 for r in report["rows"] if r["seconds"] is not None)
 
 
@@ -904,6 +909,33 @@ def test_bench_moe_layer_leaves_out_an_einsum_form_too_large(capsys):
     with pytest.raises(SystemExit):
         module._parse(["--config", "qwen3", "--tokens", "0"])
     assert "--tokens must be positive" in capsys.readouterr().err
+
+
+def test_bench_moe_layer_times_what_fits_in_memory():
+    """A contender whose step over every set does not fit is timed over one set, with every
+    other; one that fits over none is left out and noted, the rest still timed."""
+    module = _bench_module("bench_moe_layer")
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+    sets = [(jnp.ones((4,)),), (jnp.ones((5,)),)]
+
+    def fits_one(x):  # out of memory once the second set is in the call
+        if x.shape == (5,):
+            raise oom
+        return x * 2
+
+    def never(x):
+        raise oom
+
+    def other(x):
+        raise ValueError("another failure")
+
+    args = module._parse(["--dry-run"])
+    timings, count, notes = module._timed(
+        {"ok": lambda x: x + 1, "fits_one": fits_one, "never": never}, sets, args)
+    assert (set(timings), count) == ({"ok", "fits_one"}, 1)
+    assert set(notes) == {"never"} and "out of device memory" in notes["never"]
+    with pytest.raises(ValueError, match="another failure"):
+        module._timed({"other": other}, sets, args)
 
 
 def test_bench_sharded_dry_run(tmp_path):
