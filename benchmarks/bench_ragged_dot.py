@@ -120,7 +120,8 @@ def group_sizes(kind: str, m: int, g: int, rng: np.random.Generator) -> np.ndarr
 
 def _label(case) -> str:
     m, k, n, g, sizes, form = case
-    return f"{m}x{k}x{n} G={g} {sizes}" + {"rows": "", "contraction": " dW", "gated": " gated"}[form]
+    suffix = {"rows": "", "contraction": " dW", "gated": " gated"}[form]
+    return f"{m}x{k}x{n} G={g} {sizes}{suffix}"
 
 
 def _pallas(shape_n: int):

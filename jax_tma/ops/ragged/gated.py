@@ -15,8 +15,9 @@ the gate's and the up's pre-activations g and u (two more outputs of the same ke
 per group like the result); the tangent is ``dg * act'(g) * u + du * act(g)`` with dg, du the
 products' tangents through ragged_dot's primitive, so the backward pass is ragged_dot's
 transposes: dx from the rows form against each weight read transposed in place, the weight
-gradients from the contraction form, all kernels (five calls in all, with the forward one). vmap, sharding (tokens, the batch and F keep
-their sharding; K is gathered) and ``jax.export`` are the primitive's (gated_primitive.py).
+gradients from the contraction form, all kernels (five calls in all, with the forward one).
+vmap, sharding (tokens, the batch and F keep their sharding; K is gathered) and ``jax.export``
+are the primitive's (gated_primitive.py).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_tma import _ext
-from jax_tma.ops.dense.api import _canonical, _is_zero, _kernel_computes
 from jax_tma._core.activations import GATED_ACTIVATIONS, activate
+from jax_tma.ops.dense.api import _canonical, _is_zero, _kernel_computes
 from jax_tma.ops.dense.primitive import activation_grad
 from jax_tma.ops.gemm.config import GemmConfig
 from jax_tma.ops.ragged.api import ragged_dot
