@@ -6,7 +6,8 @@ TT), split-K and stream-K, and the direct-store epilogue (output rows that are n
 multiples). Fused epilogues: every compiled (tile, fusion) of jax_tma.DENSE_CONFIGS (bias,
 activation, residual and pre-activation output; activation gradients; gated pairs; gated
 gradients). Ragged: every tile of jax_tma.RAGGED_CONFIGS in the rows mode (weights N- and
-K-major) and the contraction mode, with an empty group and rows past the last group. FP8: every
+K-major) and the contraction mode, and every gated tile (GATED_RAGGED_CONFIGS, with the
+pre-activations), with an empty group and rows past the last group. FP8: every
 compiled tile and type with block scales and a bias, and every fast-accumulation tile. All cases
 run in one jitted function (one XLA compile), on operands made by numpy and copied to the device
 (no jax.random kernels: initcheck reports uninitialised reads there that are not jax_tma's), over
@@ -34,6 +35,7 @@ from jax_tma.ops.gemm import config as gemm_config
 from jax_tma.ops.dense import config as ep_config
 from jax_tma.ops.dense import primitive as ep
 from jax_tma.ops.ragged import config as rd_config
+from jax_tma.ops.ragged import gated_primitive as gp
 from jax_tma.ops.ragged import primitive as rd
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -180,6 +182,24 @@ def _ragged_cases(rng, m, n, k, g) -> list[Case]:
                                        out_dtype=jnp.float32, config=cfg, poison=True)[0]
             name = f"ragged {mode}{' k-major' if w_k_major else ''} {cfg.describe()}"
             cases.append(Case(name, run, ref, 1e-4))
+    # The gated rows mode (gated_ragged_dot): silu(x @ w_gate) * (x @ w_up), its result and
+    # the saved pre-activations through their per-segment maps.
+    w_up = rng.standard_normal((g, k, n)).astype(BF16)
+    up_ref = np.zeros((m, n))
+    for i in range(g):
+        rows = slice(starts[i], starts[i + 1])
+        up_ref[rows] = _f64(x[rows]) @ _f64(w_up[i])
+    gated_ref = rows_ref / (1 + np.exp(-rows_ref)) * up_ref
+    for cfg in rd_config.GATED_RAGGED_CONFIGS:
+        def run(cfg=cfg):
+            args = (jnp.asarray(x)[None], jnp.asarray(w)[None], jnp.asarray(w_up)[None],
+                    jnp.asarray(sizes)[None])
+            plan = gp.gated_kernel_plan(*args, BF16)
+            out, pre = gp._kernel_call(*args, activation="silu", save_pre=True, out_dtype=BF16,
+                                       config=cfg, plan=plan, poison=True)
+            return jnp.concatenate([out[0], pre[0, 0], pre[1, 0]], axis=1)
+        ref = np.concatenate([gated_ref, rows_ref, up_ref], axis=1)
+        cases.append(Case(f"ragged gated silu {cfg.describe()}", run, ref, 1e-2))
     return cases
 
 
