@@ -610,11 +610,15 @@ def test_bench_gemm_rejects_conflicting_shape_sources(args, message, capsys):
 
 
 def test_bench_mlp_block_dry_run(tmp_path):
-    result = _run("bench_mlp_block.py", "--out", str(tmp_path), "--commit", "0123abc")
+    """One dry run with --breakdown: the table, the report and, without CUPTI (no GPU), the
+    breakdown said to be unavailable and recorded as such."""
+    result = _run("bench_mlp_block.py", "--out", str(tmp_path), "--commit", "0123abc",
+                  "--breakdown")
     assert result.returncode == 0, result.stderr
     assert "| block | tokens | d | f | jax_tma ms/step |" in result.stdout
     for row in ("| gelu | 64 | 64 | 256 |", "| swiglu | 64 | 64 | 192 |"):
         assert row in result.stdout, result.stdout
+    assert "gelu xla: no kernel breakdown (CUPTI unavailable)" in result.stdout
     report = _written(tmp_path, "bench_mlp_block")
     assert report["environment"]["commit"] == "0123abc"
     rows = {r["block"]: r for r in report["rows"]}
@@ -623,18 +627,9 @@ def test_bench_mlp_block_dry_run(tmp_path):
     assert rows["swiglu"]["dense_params"] == 3 * 64 * 192
     for r in rows.values():
         assert r["check_ok"], r  # both steps give the same loss and gradients
+        assert r["breakdown"] == {"xla": None, "jax_tma_fused": None}
         for name in ("jax_tma", "xla"):
             assert r[name]["ms_per_step"] > 0 and r[name]["matmul_tflops"] > 0
-
-
-def test_bench_mlp_block_breakdown_dry_run(tmp_path):
-    # Without CUPTI (no GPU) the breakdown is said to be unavailable, and recorded as such.
-    result = _run("bench_mlp_block.py", "--out", str(tmp_path), "--commit", "0123abc",
-                  "--breakdown")
-    assert result.returncode == 0, result.stderr
-    assert "gelu xla: no kernel breakdown (CUPTI unavailable)" in result.stdout
-    for r in _written(tmp_path, "bench_mlp_block")["rows"]:
-        assert r["breakdown"] == {"xla": None, "jax_tma_fused": None}
 
 
 def test_bench_mlp_block_breakdown_splits_products_from_the_rest(monkeypatch):
