@@ -42,7 +42,7 @@ import jax_tma
 from jax_tma import _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
+from _lib.report import banner, environment, pyplot, save_figure, write_progress  # noqa: E402
 
 CHECK_TOLERANCE = 2e-2
 EINSUM_CAPACITY = 1.25
@@ -295,14 +295,12 @@ def main(argv=None) -> int:
         print(f"[{i + 1}/{len(args.configs)}] {cfg.describe()} ...", file=sys.stderr, flush=True)
         rows.append(bench(cfg, args))
         table = _table(rows, env)
-        # Written after every configuration, so that a run cut short keeps what it measured.
         if not args.dry_run or args.out is not None:
-            partial = "" if i + 1 == len(args.configs) else (
-                f"\n\nPartial: {i + 1} of {len(args.configs)} configurations measured so far.")
-            write_report(args.out, env, "bench_moe_layer",
-                         {"environment": env, "dry_run": args.dry_run, "sets": args.sets,
-                          "rows": rows, "complete": i + 1 == len(args.configs)},
-                         table + partial, lambda path: _plot(rows, path, env["device"]))
+            write_progress(args.out, env, "bench_moe_layer",
+                           {"environment": env, "dry_run": args.dry_run, "sets": args.sets,
+                            "rows": rows},
+                           table, lambda path: _plot(rows, path, env["device"]),
+                           i + 1, len(args.configs), "configurations")
     print(table)
     return 0
 

@@ -42,7 +42,7 @@ from jax_tma import _ext, _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _lib.harness import harness_arguments, parse_shapes, sweep_label  # noqa: E402
-from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
+from _lib.report import banner, environment, pyplot, save_figure, write_progress  # noqa: E402
 
 SUITE = [  # (M, K, N, G, sizes, form)
     # large groups
@@ -165,16 +165,19 @@ def _gated_tail(h_gate, h_up, dtype):
     return (jax.nn.silu(h_gate.astype(jnp.float32)) * h_up.astype(jnp.float32)).astype(dtype)
 
 
+def _sweep(op, configs) -> dict:
+    """--sweep's contenders: `op` with the heuristic's pick, and with each of `configs`."""
+    return {"jax_tma": op, **{sweep_label(cfg): functools.partial(op, config=cfg)
+                              for cfg in configs}}
+
+
 def _gated_contenders(sweep: bool):
     """{name: fn(x, w_gate, w_up, w_cat, group_sizes)} of the gated form."""
     def fused(x, wg, wu, wc, gs, **kw):
         return jax_tma.gated_ragged_dot(x, wg, wu, gs, "silu", **kw)
 
     if sweep:
-        found = {"jax_tma": fused}
-        for cfg in jax_tma.GATED_RAGGED_CONFIGS:
-            found[sweep_label(cfg)] = functools.partial(fused, config=cfg)
-        return found
+        return _sweep(fused, jax_tma.GATED_RAGGED_CONFIGS)
 
     def two_calls(dot):
         return lambda x, wg, wu, wc, gs: _gated_tail(dot(x, wg, gs), dot(x, wu, gs), x.dtype)
@@ -199,10 +202,7 @@ def _contenders(case, sweep: bool = False):
     if sweep:  # every compiled configuration, and the heuristic's pick
         op = (jax_tma.ragged_dot if form == "rows" else functools.partial(
             jax_tma.ragged_dot_general, ragged_dot_dimension_numbers=CONTRACTION_DIMS))
-        found = {"jax_tma": op}
-        for cfg in jax_tma.RAGGED_CONFIGS:
-            found[sweep_label(cfg)] = functools.partial(op, config=cfg)
-        return found
+        return _sweep(op, jax_tma.RAGGED_CONFIGS)
     if form == "rows":
         found = {"jax_tma": jax_tma.ragged_dot, "xla": lax.ragged_dot}
         found.update(_pallas(n))
@@ -403,14 +403,11 @@ def main(argv=None) -> int:
     for i, case in enumerate(cases):
         rows += bench_case(case, dtype, args)
         table = _table(rows, env, args.dtype)
-        # Written after every case, so that a run cut short keeps what it measured.
         if not args.dry_run or args.out is not None:
-            payload = {"environment": env, "rows": [dataclasses.asdict(r) for r in rows],
-                       "complete": i + 1 == len(cases)}
-            partial = "" if i + 1 == len(cases) else (
-                f"\n\nPartial: {i + 1} of {len(cases)} cases measured so far.")
-            write_report(args.out, env, stem, payload, table + partial,
-                         lambda path: _plot(rows, path, f"ragged_dot, {env['device']}"))
+            write_progress(args.out, env, stem,
+                           {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]},
+                           table, lambda path: _plot(rows, path, f"ragged_dot, {env['device']}"),
+                           i + 1, len(cases), "cases")
     print(table)
     return 0
 

@@ -109,6 +109,16 @@ def write_report(out_root: pathlib.Path | None, env: dict, stem: str, payload: d
     print(f"wrote {out}/{stem}.json, .md" + (", .png" if plotted else ""))
 
 
+def write_progress(out_root: pathlib.Path | None, env: dict, stem: str, payload: dict, table: str,
+                   plot, done: int, total: int, unit: str) -> None:
+    """write_report after `done` of a run's `total` units (cases, configurations), so that a run
+    cut short keeps what it measured: the JSON's "complete" says whether the run finished, and
+    an unfinished run's table says how far it got."""
+    partial = "" if done == total else f"\n\nPartial: {done} of {total} {unit} measured so far."
+    write_report(out_root, env, stem, {**payload, "complete": done == total}, table + partial,
+                 plot)
+
+
 def pyplot():
     """matplotlib.pyplot on the file-only Agg backend, or None without matplotlib."""
     try:
