@@ -161,12 +161,15 @@ def _ragged_cases(rng, m, n, k, g) -> list[Case]:
     x = rng.standard_normal((m, k)).astype(BF16)
     w = rng.standard_normal((g, k, n)).astype(BF16)
     dy = rng.standard_normal((m, n)).astype(BF16)
+    w_up = rng.standard_normal((g, k, n)).astype(BF16)  # the gated mode's second weights
     starts = np.concatenate([[0], np.cumsum(sizes)])
     rows_ref = np.zeros((m, n))
+    up_ref = np.zeros((m, n))
     grad_ref = np.zeros((g, k, n))
     for i in range(g):
         rows = slice(starts[i], starts[i + 1])
         rows_ref[rows] = _f64(x[rows]) @ _f64(w[i])
+        up_ref[rows] = _f64(x[rows]) @ _f64(w_up[i])
         grad_ref[i] = _f64(x[rows]).T @ _f64(dy[rows])
     cases = []
     for cfg in rd_config.RAGGED_CONFIGS:
@@ -184,11 +187,6 @@ def _ragged_cases(rng, m, n, k, g) -> list[Case]:
             cases.append(Case(name, run, ref, 1e-4))
     # The gated rows mode (gated_ragged_dot): silu(x @ w_gate) * (x @ w_up), its result and
     # the saved pre-activations through their per-segment maps.
-    w_up = rng.standard_normal((g, k, n)).astype(BF16)
-    up_ref = np.zeros((m, n))
-    for i in range(g):
-        rows = slice(starts[i], starts[i + 1])
-        up_ref[rows] = _f64(x[rows]) @ _f64(w_up[i])
     gated_ref = rows_ref / (1 + np.exp(-rows_ref)) * up_ref
     for cfg in rd_config.GATED_RAGGED_CONFIGS:
         def run(cfg=cfg):
