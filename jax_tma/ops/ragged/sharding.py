@@ -100,6 +100,17 @@ def _shard_index(axes: Axes) -> jax.Array:
     return index
 
 
+def _row_shards(mesh, choice, rows: int) -> tuple[bool, Callable]:
+    """(whether any operand of the choice is split, group sizes -> this device's): the rows of
+    each group that fall in the device's shard of M where M is split."""
+    m_axes = choice["m"]
+    sharded = any(any(d) for key in ("x", "w", "gs") for d in choice[key])
+    if not m_axes:
+        return sharded, lambda gs: gs
+    shard_rows = rows // math.prod(mesh.shape[a] for a in m_axes)
+    return sharded, lambda gs: local_group_sizes(gs, rows, _shard_index(m_axes), shard_rows)
+
+
 def _infer(local_op, mode, w_k_major, out_dtype, config, mesh, arg_shapes, result_shape):
     del local_op, out_dtype, config, result_shape
     choice = _choose_for(mesh, mode, w_k_major, arg_shapes)
@@ -109,10 +120,7 @@ def _infer(local_op, mode, w_k_major, out_dtype, config, mesh, arg_shapes, resul
 def _partition(local_op, mode, w_k_major, out_dtype, config, mesh, arg_shapes, result_shape):
     del result_shape
     choice = _choose_for(mesh, mode, w_k_major, arg_shapes)
-    rows = arg_shapes[0].shape[1]
-    m_axes = choice["m"]
-    shard_rows = rows // math.prod(mesh.shape[a] for a in m_axes) if m_axes else rows
-    sharded = any(any(d) for key in ("x", "w", "gs") for d in choice[key])
+    sharded, local_sizes = _row_shards(mesh, choice, arg_shapes[0].shape[1])
     local_config = None if sharded else config
     out_dtype = jnp.dtype(out_dtype)
     reduce_axes = choice["reduce"]
@@ -120,9 +128,7 @@ def _partition(local_op, mode, w_k_major, out_dtype, config, mesh, arg_shapes, r
                  else out_dtype)
 
     def per_device(x, w, gs):
-        if m_axes:
-            gs = local_group_sizes(gs, rows, _shard_index(m_axes), shard_rows)
-        out = local_op(x, w, gs, mode, w_k_major, acc_dtype, local_config)
+        out = local_op(x, w, local_sizes(gs), mode, w_k_major, acc_dtype, local_config)
         if reduce_axes:
             out = lax.psum(out, reduce_axes)
         return out.astype(out_dtype)
@@ -202,16 +208,11 @@ def _infer_gated(local_op, params, mesh, arg_shapes, result_shape):
 def _partition_gated(local_op, params, mesh, arg_shapes, result_shape):
     del result_shape
     choice = _choose_gated(mesh, arg_shapes)
-    rows = arg_shapes[0].shape[1]
-    m_axes = choice["m"]
-    shard_rows = rows // math.prod(mesh.shape[a] for a in m_axes) if m_axes else rows
-    sharded = any(any(d) for key in ("x", "w", "gs") for d in choice[key])
+    sharded, local_sizes = _row_shards(mesh, choice, arg_shapes[0].shape[1])
     local_params = dict(params, config=None) if sharded else dict(params)
 
     def per_device(x, wg, wu, gs):
-        if m_axes:
-            gs = local_group_sizes(gs, rows, _shard_index(m_axes), shard_rows)
-        return local_op(x, wg, wu, gs, **local_params)
+        return local_op(x, wg, wu, local_sizes(gs), **local_params)
 
     w = NamedSharding(mesh, _spec(choice["w"]))
     arg_shardings = (NamedSharding(mesh, _spec(choice["x"])), w, w,
