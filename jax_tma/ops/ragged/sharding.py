@@ -100,11 +100,12 @@ def _shard_index(axes: Axes) -> jax.Array:
     return index
 
 
-def _row_shards(mesh, choice, rows: int) -> tuple[bool, Callable]:
-    """(whether any operand of the choice is split, group sizes -> this device's): the rows of
-    each group that fall in the device's shard of M where M is split."""
+def _row_shards(mesh, choice, rows: int,
+                keys: tuple[str, ...] = ("x", "w", "gs")) -> tuple[bool, Callable]:
+    """(whether any operand of the choice, named by `keys`, is split; group sizes -> this
+    device's): the rows of each group that fall in the device's shard of M where M is split."""
     m_axes = choice["m"]
-    sharded = any(any(d) for key in ("x", "w", "gs") for d in choice[key])
+    sharded = any(any(d) for key in keys for d in choice[key])
     if not m_axes:
         return sharded, lambda gs: gs
     shard_rows = rows // math.prod(mesh.shape[a] for a in m_axes)
