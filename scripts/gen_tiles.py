@@ -79,7 +79,7 @@ def header() -> str:
     seen = {}
     for entries in (tiles.GEMM_TILES, tiles.RAGGED_TILES, tiles.RAGGED_GATED_TILES,
                     tiles.DENSE_TILES, tiles.DENSE_NARROW_TILES, tiles.DENSE_RING_TILES,
-                    tiles.FP8_TILES):
+                    tiles.FP8_TILES, tiles.FP8_RAGGED_TILES):
         for e in entries:
             seen.setdefault(e.tile.cxx, e.tile)
     for tile in seen.values():
@@ -160,6 +160,12 @@ def header() -> str:
                       tiles.FP8_FAST_TILES)
     out += _macro("JAX_TMA_SM90_FP8_FAST_TILES(X, ARG)",
                   [f"X(ARG, {e.tile.cxx})" for e in tiles.FP8_FAST_TILES])
+
+    # FP8 ragged: X(ARG, tile), promoted; the instantiation file fixes the types.
+    out += _why_table("FP8 ragged tiles (fp8_ragged_dot's configs):", tiles.FP8_RAGGED_TILES)
+    out += _comment(tiles.FP8_RAGGED_NOTE, first="NOTE: ")
+    out += _macro("JAX_TMA_SM90_FP8_RAGGED_TILES(X, ARG)",
+                  [f"X(ARG, {e.tile.cxx})" for e in tiles.FP8_RAGGED_TILES])
     return "\n".join(out).rstrip("\n") + "\n"
 
 
@@ -200,6 +206,13 @@ def instantiation(unit) -> str:
         params = "TILE, LAYOUT, FUSION"
         body = [f"template cudaError_t launch_fused<{t[0]}, TILE, LAYOUT, FUSION>(",
                 "    const LaunchArgs&, const FusedLaunch&);"]
+    elif unit.op == "fp8_ragged":
+        what = (f"the FP8 grouped (ragged) products of {unit.types[0]} operands with bf16 and "
+                "fp32 output: every tile, promoted")
+        include, macro = "kernels/sm90_fp8_ragged_dot.cuh", "JAX_TMA_SM90_FP8_RAGGED_TILES"
+        params = "OUT, TILE"
+        body = [f"template cudaError_t launch_fp8_ragged<{t[0]}, OUT, TILE>(",
+                "    const LaunchArgs&, const RaggedArgs&, const Fp8Launch&);"]
     else:
         in_type, out_type = tiles.CXX_TYPES[unit.types[0]], t[1]
         what = (f"the FP8 products of {unit.types[0]} operands with {_names(unit.types[1:])} "
@@ -212,6 +225,9 @@ def instantiation(unit) -> str:
     if unit.op == "fp8":
         expand = ["JAX_TMA_SM90_FP8_TILES(JAX_TMA_INSTANTIATE, true)",
                   "JAX_TMA_SM90_FP8_FAST_TILES(JAX_TMA_INSTANTIATE, false)"]
+    if unit.op == "fp8_ragged":
+        expand = [f"{macro}(JAX_TMA_INSTANTIATE, {tiles.CXX_TYPES[out]})"
+                  for out in tiles.FP8_RAGGED_OUT_TYPES]
     out = [BANNER]
     out += _comment(f"Instantiations of {what} ({macro}, one file each so that they compile "
                     "in parallel).")

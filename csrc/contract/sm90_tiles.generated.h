@@ -225,3 +225,12 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
 #define JAX_TMA_SM90_FP8_FAST_TILES(X, ARG) \
   X(ARG, Fp8Tile128x256C2)                  \
   X(ARG, Fp8Tile128x128)
+// FP8 ragged tiles (fp8_ragged_dot's configs):
+//   Fp8Tile128x256C2  large groups: the FP8 heuristic's most picked tile (8192^3 and MoE)
+//   Fp8Tile64x128     small groups and few rows (ping-pong, as the dense FP8 decode tile)
+// NOTE: tiles the dense FP8 product compiles already, so the promotion schedules and register
+// splits are the measured ones; e5m2 operands run XLA's reference (not compiled: each kernel costs
+// CI a minute of nvcc on 2 cores).
+#define JAX_TMA_SM90_FP8_RAGGED_TILES(X, ARG) \
+  X(ARG, Fp8Tile128x256C2)                    \
+  X(ARG, Fp8Tile64x128)

@@ -86,16 +86,12 @@ ffi::Error run(const Fp8Attrs& p, DType in, DType out, const Buffers& buf, Launc
   const int64_t batch_a = p.a_batched ? p.batch : 1;
   const int64_t batch_b = p.b_batched ? p.batch : 1;
   const int box_a[3] = {Boxes::kBoxA[0], Boxes::a_rows(p.m), 1};
-  const int box_sa[3] = {Tile::kBlockM, 1, 1};
-  const int box_sb[3] = {Tile::kBScaleBox, 1, 1};
   args.shape.a_stage_bytes = Boxes::a_stage_bytes(p.m);
-  auto spec_sa = ffi_util::strided_spec(
-      DType::kF32, {{p.m, 1, "m"}, {kb, p.sa_ld, "sa_ld"}, {batch_a, kb * p.sa_ld, "batch"}},
-      box_sa);
-  auto spec_sb = ffi_util::strided_spec(
-      DType::kF32, {{nb, 1, "n / 128"}, {kb, p.sb_ld, "sb_ld"}, {batch_b, kb * p.sb_ld, "batch"}},
-      box_sb);
-  spec_sa.swizzle = spec_sb.swizzle = ffi_util::Swizzle::kNone;
+  const auto spec_sa = ffi_util::block_scale_spec(
+      {p.m, 1, "m"}, {kb, p.sa_ld, "sa_ld"}, {batch_a, kb * p.sa_ld, "batch"}, Tile::kBlockM);
+  const auto spec_sb = ffi_util::block_scale_spec({nb, 1, "n / 128"}, {kb, p.sb_ld, "sb_ld"},
+                                                  {batch_b, kb * p.sb_ld, "batch"},
+                                                  Tile::kBScaleBox);
   CUtensorMap map_a, map_b, map_sa = {}, map_sb = {}, map_d;
   struct Map {
     const char* name;
@@ -175,21 +171,14 @@ ffi::Error dispatch(const Fp8Attrs& p, DType in, DType out, const Buffers& buf,
   return dispatch_in<false>(FastTiles{}, p, in, out, buf, args);
 }
 
-bool fp8_dtype(ffi::DataType t, DType* out) {
-  switch (t) {
-    case ffi::DataType::F8E4M3FN: *out = DType::kF8E4M3; return true;
-    case ffi::DataType::F8E5M2: *out = DType::kF8E5M2; return true;
-    default: return false;
-  }
-}
-
 ffi::Error fp8_gemm(cudaStream_t stream, int32_t device, const Buffers& buf, const Fp8Attrs& p) {
   const std::string dims = "m=" + str(p.m) + ", n=" + str(p.n) + ", k=" + str(p.k) +
                            ", batch=" + str(p.batch) + ", splits=" + str(p.splits);
   JAX_TMA_RETURN_IF_ERROR(
       ffi_util::check_sizes(kOp, "m, n, k and batch", {p.m, p.n, p.k, p.batch}, 30, dims));
   DType in, in_b, out = DType::kF32;
-  if (!fp8_dtype(buf.a->element_type(), &in) || !fp8_dtype(buf.b->element_type(), &in_b) ||
+  if (!ffi_util::to_fp8_dtype(buf.a->element_type(), &in) ||
+      !ffi_util::to_fp8_dtype(buf.b->element_type(), &in_b) ||
       in != in_b) {
     return ffi::Error::InvalidArgument(
         "jax_tma fp8: a and b must both be float8_e4m3fn or both float8_e5m2");

@@ -14,6 +14,14 @@ bool to_dtype(xla::ffi::DataType t, DType* out) {
   }
 }
 
+bool to_fp8_dtype(xla::ffi::DataType t, DType* out) {
+  switch (t) {
+    case xla::ffi::DataType::F8E4M3FN: *out = DType::kF8E4M3; return true;
+    case xla::ffi::DataType::F8E5M2: *out = DType::kF8E5M2; return true;
+    default: return false;
+  }
+}
+
 CUtensorMapDataType tma_type(DType t) {
   switch (t) {
     case DType::kBF16: return CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
@@ -106,6 +114,13 @@ TensorMapSpec strided_spec(DType dtype, std::initializer_list<ViewDim> dims, con
     prev_extent = static_cast<uint64_t>(d.extent);
     ++i;
   }
+  return spec;
+}
+
+TensorMapSpec block_scale_spec(ViewDim inner, ViewDim slices, ViewDim batch, int box_inner) {
+  const int box[3] = {box_inner, 1, 1};
+  TensorMapSpec spec = strided_spec(DType::kF32, {inner, slices, batch}, box);
+  spec.swizzle = Swizzle::kNone;
   return spec;
 }
 

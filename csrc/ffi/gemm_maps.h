@@ -19,8 +19,10 @@ namespace jax_tma::ffi_util {
 inline std::string str(int64_t v) { return std::to_string(v); }
 
 // The kernel's element type of an XLA type; false for a type the kernels do not take. FP8
-// types are not mapped here (only ffi/fp8.cc takes them, and maps them itself).
+// types are not mapped here (to_fp8_dtype: only the FP8 handlers take them).
 bool to_dtype(xla::ffi::DataType t, sm90_gemm::DType* out);
+// The FP8 operand type (e4m3 or e5m2) of an XLA type; false for any other.
+bool to_fp8_dtype(xla::ffi::DataType t, sm90_gemm::DType* out);
 CUtensorMapDataType tma_type(sm90_gemm::DType t);
 
 // One dimension of a strided view: how many indices, the element stride, the attribute name.
@@ -60,6 +62,11 @@ TensorMapSpec operand_spec(sm90_gemm::DType dtype, ViewDim mn, ViewDim k, ViewDi
 sm90_gemm::GemmShape problem_shape(int64_t m, int64_t n, int64_t k, int64_t batch,
                                    int64_t splits, int64_t per_split, bool a_batched = false,
                                    bool b_batched = false);
+
+// Block scales of an FP8 operand (mainloop/sm90_tma_wgmma_fp8.cuh): fp32, unswizzled, rank 3
+// {inner, K slice, batch}, in boxes of {box_inner, 1, 1}: A's {rows, K / 128, batch} (a tile's
+// rows), B's {N / 128, K / 128, batch} (one aligned box of column blocks).
+TensorMapSpec block_scale_spec(ViewDim inner, ViewDim slices, ViewDim batch, int box_inner);
 
 // D of the sm90 kernel's TMA-store epilogue: rank 4, {N, M, batch, split}, in boxes of one
 // epilogue chunk (64 rows x 128 bytes).

@@ -18,6 +18,16 @@
 //   pre (store_pre; else [1]) [2, batch, rows, n]: the gate's and the up's pre-activations,
 //   workspace (ragged_workspace_bytes with three maps per segment). out and pre are the inputs'
 //   type; activation: 2 gelu (tanh), 3 gelu (erf), 4 silu (epilogue/fusion.h).
+//
+// The FP8 rows mode (jax_tma_fp8_ragged_dot_sm90, contract/sm90_fp8_ragged_dot.h), the rows
+// mode's checks and maps with FP8 operands and the FP8 product's scales:
+//   x [batch, rows, k] e4m3, w [groups or batch x groups, n, k] (K-major) x's type,
+//   group_sizes as above, sa [ceil(k / 128), sa_ld] fp32 (has_sa: x's block scales over the
+//   stacked rows, sa_ld >= batch x rows), sb [weights, ceil(k / 128), sb_ld] fp32 (has_sb: w's
+//   block scales, sb_ld >= ceil(n / 128)), row_scale and col_scale [1] fp32 (per-tensor scales,
+//   1 where absent; absent ones and absent block scales are [1] placeholders)
+//   -> out [batch, rows, n] bf16 or fp32, workspace (one map per segment). k is a multiple of
+//   16, n of 8 (4 with fp32 out), sa_ld and sb_ld of 4.
 #include "ffi/ragged_dot.h"
 
 #include <cuda.h>
@@ -35,6 +45,7 @@
 #include "ffi/dispatch.h"
 #include "ffi/gemm_maps.h"
 #include "ffi/tensor_map.h"
+#include "contract/sm90_fp8_ragged_dot.h"
 #include "contract/sm90_gemm.h"
 #include "contract/sm90_ragged_dot.h"
 #include "xla/ffi/api/ffi.h"
@@ -55,11 +66,26 @@ struct GatedRaggedAttrs {
   int64_t weights_batched, group_sizes_batched;
 };
 
+struct Fp8RaggedAttrs {
+  int64_t block_m, block_n, stages, cluster_m;
+  int64_t rows, n, k, groups, batch;
+  int64_t weights_batched, group_sizes_batched;
+  int64_t sa_ld, sb_ld, has_sa, has_sb, row_scale, col_scale;
+};
+
 namespace {
 
 constexpr char kOp[] = "jax_tma ragged_dot";  // every message's prefix
 constexpr char kGatedOp[] = "jax_tma gated_ragged_dot";  // the gated handler's
 constexpr char kGatedTypes[] = "x, the weights, out and pre must share one type, bf16 or fp16";
+constexpr char kFp8Op[] = "jax_tma fp8_ragged_dot";  // the FP8 handler's
+constexpr char kFp8Types[] =
+    "x and w must both be float8_e4m3fn or both float8_e5m2, and out bf16 or fp32";
+constexpr int64_t kScaleBlock = 128;  // K (and w's N) indices per FP8 block scale
+
+// The types a handler takes: 16-bit operands and out their type or fp32 (ragged_dot), out their
+// type (gated), FP8 operands and out bf16 or fp32 (fp8).
+enum class Types { kRagged, kGated, kFp8 };
 
 using ffi_util::str;
 using ffi_util::ViewDim;
@@ -225,14 +251,29 @@ ffi::Error dispatch(const RaggedAttrs& p, const Call& call) {
       [&] { return ffi_util::no_configuration(kOp, p); });
 }
 
-// The checks both handlers make (messages prefixed with `op`), and the call they describe:
-// sizes, types (out: the inputs' type, or fp32 where `f32_out`), the element counts of x, w,
-// group_sizes and out, a workspace with `maps_per_segment` maps per segment, TMA's 16-byte rows
-// and the device.
+// Whether x, w and out are of the types `types` names (setting call->in and call->out).
+bool check_types(Types types, const ffi::AnyBuffer& x, const ffi::AnyBuffer& w,
+                 const ffi::AnyBuffer& out, Call* call) {
+  DType in_w;
+  if (!ffi_util::to_dtype(out.element_type(), &call->out)) return false;
+  if (types == Types::kFp8) {
+    return ffi_util::to_fp8_dtype(x.element_type(), &call->in) &&
+           ffi_util::to_fp8_dtype(w.element_type(), &in_w) && call->in == in_w &&
+           (call->out == DType::kBF16 || call->out == DType::kF32);
+  }
+  return ffi_util::to_dtype(x.element_type(), &call->in) &&
+         ffi_util::to_dtype(w.element_type(), &in_w) && call->in == in_w &&
+         call->in != DType::kF32 &&
+         (call->out == call->in || (types == Types::kRagged && call->out == DType::kF32));
+}
+
+// The checks every handler makes (messages prefixed with `op`), and the call they describe:
+// sizes, types (`types`), the element counts of x, w, group_sizes and out, a workspace with
+// `maps_per_segment` maps per segment, TMA's 16-byte rows and the device.
 ffi::Error check_call(const char* op, int32_t device, const ffi::AnyBuffer& x,
                       const ffi::AnyBuffer& w, const ffi::AnyBuffer& group_sizes,
                       ffi::AnyBuffer& out, ffi::AnyBuffer& workspace, const RaggedAttrs& p,
-                      bool f32_out, int maps_per_segment, cudaStream_t stream, Call* call) {
+                      Types types, int maps_per_segment, cudaStream_t stream, Call* call) {
   const std::string prefix = std::string(op) + ": ";
   const std::string dims = "rows=" + str(p.rows) + ", n=" + str(p.n) + ", k=" + str(p.k) +
                            ", groups=" + str(p.groups) + ", batch=" + str(p.batch);
@@ -247,14 +288,11 @@ ffi::Error check_call(const char* op, int32_t device, const ffi::AnyBuffer& x,
     return ffi::Error::InvalidArgument(
         prefix + "batch x rows and batch x groups must fit in int32, got " + dims);
   }
-  DType in_w;
-  if (!ffi_util::to_dtype(x.element_type(), &call->in) ||
-      !ffi_util::to_dtype(w.element_type(), &in_w) || call->in != in_w ||
-      call->in == DType::kF32 || !ffi_util::to_dtype(out.element_type(), &call->out) ||
-      (call->out != call->in && (!f32_out || call->out != DType::kF32))) {
+  if (!check_types(types, x, w, out, call)) {
     return ffi::Error::InvalidArgument(
-        prefix + (f32_out ? "both operands must be bf16 or both fp16, and out their type or fp32"
-                          : kGatedTypes));
+        prefix + (types == Types::kRagged
+                      ? "both operands must be bf16 or both fp16, and out their type or fp32"
+                      : types == Types::kGated ? kGatedTypes : kFp8Types));
   }
   if (group_sizes.element_type() != ffi::DataType::S32) {
     return ffi::Error::InvalidArgument(prefix + "group_sizes must be int32");
@@ -268,7 +306,8 @@ ffi::Error check_call(const char* op, int32_t device, const ffi::AnyBuffer& x,
   JAX_TMA_RETURN_IF_ERROR(ffi_util::check_element_counts(
       op,
       {{"x", p.batch * p.rows * p.k, x.element_count()},
-       {rows_mode ? (f32_out ? "w" : "w_gate") : "dy", w_rows * w_cols, w.element_count()},
+       {rows_mode ? (types == Types::kGated ? "w_gate" : "w") : "dy", w_rows * w_cols,
+        w.element_count()},
        {"group_sizes", (p.group_sizes_batched ? p.batch : 1) * p.groups,
         group_sizes.element_count()},
        {"out", out_elems, out.element_count()}},
@@ -282,7 +321,13 @@ ffi::Error check_call(const char* op, int32_t device, const ffi::AnyBuffer& x,
   }
   const int64_t in_bytes = sm90_gemm::dtype_bytes(call->in);
   const int64_t out_bytes = sm90_gemm::dtype_bytes(call->out);
-  if ((p.k * in_bytes) % 16 || (p.n * in_bytes) % 16 || (p.n * out_bytes) % 16) {
+  if (types == Types::kFp8) {  // (w is K-major: its rows are k bytes)
+    if (p.k % 16 || (p.n * out_bytes) % 16) {
+      return ffi::Error::InvalidArgument(
+          prefix + "TMA needs rows of 16-byte multiples: k must be a multiple of 16 and n of " +
+          str(16 / out_bytes) + " (" + dims + ")");
+    }
+  } else if ((p.k * in_bytes) % 16 || (p.n * in_bytes) % 16 || (p.n * out_bytes) % 16) {
     return ffi::Error::InvalidArgument(
         prefix + "TMA needs rows of 16-byte multiples: k and n must be multiples of 8 (" + dims +
         ")");
@@ -318,7 +363,8 @@ ffi::Error ragged_dot_sm90(cudaStream_t stream, int32_t device,
   Call call{};
   const int maps = sm90_gemm::ragged_maps_per_segment(static_cast<RaggedMode>(p.mode));
   JAX_TMA_RETURN_IF_ERROR(
-      check_call(kOp, device, x, w, group_sizes, *out, *workspace, p, true, maps, stream, &call));
+      check_call(kOp, device, x, w, group_sizes, *out, *workspace, p, Types::kRagged, maps,
+                 stream, &call));
   return dispatch(p, call);
 }
 
@@ -393,7 +439,7 @@ ffi::Error gated_ragged_dot_sm90(cudaStream_t stream, int32_t device,
   const RaggedAttrs p = rows_attrs(g);
   Call call{};
   JAX_TMA_RETURN_IF_ERROR(check_call(kGatedOp, device, x, w_gate, group_sizes, *out,
-                                     *workspace, p, false,
+                                     *workspace, p, Types::kGated,
                                      sm90_gemm::kRaggedGatedMapsPerSegment, stream, &call));
   const std::string dims = "rows=" + str(p.rows) + ", n=" + str(p.n) + ", k=" + str(p.k) +
                            ", groups=" + str(p.groups) + ", batch=" + str(p.batch);
@@ -421,6 +467,143 @@ ffi::Error gated_ragged_dot_sm90(cudaStream_t stream, int32_t device,
         return ffi_util::no_configuration(kGatedOp, g,
                                           ", activation=" + str(g.activation));
       });
+}
+
+// ---------------------------------------------------------------- the FP8 rows mode
+
+
+// The rows mode's attributes of an FP8 call (its weights K-major).
+RaggedAttrs rows_attrs(const Fp8RaggedAttrs& f) {
+  return RaggedAttrs{0,        f.block_m, f.block_n,         f.stages,
+                     f.cluster_m, f.rows, f.n,               f.k,
+                     f.groups, f.batch,   f.weights_batched, f.group_sizes_batched,
+                     1};
+}
+
+// The FP8 call's scales: block scales (null where absent) and per-tensor ones (null where
+// absent).
+struct Fp8Scales {
+  const ffi::AnyBuffer* sa;
+  const ffi::AnyBuffer* sb;
+  const ffi::AnyBuffer* row_scale;
+  const ffi::AnyBuffer* col_scale;
+};
+
+template <class Tile>
+ffi::Error run_fp8(const Fp8RaggedAttrs& f, Call call, const Fp8Scales& scales) {
+  using Layout = sm90_gemm::LayoutNT;
+  const RaggedAttrs p = rows_attrs(f);
+  JAX_TMA_RETURN_IF_ERROR(
+      ffi_util::check_work_units(kFp8Op, rows_units<Tile>(p, p.n), "up to "));
+  CUtensorMap map_a, map_b, map_d, map_sa = {}, map_sb = {};
+  JAX_TMA_RETURN_IF_ERROR(
+      (encode_rows_maps<Tile, Layout>(kFp8Op, p, &call, &map_a, &map_b, &map_d)));
+  call.ragged.templates[0] = &map_d;
+  call.ragged.bases[0] = call.out_data;
+  call.ragged.row_bytes[0] = p.n * sm90_gemm::dtype_bytes(call.out);
+  // One map of A's scales over the stacked rows (tiles read them at absolute rows, as A's), and
+  // B's over the weights (batch coordinate: the segment's weight, as B's).
+  const int64_t kb = (p.k + kScaleBlock - 1) / kScaleBlock;
+  const int64_t nb = (p.n + kScaleBlock - 1) / kScaleBlock;
+  const int64_t weights = p.weights_batched ? p.batch * p.groups : p.groups;
+  if (scales.sa != nullptr) {
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(
+        std::string(kFp8Op) + ", sa", &map_sa, scales.sa->untyped_data(),
+        ffi_util::block_scale_spec({p.batch * p.rows, 1, "rows"}, {kb, f.sa_ld, "sa_ld"},
+                                   {1, 0, "batch"}, Tile::kBlockM)));
+  }
+  if (scales.sb != nullptr) {
+    JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(
+        std::string(kFp8Op) + ", sb", &map_sb, scales.sb->untyped_data(),
+        ffi_util::block_scale_spec({nb, 1, "n / 128"}, {kb, f.sb_ld, "sb_ld"},
+                                   {weights, kb * f.sb_ld, "groups"}, Tile::kBScaleBox)));
+  }
+  const auto scalar = [](const ffi::AnyBuffer* v) {
+    return v != nullptr ? static_cast<const float*>(v->untyped_data()) : nullptr;
+  };
+  const sm90_gemm::Fp8Launch fp8{scales.sa != nullptr ? &map_sa : nullptr,
+                                 scales.sb != nullptr ? &map_sb : nullptr,
+                                 scalar(scales.row_scale),
+                                 scalar(scales.col_scale),
+                                 true,
+                                 true,
+                                 nullptr};
+  const cudaError_t launched =
+      call.out == DType::kF32
+          ? sm90_gemm::launch_fp8_ragged<__nv_fp8_e4m3, float, Tile>(call.args, call.ragged, fp8)
+          : sm90_gemm::launch_fp8_ragged<__nv_fp8_e4m3, __nv_bfloat16, Tile>(call.args,
+                                                                             call.ragged, fp8);
+  return ffi_util::cuda_error(launched, "jax_tma fp8_ragged_dot launch");
+}
+
+#define JAX_TMA_KERNEL(ARG, TILE) ffi_util::Kernel<sm90_gemm::TILE>,
+using Fp8Kernels = ffi_util::KernelList<JAX_TMA_SM90_FP8_RAGGED_TILES(JAX_TMA_KERNEL, _) void>;
+#undef JAX_TMA_KERNEL
+
+ffi::Error fp8_ragged_dot_sm90(cudaStream_t stream, int32_t device,
+                               ffi::AnyBuffer x,                       // e4m3 (e5m2: checked)
+                               ffi::AnyBuffer w,                       // [.., n, k], x's type
+                               ffi::AnyBuffer group_sizes,             // int32
+                               ffi::AnyBuffer sa,                      // fp32 block scales of x
+                               ffi::AnyBuffer sb,                      // fp32 block scales of w
+                               ffi::AnyBuffer row_scale,               // fp32, one value
+                               ffi::AnyBuffer col_scale,               // fp32, one value
+                               ffi::Result<ffi::AnyBuffer> out,        // bf16 or fp32
+                               ffi::Result<ffi::AnyBuffer> workspace,  // one map a segment
+                               Fp8RaggedAttrs f) {
+  const RaggedAttrs p = rows_attrs(f);
+  const std::string prefix = std::string(kFp8Op) + ": ";
+  const std::string dims = "rows=" + str(p.rows) + ", n=" + str(p.n) + ", k=" + str(p.k) +
+                           ", groups=" + str(p.groups) + ", batch=" + str(p.batch);
+  for (const int64_t flag : {f.has_sa, f.has_sb, f.row_scale, f.col_scale}) {
+    if (flag != 0 && flag != 1) {
+      return ffi::Error::InvalidArgument(
+          prefix + "has_sa, has_sb, row_scale and col_scale must be 0 or 1, got " +
+          str(f.has_sa) + ", " + str(f.has_sb) + ", " + str(f.row_scale) + ", " +
+          str(f.col_scale));
+    }
+  }
+  for (const ffi::AnyBuffer* v : {&sa, &sb, &row_scale, &col_scale}) {
+    if (v->element_type() != ffi::DataType::F32) {
+      return ffi::Error::InvalidArgument(prefix + "the scales must be fp32");
+    }
+  }
+  // Bounds of the sizes first (check_call's), so that the products below cannot overflow.
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_sizes(kFp8Op, "rows, n, k, groups and batch",
+                                                {p.rows, p.n, p.k, p.groups, p.batch}, 31, dims));
+  const int64_t kb = (p.k + kScaleBlock - 1) / kScaleBlock;
+  const int64_t nb = (p.n + kScaleBlock - 1) / kScaleBlock;
+  const int64_t stacked = p.batch * p.rows;
+  if ((f.has_sa && (f.sa_ld < stacked || f.sa_ld % 4)) ||
+      (f.has_sb && (f.sb_ld < nb || f.sb_ld % 4))) {
+    return ffi::Error::InvalidArgument(
+        prefix + "TMA needs 16-byte rows of scales: sa_ld >= batch x rows and sb_ld >= "
+                 "ceil(n / 128), each a multiple of 4, got " + dims + ", sa_ld=" +
+        str(f.sa_ld) + ", sb_ld=" + str(f.sb_ld));
+  }
+  const int64_t weights = p.weights_batched ? p.batch * p.groups : p.groups;
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_element_counts(
+      kFp8Op,
+      {{"sa", f.has_sa ? kb * f.sa_ld : 1, sa.element_count()},
+       {"sb", f.has_sb ? weights * kb * f.sb_ld : 1, sb.element_count()},
+       {"row_scale", 1, row_scale.element_count()},
+       {"col_scale", 1, col_scale.element_count()}},
+      dims));
+  Call call{};
+  JAX_TMA_RETURN_IF_ERROR(check_call(kFp8Op, device, x, w, group_sizes, *out, *workspace, p,
+                                     Types::kFp8,
+                                     sm90_gemm::ragged_maps_per_segment(RaggedMode::kRows),
+                                     stream, &call));
+  if (call.in != DType::kF8E4M3) {
+    return ffi::Error::InvalidArgument(prefix + "no kernel compiled for float8_e5m2 operands "
+                                                "(jax_tma.fp8_ragged_dot runs them through XLA)");
+  }
+  const Fp8Scales scales{f.has_sa ? &sa : nullptr, f.has_sb ? &sb : nullptr,
+                         f.row_scale ? &row_scale : nullptr, f.col_scale ? &col_scale : nullptr};
+  return ffi_util::dispatch(
+      Fp8Kernels{}, f, [](auto) { return true; },
+      [&](auto kernel) { return run_fp8<typename decltype(kernel)::Tile>(f, call, scales); },
+      [&] { return ffi_util::no_configuration(kFp8Op, f); });
 }
 
 }  // namespace
@@ -458,6 +641,26 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     xla::ffi::StructMember<int64_t>("weights_batched"),      // weights batch x groups matrices
     xla::ffi::StructMember<int64_t>("group_sizes_batched")); // group_sizes has batch rows
 
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jax_tma::ffi_handlers::Fp8RaggedAttrs,
+    xla::ffi::StructMember<int64_t>("block_m"),              // tile M
+    xla::ffi::StructMember<int64_t>("block_n"),              // tile N
+    xla::ffi::StructMember<int64_t>("stages"),               // pipeline depth
+    xla::ffi::StructMember<int64_t>("cluster_m"),            // CTAs per cluster
+    xla::ffi::StructMember<int64_t>("rows"),                 // rows per batch entry (M)
+    xla::ffi::StructMember<int64_t>("n"),                    // rows of each w matrix
+    xla::ffi::StructMember<int64_t>("k"),                    // columns of x and w
+    xla::ffi::StructMember<int64_t>("groups"),               // groups per batch entry
+    xla::ffi::StructMember<int64_t>("batch"),                // batch entries
+    xla::ffi::StructMember<int64_t>("weights_batched"),      // w has batch x groups matrices
+    xla::ffi::StructMember<int64_t>("group_sizes_batched"),  // group_sizes has batch rows
+    xla::ffi::StructMember<int64_t>("sa_ld"),                // sa's row length (>= batch x rows)
+    xla::ffi::StructMember<int64_t>("sb_ld"),                // sb's row length (>= ceil(n/128))
+    xla::ffi::StructMember<int64_t>("has_sa"),               // x has block scales
+    xla::ffi::StructMember<int64_t>("has_sb"),               // w has block scales
+    xla::ffi::StructMember<int64_t>("row_scale"),            // x's per-tensor scale given
+    xla::ffi::StructMember<int64_t>("col_scale"));           // w's per-tensor scale given
+
 namespace jax_tma::ffi_handlers {
 
 // RaggedDotSm90Into takes out_in after group_sizes, aliased to out.
@@ -465,5 +668,7 @@ JAX_TMA_DEFINE_HANDLER_PAIR(RaggedDotSm90, RaggedDotSm90Into, ragged_dot_sm90, 1
 // GatedRaggedDotSm90Into takes out_in and pre_in after group_sizes, aliased to out and pre.
 JAX_TMA_DEFINE_HANDLER_PAIR(GatedRaggedDotSm90, GatedRaggedDotSm90Into, gated_ragged_dot_sm90,
                             2);
+// Fp8RaggedDotSm90Into takes out_in after col_scale, aliased to out.
+JAX_TMA_DEFINE_HANDLER_PAIR(Fp8RaggedDotSm90, Fp8RaggedDotSm90Into, fp8_ragged_dot_sm90, 1);
 
 }  // namespace jax_tma::ffi_handlers

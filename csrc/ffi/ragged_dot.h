@@ -16,5 +16,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(GatedRaggedDotSm90);
 // jax_tma_gated_ragged_dot_sm90_into: (x, w_gate, w_up, group_sizes, out_in, pre_in) -> out and
 // pre aliased to out_in and pre_in (tests poison them).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GatedRaggedDotSm90Into);
+// jax_tma_fp8_ragged_dot_sm90: (x, w, group_sizes, sa, sb, row_scale, col_scale) ->
+// (out, workspace).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(Fp8RaggedDotSm90);
+// jax_tma_fp8_ragged_dot_sm90_into: (x, w, group_sizes, sa, sb, row_scale, col_scale, out_in) ->
+// out aliased to out_in (tests poison out_in).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(Fp8RaggedDotSm90Into);
 
 }  // namespace jax_tma::ffi_handlers

@@ -265,6 +265,19 @@ FP8_FAST_TILES = (
 FP8_TYPES = ("e4m3", "e5m2")
 FP8_OUT_TYPES = ("bf16", "f32")
 
+# --- FP8 ragged (fp8_ragged_dot): ragged rows mode with the FP8 mainloop, promoted -------------
+# Block-scaled e4m3 rows [M, K] times K-major weights [G, N, K]; one file, both output types.
+FP8_RAGGED_TILES = (
+    Entry(F128x256C2, "large groups: the FP8 heuristic's most picked tile (8192^3 and MoE)"),
+    Entry(F64x128, "small groups and few rows (ping-pong, as the dense FP8 decode tile)"),
+)
+FP8_RAGGED_NOTE = (
+    "tiles the dense FP8 product compiles already, so the promotion schedules and register "
+    "splits are the measured ones; e5m2 operands run XLA's reference (not compiled: each kernel "
+    "costs CI a minute of nvcc on 2 cores).")
+FP8_RAGGED_TYPES = ("e4m3",)
+FP8_RAGGED_OUT_TYPES = ("bf16", "f32")
+
 
 # --- Derived: the Python tuples ----------------------------------------------------------------
 def gemm_tiles() -> tuple[tuple[int, int, int, int, bool], ...]:
@@ -286,8 +299,8 @@ class TranslationUnit:
     """One generated instantiation file of csrc/kernels/ and the kernels it compiles."""
 
     name: str  # file name under csrc/kernels/
-    op: str  # gemm, ragged, dense or fp8
-    types: tuple[str, ...]  # (input, output) or (input,) for dense, (output,) for FP8
+    op: str  # gemm, ragged, ragged_gated, dense, fp8 or fp8_ragged
+    types: tuple[str, ...]  # (input, output), or (input,) for dense, gated and FP8 ragged
     group: str = ""  # dense: forward, gradient or gated
     kernels: int = 0
 
@@ -311,6 +324,9 @@ def translation_units() -> tuple[TranslationUnit, ...]:
         for out in FP8_OUT_TYPES:
             units.append(TranslationUnit(f"sm90_fp8_{t}_{out}.cu", "fp8", (t, out),
                                          kernels=len(FP8_TILES) + len(FP8_FAST_TILES)))
+    for t in FP8_RAGGED_TYPES:
+        units.append(TranslationUnit(f"sm90_fp8_ragged_dot_{t}.cu", "fp8_ragged", (t,),
+                                     kernels=len(FP8_RAGGED_TILES) * len(FP8_RAGGED_OUT_TYPES)))
     for a, b in RAGGED_TYPES:
         units.append(TranslationUnit(f"sm90_ragged_dot_{a}_{b}.cu", "ragged", (a, b),
                                      kernels=len(RAGGED_TILES) * len(RAGGED_LAYOUTS)))
@@ -332,9 +348,9 @@ def expected_entries() -> dict[str, int]:
 
 
 def kernel_counts() -> dict[str, int]:
-    """Kernels per op over every type: gemm, ragged, ragged_gated, dense (fused) and fp8
-    (promoted and fast)."""
-    counts = dict.fromkeys(("gemm", "ragged", "ragged_gated", "dense", "fp8"), 0)
+    """Kernels per op over every type: gemm, ragged, ragged_gated, dense (fused), fp8
+    (promoted and fast) and fp8_ragged."""
+    counts = dict.fromkeys(("gemm", "ragged", "ragged_gated", "dense", "fp8", "fp8_ragged"), 0)
     for u in translation_units():
         counts[u.op] += u.kernels
     return counts

@@ -284,11 +284,12 @@ def test_primitive_test_kernels_use_tma_instructions(kernels, opcode):
     assert any(re.search(rf"\b{re.escape(opcode)}\b", body) for body in bodies), opcode
 
 
-def _fp8_kernels(kernels: dict[str, str]) -> dict[str, str]:
-    """The FP8 instantiations of the sm90 GEMM kernel (contract/sm90_fp8.h)."""
+def _fp8_kernels(kernels: dict[str, str], problem: str = "DenseGemm") -> dict[str, str]:
+    """The FP8 instantiations of the sm90 GEMM kernel: the dense products' (contract/sm90_fp8.h)
+    or, with problem="RaggedRowsGemm", the grouped ones' (contract/sm90_fp8_ragged_dot.h)."""
     found = {name: body for name, body in kernels.items()
-             if "sm90_gemm_kernel" in name and "Fp8Mainloop" in name}
-    assert found, "no FP8 sm90_gemm_kernel in the extension"
+             if "sm90_gemm_kernel" in name and "Fp8Mainloop" in name and problem in name}
+    assert found, f"no FP8 sm90_gemm_kernel of {problem} in the extension"
     return found
 
 
@@ -339,3 +340,28 @@ def test_fp8_kernels(kernels):
     assert {_tile(n)[1] for n in narrow} == {128, 144}
     for name, body in narrow.items():
         assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", body), name
+
+
+def test_fp8_ragged_kernels(kernels):
+    """FP8 grouped products (jax_tma.fp8_ragged_dot): the registry's FP8 ragged tiles x (bf16,
+    fp32 out), e4m3, promoted: e4m3 wgmma (QGMMA) on K-major operands, A, B and the scales loaded
+    by TMA (rank 3), the per-segment output maps acquired (UTMACCTL.IV) by the threads that store
+    through them, the scaled epilogue, at least one FFMA per partial-sum register of a group (the
+    promotion), no local memory."""
+    found = _fp8_kernels(kernels, "RaggedRowsGemm")
+    assert len(found) == tiles.kernel_counts()["fp8_ragged"]
+    assert {_tile(n) for n in found} == {e.tile.key for e in tiles.FP8_RAGGED_TILES}
+    for name, body in found.items():
+        assert _promoted(name), name
+        width = _tile(name)[1]
+        part = 128 if width == 256 else width
+        qgmma = re.findall(r"\bQGMMA\.[^ ;]*", body)
+        assert qgmma and set(qgmma) == {f"QGMMA.64x{part}x32.F32.E4M3.E4M3"}, (set(qgmma), name)
+        assert not re.search(r"\bHGMMA\b", body) and "tnsp" not in body, name
+        assert _layout(name) == (0, 0), name
+        assert _fusion(name) == (4, 0), name
+        assert set(re.findall(r"\bUTMALDG\.(\w+)", body)) == {"3D"}, name
+        assert re.search(r"\bUTMASTG\.4D\b", body), name
+        assert re.search(r"\bUTMACCTL\.IV\b", body), f"no tensormap acquire in {name}"
+        assert len(re.findall(r"\bFFMA\b", body)) >= part // 2, name
+        assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"

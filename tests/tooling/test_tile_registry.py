@@ -78,6 +78,7 @@ def test_python_configs_are_the_registry():
     ("JAX_TMA_SM90_DENSE_RING_TILES", tiles.DENSE_RING_TILES),
     ("JAX_TMA_SM90_FP8_TILES", tiles.FP8_TILES),
     ("JAX_TMA_SM90_FP8_FAST_TILES", tiles.FP8_FAST_TILES),
+    ("JAX_TMA_SM90_FP8_RAGGED_TILES", tiles.FP8_RAGGED_TILES),
 ])
 def test_header_lists_every_registry_tile(macro, entries):
     text = HEADER.read_text()
@@ -115,4 +116,5 @@ def test_counts():
     assert counts["gemm"] == len(tiles.GEMM_TILES) * 4 * 4
     assert counts["dense"] == 2 * (3 * 11 + 2 * 1 + 1 * 2)
     assert counts["ragged_gated"] == 2 * len(tiles.RAGGED_GATED_TILES) * 3
+    assert counts["fp8_ragged"] == len(tiles.FP8_RAGGED_TILES) * len(tiles.FP8_RAGGED_OUT_TYPES)
     assert sum(tiles.expected_entries().values()) == sum(counts.values()) + 1

@@ -1,0 +1,50 @@
+// Block-scaled FP8 grouped (ragged) products (contract: contract/sm90_fp8_ragged_dot.h): the
+// ragged rows mode's two launches (kernels/sm90_ragged_dot.cuh: the prepare kernel writes the
+// segment table and D's map per segment) with the FP8 mainloop (mainloop/sm90_tma_wgmma_fp8.cuh:
+// K slices of 128, partial sums promoted with the block scales) and the scaled epilogue of the
+// dense FP8 product (per-tensor scales). The problem is RaggedRowsGemm unchanged: its load plan's
+// absolute row and weight coordinates are what the scales' maps take too.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include "contract/sm90_fp8_ragged_dot.h"
+#include "kernels/sm90_ragged_dot.cuh"
+#include "mainloop/sm90_tma_wgmma_fp8.cuh"
+
+namespace jax_tma::sm90_gemm {
+
+template <class T, class Out, class Tile>
+cudaError_t launch_fp8_ragged(const LaunchArgs& args, const RaggedArgs& ragged,
+                              const Fp8Launch& fp8) {
+  constexpr RaggedMode kMode = RaggedMode::kRows;
+  const int segments = static_cast<int>(ragged_segments(kMode, ragged.groups, ragged.batch));
+  RaggedWorkspace ws{};
+  cudaError_t err =
+      prepare_ragged<Tile>(ragged, true, ragged_maps_per_segment(kMode), args.stream, &ws);
+  if (err != cudaSuccess) return err;
+  Launcher<T, Out, Tile, LayoutNT, RaggedRowsGemm, FuseScaled, Fp8Mainloop<T, true>> launcher;
+  using K = typename decltype(launcher)::K;
+  err = launcher.init(args.num_sms, args.stream);
+  if (err != cudaSuccess) return err;
+  const typename K::Problem::Params params{
+      K::Scheduler::make_params(ws.table, segments, args.shape.n, args.shape.k), ws.maps};
+  // Per-tensor scales only: a row vector would be indexed by the segment's rows.
+  FusedParams fused{};
+  fused.args.bias_type = VectorType::kF32;
+  fused.args.row_scale = fp8.row_scale;
+  fused.args.col_scale = fp8.col_scale;
+  fused.args.row_scale_scalar = true;
+  fused.args.col_scale_scalar = true;
+  typename K::Mainloop::Params scales{};
+  if (fp8.scale_a != nullptr) scales.sa = *fp8.scale_a;
+  if (fp8.scale_b != nullptr) scales.sb = *fp8.scale_b;
+  scales.has_sa = fp8.scale_a != nullptr;
+  scales.has_sb = fp8.scale_b != nullptr;
+  // The work is known only on the device: every resident cluster starts (launch_ragged).
+  return launcher.launch(launcher.resident(), args, params,
+                         typename K::Partials{nullptr, nullptr}, fused, scales);
+}
+
+}  // namespace jax_tma::sm90_gemm
