@@ -23,6 +23,9 @@ Public API:
   quantize_fp8(x, block, dtype), fp8_matmul(a, b, a_scale, b_scale),
     fp8_dot_general(lhs, rhs, lhs_scale, rhs_scale, dimension_numbers): FP8 (e4m3/e5m2)
     products with per-tensor, row/column or block (1x128, 128x128) scales on the FP8 kernel.
+  fp8_ragged_dot(lhs, rhs, lhs_scale, rhs_scale, group_sizes): the block-scaled FP8 grouped
+    (MoE) product, ``lax.ragged_dot`` of the dequantised operands (weights [G, N, K]) on one
+    grouped FP8 kernel, group sizes read on the device (forward only: no gradients yet).
   GemmConfig: a compiled tile configuration to pass as ``config=``.
   kernel_status(): whether the kernels run on the default backend, and why not.
   autotune(lhs, rhs, dimension_numbers): times every configuration of a product on the device
@@ -40,8 +43,9 @@ from jax_tma._ext import KernelStatus, kernel_status
 from jax_tma.ops.dense.api import dense, gated_dense, gated_mlp, mlp
 from jax_tma.ops.dense.config import DENSE_CONFIGS
 from jax_tma.ops.fp8.api import fp8_dot_general, fp8_matmul
-from jax_tma.ops.fp8.config import FP8_CONFIGS, FP8_FAST_CONFIGS, Fp8Config
+from jax_tma.ops.fp8.config import FP8_CONFIGS, FP8_FAST_CONFIGS, FP8_RAGGED_CONFIGS, Fp8Config
 from jax_tma.ops.fp8.quantize import quantize_fp8
+from jax_tma.ops.fp8.ragged import fp8_ragged_dot
 from jax_tma.ops.gemm.api import dot_general, matmul
 from jax_tma.ops.gemm.autotune import TuneResult, autotune
 from jax_tma.ops.gemm.config import COMPILED_CONFIGS, GemmConfig, default_config
@@ -57,6 +61,7 @@ __all__ = [
     "DENSE_CONFIGS",
     "FP8_CONFIGS",
     "FP8_FAST_CONFIGS",
+    "FP8_RAGGED_CONFIGS",
     "Fp8Config",
     "GemmConfig",
     "KernelStatus",
@@ -69,6 +74,7 @@ __all__ = [
     "export_disabled_checks",
     "fp8_dot_general",
     "fp8_matmul",
+    "fp8_ragged_dot",
     "gated_dense",
     "gated_mlp",
     "gated_ragged_dot",

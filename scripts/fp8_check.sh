@@ -35,7 +35,8 @@ echo "build took $(( $(date +%s) - start )) s"
 
 echo "== FP8 tests (GPU required)"
 JAX_TMA_REQUIRE_GPU=1 JAX_TMA_REQUIRE_EXTENSION=1 timeout 1200 "$PY" -m pytest -q -rfE -s \
-  tests/ops/fp8/test_fp8.py tests/kernels/test_sass.py 2>&1 | tee "$LOG_DIR/pytest_fp8.log"
+  tests/ops/fp8/test_fp8.py tests/ops/fp8/test_fp8_ragged_dot.py tests/kernels/test_sass.py 2>&1 \
+  | tee "$LOG_DIR/pytest_fp8.log"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 grep -E "K=8192 relative error" "$LOG_DIR/pytest_fp8.log" || true
 

@@ -555,6 +555,13 @@ ffi::Error fp8_ragged_dot_sm90(cudaStream_t stream, int32_t device,
   const std::string prefix = std::string(kFp8Op) + ": ";
   const std::string dims = "rows=" + str(p.rows) + ", n=" + str(p.n) + ", k=" + str(p.k) +
                            ", groups=" + str(p.groups) + ", batch=" + str(p.batch);
+  // The rows mode's checks first: they bound the sizes, so that the products below cannot
+  // overflow.
+  Call call{};
+  JAX_TMA_RETURN_IF_ERROR(check_call(kFp8Op, device, x, w, group_sizes, *out, *workspace, p,
+                                     Types::kFp8,
+                                     sm90_gemm::ragged_maps_per_segment(RaggedMode::kRows),
+                                     stream, &call));
   for (const int64_t flag : {f.has_sa, f.has_sb, f.row_scale, f.col_scale}) {
     if (flag != 0 && flag != 1) {
       return ffi::Error::InvalidArgument(
@@ -568,20 +575,19 @@ ffi::Error fp8_ragged_dot_sm90(cudaStream_t stream, int32_t device,
       return ffi::Error::InvalidArgument(prefix + "the scales must be fp32");
     }
   }
-  // Bounds of the sizes first (check_call's), so that the products below cannot overflow.
-  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_sizes(kFp8Op, "rows, n, k, groups and batch",
-                                                {p.rows, p.n, p.k, p.groups, p.batch}, 31, dims));
   const int64_t kb = (p.k + kScaleBlock - 1) / kScaleBlock;
   const int64_t nb = (p.n + kScaleBlock - 1) / kScaleBlock;
   const int64_t stacked = p.batch * p.rows;
-  if ((f.has_sa && (f.sa_ld < stacked || f.sa_ld % 4)) ||
-      (f.has_sb && (f.sb_ld < nb || f.sb_ld % 4))) {
+  const int64_t weights = p.weights_batched ? p.batch * p.groups : p.groups;
+  // (sa_ld below 2^31, and sb_ld small enough that sb's element count fits int64: weights x kb
+  // is below 2^30 x 2^24)
+  if ((f.has_sa && (f.sa_ld < stacked || f.sa_ld % 4 || f.sa_ld > INT32_MAX)) ||
+      (f.has_sb && (f.sb_ld < nb || f.sb_ld % 4 || f.sb_ld > INT64_MAX / (weights * kb)))) {
     return ffi::Error::InvalidArgument(
         prefix + "TMA needs 16-byte rows of scales: sa_ld >= batch x rows and sb_ld >= "
-                 "ceil(n / 128), each a multiple of 4, got " + dims + ", sa_ld=" +
-        str(f.sa_ld) + ", sb_ld=" + str(f.sb_ld));
+                 "ceil(n / 128), each a multiple of 4 (and sa_ld below 2^31), got " + dims +
+        ", sa_ld=" + str(f.sa_ld) + ", sb_ld=" + str(f.sb_ld));
   }
-  const int64_t weights = p.weights_batched ? p.batch * p.groups : p.groups;
   JAX_TMA_RETURN_IF_ERROR(ffi_util::check_element_counts(
       kFp8Op,
       {{"sa", f.has_sa ? kb * f.sa_ld : 1, sa.element_count()},
@@ -589,11 +595,6 @@ ffi::Error fp8_ragged_dot_sm90(cudaStream_t stream, int32_t device,
        {"row_scale", 1, row_scale.element_count()},
        {"col_scale", 1, col_scale.element_count()}},
       dims));
-  Call call{};
-  JAX_TMA_RETURN_IF_ERROR(check_call(kFp8Op, device, x, w, group_sizes, *out, *workspace, p,
-                                     Types::kFp8,
-                                     sm90_gemm::ragged_maps_per_segment(RaggedMode::kRows),
-                                     stream, &call));
   if (call.in != DType::kF8E4M3) {
     return ffi::Error::InvalidArgument(prefix + "no kernel compiled for float8_e5m2 operands "
                                                 "(jax_tma.fp8_ragged_dot runs them through XLA)");

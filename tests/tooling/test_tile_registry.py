@@ -60,7 +60,10 @@ def test_python_configs_are_the_registry():
         tiles.keys(tiles.DENSE_RING_TILES))
     assert tuple(c.tile for c in fp8_config.FP8_CONFIGS) == tiles.keys(tiles.FP8_TILES)
     assert tuple(c.tile for c in fp8_config.FP8_FAST_CONFIGS) == tiles.keys(tiles.FP8_FAST_TILES)
-    # Fast tiles are validated as Fp8Config tiles.
+    assert tuple(c.tile for c in fp8_config.FP8_RAGGED_CONFIGS) == tiles.keys(
+        tiles.FP8_RAGGED_TILES)
+    # Fast and ragged tiles are validated as Fp8Config tiles.
+    assert set(tiles.keys(tiles.FP8_RAGGED_TILES)) <= set(tiles.keys(tiles.FP8_TILES))
     assert set(tiles.keys(tiles.FP8_FAST_TILES)) <= set(tiles.keys(tiles.FP8_TILES))
     assert tuple(c.tile for c in ragged_config.RAGGED_CONFIGS) == tiles.keys(tiles.RAGGED_TILES)
     assert tuple(c.tile for c in ragged_config.GATED_RAGGED_CONFIGS) == tiles.keys(

@@ -17,7 +17,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from jax_tma._core import device, tiles
-from jax_tma._core.config import Tile, TileConfig, fastest
+from jax_tma._core.config import Tile, TileConfig, fastest, require_among
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -110,3 +110,32 @@ def default_config(m: int, n: int, k: int, num_sms: int | None = None,
                                                 device.dram_bytes_per_s(), fast),
                    lambda cfg: (cfg.split_k, -cfg.block_m * cfg.block_n, -cfg.cluster_m),
                    digits=8)
+
+
+# The grouped (ragged) FP8 product (fp8_ragged_dot): its compiled tiles, promoted, no split-K.
+FP8_RAGGED_CONFIGS: tuple[Fp8Config, ...] = tuple(
+    Fp8Config(*t) for t in tiles.keys(tiles.FP8_RAGGED_TILES))
+
+
+def check_ragged_config(config: Fp8Config) -> Fp8Config:
+    """`config` if the FP8 ragged kernel is compiled with it; else a ValueError naming the
+    choices."""
+    return require_among(config, FP8_RAGGED_CONFIGS, "fp8_ragged_dot", "FP8 ragged products",
+                         split_k=1)
+
+
+def default_ragged_config(rows: int, n: int, k: int, groups: int,
+                          num_sms: int | None = None) -> Fp8Config:
+    """The compiled FP8 ragged tile with the least estimated time, groups assumed of equal size:
+    the dense FP8 model (estimate_seconds) over the row blocks the groups round up to (each
+    group's last block is whole work for a partial one); ties go to the larger tile."""
+    num_sms = device.num_sms() if num_sms is None else num_sms
+    per_group = max(1, -(-rows // groups))
+
+    def seconds(cfg: Fp8Config) -> float:
+        blocks = groups * -(-per_group // cfg.block_m)
+        return estimate_seconds(cfg, blocks * cfg.block_m, n, k, num_sms,
+                                device.dram_bytes_per_s())
+
+    return fastest((c for c in FP8_RAGGED_CONFIGS if cluster_fits(c.block_m, c.cluster_m, rows)),
+                   seconds, lambda cfg: (-cfg.block_m * cfg.block_n, -cfg.cluster_m), digits=8)

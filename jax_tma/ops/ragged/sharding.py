@@ -17,8 +17,9 @@ runs the kernel on its shards:
 Partial products are summed in fp32 when the output is 16-bit. A mesh axis is used once: the
 batch claims it first, then M, N and K.
 
-The gated rows form (gated_ragged_dot, at the end) shares the rows mode's rules but for K,
-which it never splits.
+The gated rows form (gated_ragged_dot) shares the rows mode's rules but for K, which it never
+splits; so does the FP8 rows form (fp8_ragged_dot, at the end), which splits neither K nor N
+(its block scales are 128 deep and 128 wide).
 """
 
 from __future__ import annotations
@@ -245,3 +246,79 @@ def partitioned_gated_ragged_dot(x: jax.Array, wg: jax.Array, wu: jax.Array, gs:
     partitioning rules above."""
     params = Params({k: v for k, v in params.items() if k != "local"})
     return _partitioned_gated(local_op, params, x, wg, wu, gs)
+
+
+# ---------------------------------------------------------------- the FP8 rows form
+# Operands x [B, M, K], w [Bw, G, N, K], group sizes [Bg, G], sa [B, Kb, M] or [] and sb
+# [Bw, G, Kb, Nb] or [] (fp8_ragged_dot's primitive); result [B, M, N]. The batch and M, the
+# tokens (with local group sizes, as above; x's block scales split with x's rows), keep the
+# operands' sharding; K, N and G are never split: each device holds every expert's whole weights
+# and scales (a split K would cut the 128-deep scale blocks, a split N their 128-wide ones).
+
+
+def _choose_fp8(mesh, arg_shapes, params):
+    x, w, gs, sa, _ = arg_shapes
+    x_spec, w_spec = spec_of(x.sharding, 3), spec_of(w.sharding, 4)
+    sa_spec = spec_of(sa.sharding, 3) if params["sa_block"] else [()] * 3
+    claim = AxisClaims(mesh)
+    w_batched = w.shape[0] == x.shape[0] and w.shape[0] > 1
+    b = claim(x_spec[0] or sa_spec[0] or (w_spec[0] if w_batched else ()), x.shape[0])
+    m = claim(x_spec[1] or sa_spec[2], x.shape[1])
+    wb = b if w_batched else ()
+    gs_batched = gs.shape[0] == x.shape[0] and gs.shape[0] > 1
+    return dict(m=m, x=(b, m, ()), w=(wb, (), (), ()), gs=(b if gs_batched else (), ()),
+                sa=(b, (), m) if params["sa_block"] else (),
+                sb=(wb, (), (), ()) if params["sb_block"] else (), out=(b, m, ()))
+
+
+def _infer_fp8(local_op, params, mesh, arg_shapes, result_shape):
+    del local_op, result_shape
+    return NamedSharding(mesh, _spec(_choose_fp8(mesh, arg_shapes, params)["out"]))
+
+
+def _partition_fp8(local_op, params, mesh, arg_shapes, result_shape):
+    del result_shape
+    choice = _choose_fp8(mesh, arg_shapes, params)
+    rows = arg_shapes[0].shape[1]
+    m_axes = choice["m"]
+    shard_rows = rows // math.prod(mesh.shape[a] for a in m_axes) if m_axes else rows
+    keys = ("x", "w", "gs", "sa", "sb")
+    sharded = any(any(d) for key in keys for d in choice[key])
+    local_params = dict(params, config=None) if sharded else dict(params)
+
+    def per_device(x, w, gs, sa, sb):
+        if m_axes:
+            gs = local_group_sizes(gs, rows, _shard_index(m_axes), shard_rows)
+        return local_op(x, w, gs, sa, sb, **local_params)
+
+    arg_shardings = tuple(NamedSharding(mesh, _spec(choice[key])) for key in keys)
+    return mesh, per_device, NamedSharding(mesh, _spec(choice["out"])), arg_shardings
+
+
+def _fp8_sharding_rule(local_op, params, mesh, operand_types, result_types):
+    """Factors b, m, k, n, g and the scales' kb, nb; only b and m are split. A batch dim of size
+    1 (shared) gets its own factor; a one-value scale is a scalar."""
+    del local_op, mesh, result_types
+    x_t, w_t, gs_t = operand_types[:3]
+    batch = x_t.shape[0]
+    wb = "b" if w_t.shape[0] == batch and batch > 1 else "wb"
+    gb = "b" if gs_t.shape[0] == batch and batch > 1 else "gb"
+    sa = "b kb m" if params["sa_block"] else ""
+    sb = f"{wb} g kb nb" if params["sb_block"] else ""
+    rule = f"b m k, {wb} g n k, {gb} g, {sa}, {sb} -> b m n"
+    # (in the order the factors first appear, as Shardy wants them)
+    whole = ("k", "g", "n") + (("kb",) if sa or sb else ()) + (("nb",) if sb else ())
+    return rule, dict(need_replication_factors=whole)
+
+
+_partitioned_fp8 = partitioned_call(partition=_partition_fp8,
+                                    infer_sharding_from_operands=_infer_fp8,
+                                    sharding_rule=_fp8_sharding_rule, num_static=2)
+
+
+def partitioned_fp8_ragged_dot(x: jax.Array, w: jax.Array, gs: jax.Array, sa: jax.Array,
+                               sb: jax.Array, *, local_op: Callable, params: dict) -> jax.Array:
+    """``local_op(x, w, gs, sa, sb, **params)`` (the FP8 primitive's local product) under the
+    partitioning rules above."""
+    params = Params({k: v for k, v in params.items() if k != "local"})
+    return _partitioned_fp8(local_op, params, x, w, gs, sa, sb)
