@@ -7,8 +7,10 @@ multiples). Fused epilogues: every compiled (tile, fusion) of jax_tma.DENSE_CONF
 activation, residual and pre-activation output; activation gradients; gated pairs; gated
 gradients). Ragged: every tile of jax_tma.RAGGED_CONFIGS in the rows mode (weights N- and
 K-major) and the contraction mode, and every gated tile (GATED_RAGGED_CONFIGS, with the
-pre-activations), with an empty group and rows past the last group. FP8: every
-compiled tile and type with block scales and a bias, and every fast-accumulation tile. All cases
+pre-activations), with an empty group and rows past the last group. FP8: every compiled tile
+and type with block scales and a bias, and every fast-accumulation tile; FP8 ragged
+(fp8_ragged_dot): every tile of jax_tma.FP8_RAGGED_CONFIGS and output type, with block scales,
+groups starting at every row offset mod 4, an empty group and rows past the last. All cases
 run in one jitted function (one XLA compile), on operands made by numpy and copied to the device
 (no jax.random kernels: initcheck reports uninitialised reads there that are not jax_tma's), over
 NaN-poisoned outputs, and each result is checked against a float64 reference. Prints one line
@@ -31,6 +33,7 @@ from jax_tma import _testing
 from jax_tma.ops.fp8 import config as fp8_config
 from jax_tma.ops.fp8 import primitive as fp8
 from jax_tma.ops.fp8 import quantize as fp8_quantize
+from jax_tma.ops.fp8 import ragged_primitive as fp8_ragged
 from jax_tma.ops.gemm import config as gemm_config
 from jax_tma.ops.dense import config as ep_config
 from jax_tma.ops.dense import primitive as ep
@@ -241,6 +244,37 @@ def _fp8_cases(rng, m, n, k) -> list[Case]:
     return cases
 
 
+def _fp8_ragged_cases(rng, m, n, k) -> list[Case]:
+    """Every compiled FP8 ragged tile and output type, e4m3 with block scales; groups of 1, 2, 3,
+    ... rows first (their first rows at every offset mod 4: A's scale boxes start at the
+    4-aligned row before), an empty group, rows past the last group."""
+    sizes = np.array([1, 2, 3, 0, 70, m // 2], np.int32)
+    g = len(sizes)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((g, n, k)) / np.sqrt(k)).astype(np.float32)
+    dtype = jnp.float8_e4m3fn
+    a, sa = (np.asarray(v) for v in jax_tma.quantize_fp8(x, (1, 128), dtype))
+    b, sb = (np.asarray(v) for v in jax_tma.quantize_fp8(w, (128, 128), dtype))
+    xd = _f64(fp8_quantize.dequantize_fp8(a, sa, (1, 128)))
+    wd = _f64(fp8_quantize.dequantize_fp8(b, sb, (128, 128)))
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    ref = np.zeros((m, n))
+    for i in range(g):
+        rows = slice(starts[i], starts[i + 1])
+        ref[rows] = xd[rows] @ wd[i].T
+    cases = []
+    for cfg in fp8_config.FP8_RAGGED_CONFIGS:
+        for out_dtype in fp8_config.OUT_DTYPES:
+            def run(cfg=cfg, out_dtype=out_dtype):
+                args = (jnp.asarray(a)[None], jnp.asarray(b)[None], jnp.asarray(sizes)[None])
+                plan = fp8_ragged.kernel_plan(*args, out_dtype)
+                return fp8_ragged._kernel_call(*args, jnp.asarray(sa)[None], jnp.asarray(sb)[None],
+                                               plan=plan, sa_block=True, sb_block=True,
+                                               out_dtype=out_dtype, config=cfg, poison=True)[0]
+            cases.append(Case(f"fp8 ragged ->{out_dtype.name} {cfg.describe()}", run, ref, 1e-2))
+    return cases
+
+
 FAMILIES = ("gemm", "dense", "ragged", "fp8")  # the first word of every case's name
 
 
@@ -267,7 +301,8 @@ def main(argv=None) -> int:
         return 1
     rng = np.random.default_rng(args.seed)
     cases = (_dense_cases(rng, 200, 320, 264) + _fused_cases(rng, 300, 328, 200)
-             + _ragged_cases(rng, 500, 192, 136, 6) + _fp8_cases(rng, 260, 776, 520))
+             + _ragged_cases(rng, 500, 192, 136, 6) + _fp8_cases(rng, 260, 776, 520)
+             + _fp8_ragged_cases(rng, 260, 776, 520))
     cases = [c for c in cases if c.name.split()[0] in only]
     outputs = jax.jit(lambda: [c.run() for c in cases])()
     failed = 0

@@ -16,8 +16,10 @@
 //
 // A's scales are read through one map over the stacked rows: a tile at a segment's first row plus
 // its own loads its rows' scales at those absolute rows (rows past the segment belong to the next
-// one, and are clipped at D's per-segment store like their products); B's map has the weight as
-// its batch coordinate, as B's own map does.
+// one, and are clipped at D's per-segment store like their products), in a box of
+// Tile::kAScaleBoxAnyRow from the 4-aligned row at or before the tile's first (a group starts at
+// any row; TMA's innermost coordinate must fall on 16 bytes); B's map has the weight as its batch
+// coordinate, as B's own map does.
 #pragma once
 
 #include <cuda.h>

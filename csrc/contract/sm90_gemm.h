@@ -79,6 +79,10 @@ struct TileConfig {
   // falls on 16 bytes; a tile up to 256 wide then spans at most blocks 0..4 of the box), in a
   // slot of 128 bytes (TMA writes shared memory at 128-byte aligned addresses).
   static constexpr int kBScaleBox = 8;
+  // A's scales come kBlockM to a stage, from the tile's first row; where a tile may start at any
+  // row (ragged rows: a group starts anywhere), kAScaleBoxAnyRow of them from the 4-aligned row
+  // at or before it, for the same reason (mainloop/sm90_tma_wgmma_fp8.cuh).
+  static constexpr int kAScaleBoxAnyRow = kBlockM + 4;
   static constexpr int kBScaleSlotBytes = 128;
   static constexpr uint32_t kTileScaleBytes =
       kElementBytes == 1 ? kBlockM * sizeof(float) + kBScaleSlotBytes : 0;

@@ -501,7 +501,8 @@ ffi::Error run_fp8(const Fp8RaggedAttrs& f, Call call, const Fp8Scales& scales) 
   call.ragged.templates[0] = &map_d;
   call.ragged.bases[0] = call.out_data;
   call.ragged.row_bytes[0] = p.n * sm90_gemm::dtype_bytes(call.out);
-  // One map of A's scales over the stacked rows (tiles read them at absolute rows, as A's), and
+  // One map of A's scales over the stacked rows (tiles read them at absolute rows, as A's, in
+  // boxes from the 4-aligned row at or before the tile's first: a group starts at any row), and
   // B's over the weights (batch coordinate: the segment's weight, as B's).
   const int64_t kb = (p.k + kScaleBlock - 1) / kScaleBlock;
   const int64_t nb = (p.n + kScaleBlock - 1) / kScaleBlock;
@@ -510,7 +511,7 @@ ffi::Error run_fp8(const Fp8RaggedAttrs& f, Call call, const Fp8Scales& scales) 
     JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(
         std::string(kFp8Op) + ", sa", &map_sa, scales.sa->untyped_data(),
         ffi_util::block_scale_spec({p.batch * p.rows, 1, "rows"}, {kb, f.sa_ld, "sa_ld"},
-                                   {1, 0, "batch"}, Tile::kBlockM)));
+                                   {1, 0, "batch"}, Tile::kAScaleBoxAnyRow)));
   }
   if (scales.sb != nullptr) {
     JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(

@@ -3,7 +3,9 @@
 // segment table and D's map per segment) with the FP8 mainloop (mainloop/sm90_tma_wgmma_fp8.cuh:
 // K slices of 128, partial sums promoted with the block scales) and the scaled epilogue of the
 // dense FP8 product (per-tensor scales). The problem is RaggedRowsGemm unchanged: its load plan's
-// absolute row and weight coordinates are what the scales' maps take too.
+// absolute row and weight coordinates are what the scales' maps take too, but a group (so a
+// tile) may start at any row, and TMA's innermost coordinate must fall on 16 bytes: the
+// mainloop's kAnyRow form loads A's scales from the 4-aligned row at or before the tile's first.
 #pragma once
 
 #include <cuda.h>
@@ -24,7 +26,9 @@ cudaError_t launch_fp8_ragged(const LaunchArgs& args, const RaggedArgs& ragged,
   cudaError_t err =
       prepare_ragged<Tile>(ragged, true, ragged_maps_per_segment(kMode), args.stream, &ws);
   if (err != cudaSuccess) return err;
-  Launcher<T, Out, Tile, LayoutNT, RaggedRowsGemm, FuseScaled, Fp8Mainloop<T, true>> launcher;
+  // Tiles start at a group's first row, anywhere: A's scales come from the 4-aligned row before.
+  Launcher<T, Out, Tile, LayoutNT, RaggedRowsGemm, FuseScaled, Fp8Mainloop<T, true, true>>
+      launcher;
   using K = typename decltype(launcher)::K;
   err = launcher.init(args.num_sms, args.stream);
   if (err != cudaSuccess) return err;

@@ -80,6 +80,20 @@ struct MainloopRegs<Mainloop, std::void_t<decltype(Mainloop::kConsumerRegs)>> {
   static_assert(kProducer + 2 * kConsumer <= 504 && kProducer % 8 == 0 && kConsumer % 8 == 0);
 };
 
+// Shared memory a mainloop's stages take beyond the tile's budget, and whether its consumers read
+// the tile's first row (kExtraSmemBytes and kAnyRowScales, where it has them: the FP8 mainloop's A
+// scales from any row); else none and no.
+template <class Mainloop, class = void>
+struct MainloopAnyRow {
+  static constexpr uint32_t kExtraSmemBytes = 0;
+  static constexpr bool kReadsRow = false;
+};
+template <class Mainloop>
+struct MainloopAnyRow<Mainloop, std::void_t<decltype(Mainloop::kExtraSmemBytes)>> {
+  static constexpr uint32_t kExtraSmemBytes = Mainloop::kExtraSmemBytes;
+  static constexpr bool kReadsRow = Mainloop::kAnyRowScales;
+};
+
 // The maps and arguments of a fused epilogue (epilogue/fusion.h), one kernel parameter: gated
 // products read B from `b` (gate) and `b2` (up); `aux` is the [M, N] operand the epilogue reads
 // (gated gradient: the gate's pre-activations, `aux2` the up's), `pre` its second output (gated:
@@ -173,10 +187,11 @@ struct Kernel {
   };
   // The base is aligned up by at most 1023 bytes inside the dynamic allocation.
   // (sizeof would count the tail padding up to the 1024-byte alignment, which is never used.)
-  // The tile's budget (contract/sm90_gemm.h), or more for the residual's ring.
+  // The tile's budget (contract/sm90_gemm.h) and what the mainloop's stages take beyond it, or
+  // more for the residual's ring.
   static constexpr uint32_t kSmemBytes =
       kAuxRing ? offsetof(SharedStorage, aux_ring) + sizeof(SharedStorage::aux_ring) + 1023
-               : Tile::kSmemBytes;
+               : Tile::kSmemBytes + MainloopAnyRow<Mainloop>::kExtraSmemBytes;
   static_assert(offsetof(SharedStorage, aux_ring) +
                     (kAuxRing ? sizeof(SharedStorage::aux_ring) : 0) + 1023 <=
                 kSmemBytes);
@@ -425,7 +440,13 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           }
         }
       };
-      K::Mainloop::mma(pipeline, read, smem.operands, a_block, w.n_block * Tile::kBlockN, count,
+      // The tile's first row in A's coordinates (the problem's load plan) only for a mainloop
+      // whose scales depend on it.
+      TileOrigin at{0, w.n_block * Tile::kBlockN, 0, 0};
+      if constexpr (MainloopAnyRow<typename K::Mainloop>::kReadsRow) {
+        at.m0 = P::load_plan(params, w, shape, &tmap_a, &tmap_b).at.m0;
+      }
+      K::Mainloop::mma(pipeline, read, smem.operands, a_block, at, count,
                        acc, hand_over, midway, mainloop);
       if constexpr (K::kStreamK) {
         if (w.piece >= 0) {

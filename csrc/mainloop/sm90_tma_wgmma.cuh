@@ -242,15 +242,16 @@ struct MainloopSm90TmaWgmma {
   static constexpr int kMidwaySlice = 4;
 
   // Consumer warpgroup: accumulate A's row block `a_block` of one output tile over `k_blocks`
-  // (>= 1) slices (`n0`, the tile's first column, is for mainloops with column-block scales).
+  // (>= 1) slices (`at`, the tile's first row and column, is for mainloops with block scales).
   // Keeps one wgmma group in flight and releases each stage as soon as the group reading it has
   // retired. `waited()` runs once the tile's last stage is known full; `midway(kb)` after each
   // slice kb >= kMidwaySlice is issued, and `midway(k_blocks)` at the end: the epilogue's
   // prefetch hook, which picks its slice (it must act once, at the end at the latest).
   template <class Waited, class Midway>
   __device__ static void mma(Pipeline& pipeline, State& read, const SharedStorage& smem,
-                             int a_block, int /*n0*/, int k_blocks, float (&acc)[kAccRegs],
-                             Waited&& waited, Midway&& midway, const Params& = {}) {
+                             int a_block, const TileOrigin& /*at*/, int k_blocks,
+                             float (&acc)[kAccRegs], Waited&& waited, Midway&& midway,
+                             const Params& = {}) {
     pipeline.consumer_wait(read);
     if (k_blocks == 1) waited();
     ptx::wgmma_fence_operands(acc);

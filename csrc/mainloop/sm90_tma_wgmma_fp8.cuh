@@ -8,7 +8,11 @@
 // same multicast of B across a cluster, same boxes past the matrix left out). Each stage also
 // receives its K slice's scales, by TMA, on the stage's full barrier:
 //   A: kBlockM fp32 from a map over [batch, K / 128, M] (M contiguous): row m's scale of the
-//      slice; a warpgroup reads the two of its thread's rows.
+//      slice; a warpgroup reads the two of its thread's rows. With kAnyRow (tiles that may start
+//      at any row: the ragged rows problem, whose groups start anywhere) the box starts at the
+//      4-aligned row at or before the tile's first and brings Tile::kAScaleBoxAnyRow scales (the
+//      16-byte rule below), and the consumers read them (first row) % 4 further in; the stage's
+//      scales then take up to 128 bytes more (kExtraSmemBytes over the ring, for the kernel).
 //   B: one 16-byte box from a map over [batch, K / 128, N / 128]: four column blocks' scales,
 //      from the 4-aligned block at or before the tile's first (a tile spans 1 or 2 of them, or
 //      half of one). NOTE: a TMA tile copy's innermost coordinate must fall on a 16-byte
@@ -51,7 +55,8 @@
 
 namespace jax_tma {
 
-template <class TA, class TB, class Tile, class Layout, bool kPromote, bool kPairedB = false>
+template <class TA, class TB, class Tile, class Layout, bool kPromote, bool kPairedB = false,
+          bool kAnyRow = false>
 struct MainloopSm90Fp8 {
   // A and B as bytes: the copies do not depend on the FP8 format, only wgmma does.
   using Operands = MainloopSm90TmaWgmma<uint8_t, Tile, Layout>;
@@ -110,9 +115,13 @@ struct MainloopSm90Fp8 {
     return quads < kPartQuads ? quads : kPartQuads;
   }
 
-  // One stage's scales; B's box fills the first kBScaleBox floats of its 128-byte slot.
+  // One stage's scales: A's box in a slot of whole 128-byte lines (TMA writes shared memory at
+  // 128-byte aligned addresses), B's box in the first kBScaleBox floats of its 128-byte slot.
+  static constexpr bool kAnyRowScales = kAnyRow;  // the consumers read the tile's first row
+  static constexpr int kAScaleBox = kAnyRow ? Tile::kAScaleBoxAnyRow : kBlockM;
+  static constexpr int kAScaleSlot = (kAScaleBox * 4 + 127) / 128 * 32;
   struct alignas(128) StageScales {
-    float a[kBlockM];
+    float a[kAScaleSlot];
     float b[Tile::kBScaleSlotBytes / sizeof(float)];
   };
   // The consumer warpgroups of a cooperative tile run apart: one may skip() a tile whose rows
@@ -122,8 +131,14 @@ struct MainloopSm90Fp8 {
     typename Operands::SharedStorage operands;
     StageScales scales[kStages];
   };
-  static_assert(sizeof(StageScales) == Tile::kTileScaleBytes);
-  static constexpr uint32_t kAScaleBytes = kBlockM * sizeof(float);
+  // Shared memory the stages take beyond the tile's budget (contract/sm90_gemm.h counts kBlockM
+  // of A's scales a stage), in whole KB (the kernel's staging follows the ring at a 1024-byte
+  // boundary).
+  static constexpr uint32_t kExtraScaleBytes = (kAScaleSlot - kBlockM) * sizeof(float);
+  static constexpr uint32_t kExtraSmemBytes = (kStages * kExtraScaleBytes + 1023) / 1024 * 1024;
+  static_assert(sizeof(StageScales) == Tile::kTileScaleBytes + kExtraScaleBytes);
+  static_assert(kAnyRow || kExtraSmemBytes == 0);
+  static constexpr uint32_t kAScaleBytes = kAScaleBox * sizeof(float);
   static constexpr uint32_t kBScaleBytes = Tile::kBScaleBox * sizeof(float);
 
   // The scales' tensor maps (kernel parameter), fp32, no swizzle, rank 3 {inner, K slice,
@@ -163,7 +178,8 @@ struct MainloopSm90Fp8 {
           StageScales& scales = smem.scales[stage];
           if (params.has_sa) {
             ptx::tma_load(scales.a, &params.sa, full,
-                          ptx::TmaCoord<3>{{plan.at.m0, kb, plan.at.batch_a}});
+                          ptx::TmaCoord<3>{{a_scale_box_origin(plan.at.m0), kb,
+                                            plan.at.batch_a}});
           }
           if (params.has_sb) {
             ptx::tma_load(scales.b, &params.sb, full,
@@ -172,6 +188,10 @@ struct MainloopSm90Fp8 {
         });
   }
 
+  // A's scale box: its first row (16-byte aligned with kAnyRow: see the header), and where in it
+  // the scales of a tile starting at row `m0` begin.
+  __device__ static int a_scale_box_origin(int m0) { return kAnyRow ? m0 & ~3 : m0; }
+  __device__ static int a_scale_offset(int m0) { return kAnyRow ? m0 & 3 : 0; }
   // B's scale box: its first column block (16-byte aligned: see the header), and where in it
   // the scales of a tile starting at column `n0` begin.
   __device__ static int b_scale_box_origin(int n0) { return (n0 / kScaleBlock) & ~3; }
@@ -200,16 +220,18 @@ struct MainloopSm90Fp8 {
     return *reinterpret_cast<float(*)[kPartRegs]>(acc + p * kPartRegs);
   }
 
-  // Consumer warpgroup: A's row block `a_block` of the output tile at column `n0` over
+  // Consumer warpgroup: A's row block `a_block` of the output tile at `at` (its first row and
+  // column in the operands' coordinates) over
   // `k_blocks` (>= 1) slices into `acc`. `waited()` runs once the tile's last stage is known
   // full; `midway(k_blocks)` (the epilogue's prefetch hook, MainloopSm90TmaWgmma::mma) once, at
   // the end: the fp8 epilogues read no operand.
   template <class Waited, class Midway>
   __device__ static void mma(Pipeline& pipeline, State& read, SharedStorage& smem,
-                             int a_block, int n0, int k_blocks, float (&acc)[kAccRegs],
+                             int a_block, const TileOrigin& at, int k_blocks,
+                             float (&acc)[kAccRegs],
                              Waited&& waited, Midway&& midway, const Params& params) {
     if constexpr (kPromote) {
-      promoted(pipeline, read, smem, a_block, n0, k_blocks, acc, waited, params);
+      promoted(pipeline, read, smem, a_block, at.m0, at.n0, k_blocks, acc, waited, params);
     } else {
       unpromoted(pipeline, read, smem, a_block, k_blocks, acc, waited);
     }
@@ -275,10 +297,12 @@ struct MainloopSm90Fp8 {
 
   template <class Waited>
   __device__ static void promoted(Pipeline& pipeline, State& read, SharedStorage& smem,
-                                  int a_block, int n0, int k_blocks, float (&acc)[kAccRegs],
+                                  int a_block, int m0, int n0, int k_blocks,
+                                  float (&acc)[kAccRegs],
                                   Waited&& waited, const Params& params) {
     // This thread's rows of the warpgroup's 64 (accumulator layout: ptx/wgmma.cuh): r, r + 8.
-    const int row = a_block * 64 + 16 * ((threadIdx.x / 32) % 4) + (threadIdx.x % 32) / 4;
+    const int row = a_scale_offset(m0) + a_block * 64 + 16 * ((threadIdx.x / 32) % 4) +
+                    (threadIdx.x % 32) / 4;
     const SliceReads at{row, b_scale_offset(n0), params.has_sa, params.has_sb};
     // Quads of the tile in its first scale block (all of them where it lies in one).
     const int split = min(kPartQuads, (kScaleBlock - n0 % kScaleBlock) / 8);
@@ -426,11 +450,11 @@ struct MainloopSm90Fp8 {
 };
 
 // The FP8 mainloop as the kernel's mainloop type (kernels/sm90_gemm_kernel.cuh): A's FP8 type is
-// the kernel's input type, B's is TB.
-template <class TB, bool kPromote = true>
+// the kernel's input type, B's is TB; kAnyRow for problems whose tiles may start at any row.
+template <class TB, bool kPromote = true, bool kAnyRow = false>
 struct Fp8Mainloop {
   template <class TA, class Tile, class Layout, bool kPairedB>
-  using Apply = MainloopSm90Fp8<TA, TB, Tile, Layout, kPromote, kPairedB>;
+  using Apply = MainloopSm90Fp8<TA, TB, Tile, Layout, kPromote, kPairedB, kAnyRow>;
 };
 
 }  // namespace jax_tma

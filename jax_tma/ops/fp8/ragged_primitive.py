@@ -146,8 +146,8 @@ def _kernel_call(x, w, gs, sa, sb, *, plan: Fp8RaggedPlan, sa_block: bool, sb_bl
     else:
         sa, row_scale = placeholder, sa.astype(f32).reshape(1)
     if sb_block:  # [Bw, G, Kb, Nb] -> [weights, Kb, Nb], Nb padded to 16 bytes
-        sb = _pad_to(sb.astype(f32).reshape(weights, kb, -1), 2, _SCALE_ROW_MULTIPLE)
-        sb, col_scale = sb, placeholder
+        sb = _pad_to(sb.astype(f32).reshape(weights, kb, nb), 2, _SCALE_ROW_MULTIPLE)
+        col_scale = placeholder
     else:
         sb, col_scale = placeholder, sb.astype(f32).reshape(1)
     i64 = np.int64

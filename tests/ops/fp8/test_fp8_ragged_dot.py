@@ -175,7 +175,8 @@ def _args(m=8, k=256, n=16, g=2, dtype=E4M3):
     (dict(rhs=np.zeros((2, 16, 256), np.float32)), TypeError, "rhs must be float8"),
     (dict(rhs=np.zeros((2, 16, 256), E5M2)), TypeError,
      "share one FP8 type, got float8_e4m3fn and float8_e5m2"),
-    (dict(rhs=np.zeros((2, 16, 128), E4M3)), ValueError, r"got shapes \(8, 256\) and \(2, 16, 128\)"),
+    (dict(rhs=np.zeros((2, 16, 128), E4M3)), ValueError,
+     r"got shapes \(8, 256\) and \(2, 16, 128\)"),
     (dict(rhs=np.zeros((16, 256), E4M3)), ValueError, r"rhs \[G, N, K\]"),
     (dict(group_sizes=np.ones((3,), np.int32)), ValueError,
      r"group_sizes must be \[G\] with G = rhs.shape\[0\] = 2, got shape \(3,\)"),
@@ -424,6 +425,21 @@ def test_kernel_matches_float64(rng, pattern, out_dtype, config):
     gs = sizes(pattern, m, g, rng)
     out = _run_kernel(xq, wq, xs, ws, gs, out_dtype, config)
     assert rel_error(out, f64_fp8_ragged(xq, wq, xs, ws, gs)) <= TOL[out_dtype]
+    assert np.all(out[int(gs.sum()):] == 0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", fp8_config.FP8_RAGGED_CONFIGS, ids=CONFIG_IDS)
+def test_kernel_groups_start_at_any_row(rng, config):
+    """Groups whose first rows fall at every offset mod 4 (A's scales are loaded from the
+    4-aligned row before a tile's first: TMA's innermost coordinate must fall on 16 bytes), with
+    row scales that differ per row, so that a scale read one row off fails the bound."""
+    m, k, n, g = 700, 384, 136, 8
+    xq, wq, xs, ws = operands(rng, m, k, n, g)
+    gs = np.array([1, 2, 3, 130, 131, 65, 66, 300], np.int32)
+    assert sorted(set(np.cumsum(gs)[:-1] % 4)) == [0, 1, 2, 3]
+    out = _run_kernel(xq, wq, xs, ws, gs, F32, config)
+    assert rel_error(out, f64_fp8_ragged(xq, wq, xs, ws, gs)) <= TOL[F32]
     assert np.all(out[int(gs.sum()):] == 0)
 
 
