@@ -350,7 +350,7 @@ def test_fp8_ragged_kernels(kernels):
     promotion), no local memory."""
     found = _fp8_kernels(kernels, "RaggedRowsGemm")
     assert len(found) == tiles.kernel_counts()["fp8_ragged"]
-    assert {_tile(n) for n in found} == {e.tile.key for e in tiles.FP8_RAGGED_TILES}
+    assert {_tile(n)[:4] for n in found} == {e.tile.key for e in tiles.FP8_RAGGED_TILES}
     for name, body in found.items():
         assert _promoted(name), name
         width = _tile(name)[1]
