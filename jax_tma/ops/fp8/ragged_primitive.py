@@ -76,6 +76,8 @@ def _reference(x, w, gs, sa, sb, *, sa_block, sb_block, out_dtype, config, local
                                          lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
     one = functools.partial(lax.ragged_dot_general, ragged_dot_dimension_numbers=dims,
                             precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    # Sizes clamped to [0, M] as the kernel reads them (lax gives negative sizes no meaning).
+    gs = jnp.clip(gs, 0, x.shape[1]).astype(gs.dtype)
     # NOTE: lax batches ragged_dot only with every operand mapped.
     out = jax.vmap(one)(x32, jnp.broadcast_to(w32, (batch, *w32.shape[1:])),
                         jnp.broadcast_to(gs, (batch, gs.shape[1])))
