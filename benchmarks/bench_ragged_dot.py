@@ -10,13 +10,15 @@ Qwen3-MoE and DeepSeek-V3 run on one GPU), with uniform group sizes and Zipf-ske
 contenders are jax_tma and lax.ragged_dot_general (Pallas's kernel has no such form); and the
 gated form (a SwiGLU expert's first half, act(x @ w_gate) * (x @ w_up), N = F): jax_tma.
 gated_ragged_dot against jax_tma's and XLA's unfused forms, two ragged_dots and one of the
-weights stored concatenated [G, K, 2F], each followed by the elementwise product.
+weights stored concatenated [G, K, 2F], each followed by the elementwise product; and the FP8
+form (1x128 / 128x128 block scales, rhs [G, N, K]): jax_tma.fp8_ragged_dot against jax_tma's
+and XLA's bf16 ragged_dot of the dequantised operands and the FP8 dense product of equal FLOPs.
 
     python benchmarks/bench_ragged_dot.py             # the suite
     python benchmarks/bench_ragged_dot.py --quick     # the first two shapes, fewer rounds
     python benchmarks/bench_ragged_dot.py --shapes 16384,4096,14336,8 --sizes zipf
     python benchmarks/bench_ragged_dot.py --form gated --shapes 16384,2048,1536,128
-    python benchmarks/bench_ragged_dot.py --only fine gated  # parts: large, fine, gated
+    python benchmarks/bench_ragged_dot.py --only fine gated  # parts: large, fine, gated, fp8
     python benchmarks/bench_ragged_dot.py --sweep     # every compiled jax_tma configuration
     python benchmarks/bench_ragged_dot.py --dry-run   # tiny shapes; runs without a GPU (CI)
 
@@ -39,6 +41,7 @@ from jax import lax
 
 import jax_tma
 from jax_tma import _ext, _timing
+from jax_tma.ops.fp8 import quantize as fp8_quantize
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _lib.harness import harness_arguments, parse_shapes, sweep_label  # noqa: E402
@@ -66,6 +69,15 @@ SUITE = [  # (M, K, N, G, sizes, form)
     (16384, 2048, 1536, 128, "uniform", "contraction"),
     (8192, 7168, 4096, 32, "uniform", "contraction"),
     (32768, 4096, 1536, 128, "zipf", "contraction"),
+    # FP8 block-scaled (fp8_ragged_dot): DeepGEMM's contiguous (8192 / 4096 rows a group) and
+    # masked-like (256 rows) cases, and fine-grained ones
+    (32768, 7168, 4096, 4, "uniform", "fp8"),
+    (32768, 2048, 7168, 8, "uniform", "fp8"),
+    (1024, 7168, 4096, 4, "uniform", "fp8"),
+    (1024, 2048, 7168, 4, "uniform", "fp8"),
+    (16384, 2048, 1536, 128, "uniform", "fp8"),
+    (32768, 7168, 4096, 128, "uniform", "fp8"),
+    (16384, 4096, 14336, 8, "zipf", "fp8"),
     # gated (SwiGLU first half), N = F
     (16384, 2048, 1536, 128, "uniform", "gated"),
     (32768, 2048, 1408, 64, "zipf", "gated"),
@@ -76,12 +88,13 @@ SUITE = [  # (M, K, N, G, sizes, form)
 # --only: the suite's large-group cases, its fine-grained ones (G >= 32 with at most 1024 rows
 # per expert), or its gated ones.
 SUBSETS = {
-    "large": lambda c: c[5] != "gated" and c[0] // c[3] > 1024,
-    "fine": lambda c: c[5] != "gated" and c[0] // c[3] <= 1024,
+    "large": lambda c: c[5] in ("rows", "contraction") and c[0] // c[3] > 1024,
+    "fine": lambda c: c[5] in ("rows", "contraction") and c[0] // c[3] <= 1024,
     "gated": lambda c: c[5] == "gated",
+    "fp8": lambda c: c[5] == "fp8",
 }
 DRY_RUN = [(256, 64, 128, 4, "uniform", "rows"), (256, 64, 128, 4, "zipf", "contraction"),
-           (256, 64, 128, 4, "zipf", "gated")]
+           (256, 64, 128, 4, "zipf", "gated"), (256, 256, 128, 4, "zipf", "fp8")]
 # Pallas ragged_dot_mgpu configurations: (block_m, block_n, block_k, max_concurrent_steps,
 # grid_block_n); those whose block_n x grid_block_n does not divide N are skipped.
 PALLAS_CONFIGS = [(128, 128, 64, 4, 1), (64, 128, 64, 4, 1), (128, 192, 64, 4, 1),
@@ -120,7 +133,7 @@ def group_sizes(kind: str, m: int, g: int, rng: np.random.Generator) -> np.ndarr
 
 def _label(case) -> str:
     m, k, n, g, sizes, form = case
-    suffix = {"rows": "", "contraction": " dW", "gated": " gated"}[form]
+    suffix = {"rows": "", "contraction": " dW", "gated": " gated", "fp8": " fp8"}[form]
     return f"{m}x{k}x{n} G={g} {sizes}{suffix}"
 
 
@@ -149,6 +162,15 @@ def _operand_sets(case, dtype, count, seed):
     for i in range(count):
         gs = jnp.asarray(group_sizes(sizes, m, g, rng))
         x = jax.random.normal(keys[2 * i], (m, k), jnp.float32).astype(dtype)
+        if form == "fp8":  # quantised operands and their scales, and their bf16 dequantised
+            w = jax.random.normal(keys[2 * i + 1], (g, n, k), jnp.float32)  # [G, N, K]
+            xq, xs = jax_tma.quantize_fp8(x.astype(jnp.float32), (1, 128))
+            wq, ws = jax_tma.quantize_fp8(w, (128, 128))
+            xb = fp8_quantize.dequantize_fp8(xq, xs, (1, 128)).astype(jnp.bfloat16)
+            wb = jnp.swapaxes(fp8_quantize.dequantize_fp8(wq, ws, (128, 128)), 1, 2).astype(
+                jnp.bfloat16)  # [G, K, N]
+            sets.append((xq, wq, xs, ws, xb, wb, gs))
+            continue
         if form == "gated":  # w_gate, w_up and the two stored concatenated [G, K, 2F]
             w = jax.random.normal(keys[2 * i + 1], (2, g, k, n), jnp.float32).astype(dtype)
             sets.append((x, w[0], w[1], jnp.concatenate([w[0], w[1]], axis=-1), gs))
@@ -169,6 +191,23 @@ def _sweep(op, configs) -> dict:
     """--sweep's contenders: `op` with the heuristic's pick, and with each of `configs`."""
     return {"jax_tma": op, **{sweep_label(cfg): functools.partial(op, config=cfg)
                               for cfg in configs}}
+
+
+def _fp8_contenders(sweep: bool):
+    """{name: fn(xq, wq, xs, ws, xb, wb, group_sizes)} of the FP8 form: the block-scaled grouped
+    kernel, the bf16 ragged products of the dequantised operands, and the FP8 dense product of
+    equal FLOPs (group 0's weights for every row)."""
+    def fp8(xq, wq, xs, ws, xb, wb, gs, **kw):
+        return jax_tma.fp8_ragged_dot(xq, wq, xs, ws, gs, **kw)
+
+    if sweep:
+        return _sweep(fp8, jax_tma.FP8_RAGGED_CONFIGS)
+    nt = (((1,), (1,)), ((), ()))
+    return {"jax_tma": fp8,
+            "jax_tma_bf16": lambda xq, wq, xs, ws, xb, wb, gs: jax_tma.ragged_dot(xb, wb, gs),
+            "xla_bf16": lambda xq, wq, xs, ws, xb, wb, gs: lax.ragged_dot(xb, wb, gs),
+            "dense": lambda xq, wq, xs, ws, xb, wb, gs: jax_tma.fp8_dot_general(
+                xq, wq[0], xs, ws[0], nt)}
 
 
 def _gated_contenders(sweep: bool):
@@ -199,6 +238,8 @@ def _contenders(case, sweep: bool = False):
     m, k, n, g, sizes, form = case
     if form == "gated":
         return _gated_contenders(sweep)
+    if form == "fp8":
+        return _fp8_contenders(sweep)
     if sweep:  # every compiled configuration, and the heuristic's pick
         op = (jax_tma.ragged_dot if form == "rows" else functools.partial(
             jax_tma.ragged_dot_general, ragged_dot_dimension_numbers=CONTRACTION_DIMS))
@@ -226,6 +267,8 @@ def min_bytes(case, itemsize: int) -> int:
         return itemsize * (m * k + g * k * n + m * n)
     if form == "gated":  # x, both weights, the [M, F] result
         return itemsize * (m * k + 2 * g * k * n + m * n)
+    if form == "fp8":  # one-byte operands, the bf16 result
+        return m * k + g * k * n + 2 * m * n
     return itemsize * (m * k + m * n + g * k * n)
 
 
@@ -305,6 +348,16 @@ def _table(rows: list[Row], env: dict, dtype: str) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     gated_lines = []
+    fp8_header = [
+        "",
+        "FP8 form, 1x128 / 128x128 block scales, e4m3 in, bf16 out (\"bf16\": ragged_dot of the "
+        "dequantised operands; dense: the FP8 block-scaled product of equal FLOPs):",
+        "",
+        "| M×K×N, G, sizes | jax_tma µs | jax_tma TFLOP/s | × jax_tma bf16 | × XLA bf16 "
+        "| dense TFLOP/s | % of dense | floor µs | % of floor |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    fp8_lines = []
     for case, found in by_case.items():
         ours, dense = found.get("jax_tma"), found.get("dense")
         if not (ours and ours.seconds):
@@ -320,6 +373,12 @@ def _table(rows: list[Row], env: dict, dtype: str) -> str:
         floor_cells = (f"{floor * 1e6:.1f} | {100 * floor / ours.seconds:.0f}" if floor
                        else "— | —")
         timed = f"{ours.seconds * 1e6:.1f} ± {ours.spread_s * 1e6:.1f}"
+        if "jax_tma_bf16" in found:  # the FP8 form
+            share = f"{100 * dense.seconds / ours.seconds:.0f}" if dense and dense.seconds else "—"
+            fp8_lines.append(
+                f"| {case} | {timed} | {tf(ours)} | {ratio(found.get('jax_tma_bf16'))} | "
+                f"{ratio(found.get('xla_bf16'))} | {tf(dense)} | {share} | {floor_cells} |")
+            continue
         if "jax_tma_two" in found:  # the gated form
             xla = [found[c] for c in ("xla_two", "xla_concat") if found.get(c)
                    and found[c].seconds]
@@ -336,6 +395,8 @@ def _table(rows: list[Row], env: dict, dtype: str) -> str:
                      f"{ratio(pallas)} | {share} | {floor_cells} |")
     if gated_lines:
         lines += gated_header + gated_lines
+    if fp8_lines:
+        lines += fp8_header + fp8_lines
     notes = [f"- {r.case} {r.contender}: {r.note}" for r in rows
              if r.note and r.contender in ("pallas_mgpu", "xla") or r.note.startswith("failed")]
     if notes:
@@ -348,8 +409,8 @@ def _plot(rows: list[Row], path: pathlib.Path, title: str) -> bool:
     if plt is None:
         return False
     cases = list(dict.fromkeys(r.case for r in rows))
-    names = [c for c in ("jax_tma", "jax_tma_two", "jax_tma_concat", "pallas_mgpu", "xla",
-                         "xla_two", "xla_concat", "dense")
+    names = [c for c in ("jax_tma", "jax_tma_two", "jax_tma_concat", "jax_tma_bf16",
+                         "pallas_mgpu", "xla", "xla_two", "xla_concat", "xla_bf16", "dense")
              if any(r.contender == c for r in rows)]
     value = {(r.case, r.contender): r.tflops() or 0.0 for r in rows}
     fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(cases)), 5))
@@ -370,7 +431,7 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="tiny shapes (no GPU needed)")
     p.add_argument("--shapes", nargs="*", metavar="M,K,N,G", help="instead of the suite")
     p.add_argument("--sizes", choices=("uniform", "zipf"), default="uniform")
-    p.add_argument("--form", choices=("rows", "contraction", "gated"), default="rows")
+    p.add_argument("--form", choices=("rows", "contraction", "gated", "fp8"), default="rows")
     p.add_argument("--only", nargs="+", choices=tuple(SUBSETS), help="parts of the suite")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--sweep", action="store_true",

@@ -856,11 +856,13 @@ def test_bench_ragged_dot_dry_run(tmp_path, sweep):
         import jax_tma
         assert names == {"jax_tma"} | {"jax_tma " + "x".join(map(str, c.tile))
                                        for c in (*jax_tma.RAGGED_CONFIGS,
-                                                 *jax_tma.GATED_RAGGED_CONFIGS)}
+                                                 *jax_tma.GATED_RAGGED_CONFIGS,
+                                                 *jax_tma.FP8_RAGGED_CONFIGS)}
     else:
         assert {"jax_tma", "xla", "dense", "jax_tma_two", "jax_tma_concat", "xla_two",
-                "xla_concat"} <= names
+                "xla_concat", "jax_tma_bf16", "xla_bf16"} <= names
         assert "| 256x64x128 G=4 zipf gated |" in result.stdout.split("Gated form")[1]
+        assert "| 256x256x128 G=4 zipf fp8 |" in result.stdout.split("FP8 form")[1]
     assert all(r["seconds"] > 0 for r in report["rows"] if r["seconds"] is not None)
 
 
