@@ -279,17 +279,12 @@ def _infer_fp8(local_op, params, mesh, arg_shapes, result_shape):
 def _partition_fp8(local_op, params, mesh, arg_shapes, result_shape):
     del result_shape
     choice = _choose_fp8(mesh, arg_shapes, params)
-    rows = arg_shapes[0].shape[1]
-    m_axes = choice["m"]
-    shard_rows = rows // math.prod(mesh.shape[a] for a in m_axes) if m_axes else rows
     keys = ("x", "w", "gs", "sa", "sb")
-    sharded = any(any(d) for key in keys for d in choice[key])
+    sharded, local_sizes = _row_shards(mesh, choice, arg_shapes[0].shape[1], keys)
     local_params = dict(params, config=None) if sharded else dict(params)
 
     def per_device(x, w, gs, sa, sb):
-        if m_axes:
-            gs = local_group_sizes(gs, rows, _shard_index(m_axes), shard_rows)
-        return local_op(x, w, gs, sa, sb, **local_params)
+        return local_op(x, w, local_sizes(gs), sa, sb, **local_params)
 
     arg_shardings = tuple(NamedSharding(mesh, _spec(choice[key])) for key in keys)
     return mesh, per_device, NamedSharding(mesh, _spec(choice["out"])), arg_shardings
