@@ -171,7 +171,7 @@ def test_is_ragged_dot_of_the_dequantised_operands(rng):
                               precision=jax.lax.Precision.HIGHEST,
                               preferred_element_type=jnp.float32)
     out = jax_tma.fp8_ragged_dot(xq, wq, xs, ws, gs, preferred_element_type=F32)
-    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * float(np.abs(want).max()))
+    assert rel_error(out, want) <= tol(F32)
 
 
 def test_jit_and_traced_group_sizes(rng):
@@ -361,6 +361,16 @@ def test_export_cpu_round_trip(rng):
     out = jax.export.deserialize(exported.serialize()).call(
         *(jax.device_put(a, cpu) for a in (xq, wq, xs, ws, gs)))
     assert rel_error(out, f64_fp8_ragged(xq, wq, xs, ws, gs)) <= tol(BF16)
+
+
+@needs_extension
+def test_export_for_cuda_holds_the_kernel():
+    """jax_tma.export_disabled_checks() covers the FP8 grouped target: the module holds one call."""
+    assert f"custom_call:{rp.KERNEL_TARGET}" in {str(c) for c in jax_tma.export_disabled_checks()}
+    exported = jax.export.export(jax.jit(jax_tma.fp8_ragged_dot), platforms=("cuda",),
+                                 disabled_checks=jax_tma.export_disabled_checks())(
+        *_lowering_args())
+    assert exported.mlir_module().count(f"custom_call @{rp.KERNEL_TARGET}(") == 1
 
 
 # ---------------------------------------------------------------- CUDA lowering (no GPU)
