@@ -14,21 +14,39 @@ with the FP8 mainloop of ``jax_tma.fp8_dot_general`` (e4m3 wgmma, partial sums p
 every 128 K with the block scales). e5m2 operands, and every other platform, compute the same in
 XLA (dequantise, fp32 ragged product). vmap folds into the kernel's batch; under a mesh the
 tokens (M) and a batch keep their sharding and the experts' weights are replicated (K, N and G
-are never split). No gradients yet (see fp8_ragged_dot).
+are never split).
+
+Gradients (DeepSeek-V3's FP8 training recipe, straight-through as ``fp8_dot_general``'s: the
+cotangents are those of the dequantised operands, returned in bf16, the scales' zero). For the
+output's cotangent dy [M, N]:
+  lhs  dx = dy @ W per group, in FP8: dy quantised per row and 128 columns (``quantize_fp8(dy,
+       (1, 128))`` in rhs's FP8 type), W as the transposed FP8 copy [G, K, N] with its 128 x 128
+       scales transposed (the same blocks), so the product is this function's own grouped kernel.
+  rhs  dW[g] = dy[rows of g]^T @ x[rows of g] ([G, N, K], rhs's layout) in bf16: the dequantised
+       rows and dy through ``jax_tma.ragged_dot_general``'s contraction form (the bf16 grouped
+       kernel; fp32 accumulation over each group's rows, one rounding).
+With ``quantize_fp8`` (straight-through) in front, ``jax.grad`` reaches the bf16 or fp32 values
+that were quantised: see ``jax_tma.moe_mlp(..., implementation="jax_tma_fp8")``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jax import lax
+
 from jax_tma import _ext
+from jax_tma._core import aval as _aval
 from jax_tma.ops.fp8.config import (FP8_DTYPES, OUT_DTYPES, SCALE_BLOCK, Fp8Config,
                                     check_ragged_config)
+from jax_tma.ops.fp8.quantize import dequantize_fp8, quantize_fp8
 from jax_tma.ops.fp8.ragged_primitive import bind
+from jax_tma.ops.ragged.api import ragged_dot_general
 
 _NAME = "jax_tma.fp8_ragged_dot"
 
@@ -81,8 +99,8 @@ def fp8_ragged_dot(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any, group_siz
       group g holding row i (the scales expanded over their blocks), summed in fp32 (on Hopper:
       promoted out of the tensor core every 128 K) and rounded once; zero past the last group.
 
-    Gradients are not defined yet: ``jax.grad`` through this function raises
-    NotImplementedError.
+    Gradients (module docstring): dx in FP8 through this kernel, dW in bf16 through the bf16
+    grouped kernel, both returned in bf16 as the dequantised operands' cotangents.
 
     Raises:
       TypeError: operands not of one FP8 type, non-integer group sizes, non-float scales.
@@ -117,9 +135,51 @@ def fp8_ragged_dot(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any, group_siz
         config = check_ragged_config(Fp8Config.coerce(config, _NAME))
     sa = jnp.asarray(lhs_scale, jnp.float32)
     sb = jnp.asarray(rhs_scale, jnp.float32)
-    sa = sa[None] if sa_block else sa.reshape(())
-    sb = sb[None] if sb_block else sb.reshape(())
+    sa = sa if sa_block else sa.reshape(())
+    sb = sb if sb_block else sb.reshape(())
     _ext.warn_if_unavailable()
-    out = bind(lhs[None], rhs[None], jnp.asarray(group_sizes)[None], sa, sb, sa_block=sa_block,
-               sb_block=sb_block, out_dtype=out_dtype, config=config)
+    return _product(lhs, rhs, sa, sb, jnp.asarray(group_sizes), sa_block, sb_block, out_dtype,
+                    config)
+
+
+def _forward(lhs, rhs, sa, sb, gs, sa_block, sb_block, out_dtype, config):
+    out = bind(lhs[None], rhs[None], gs[None], sa[None] if sa_block else sa,
+               sb[None] if sb_block else sb, sa_block=sa_block, sb_block=sb_block,
+               out_dtype=out_dtype, config=config)
     return out[0]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _product(lhs, rhs, sa, sb, gs, sa_block, sb_block, out_dtype, config):
+    return _forward(lhs, rhs, sa, sb, gs, sa_block, sb_block, out_dtype, config)
+
+
+def _product_fwd(lhs, rhs, sa, sb, gs, sa_block, sb_block, out_dtype, config):
+    out = _forward(lhs, rhs, sa, sb, gs, sa_block, sb_block, out_dtype, config)
+    return out, (lhs, rhs, sa, sb, gs)
+
+
+def _product_bwd(sa_block, sb_block, out_dtype, config, saved, ct):
+    """dx in FP8 (dy quantised per 1 x 128, W's FP8 blocks transposed), dW in bf16 (module
+    docstring)."""
+    del out_dtype, config
+    lhs, rhs, sa, sb, gs = saved
+    bf16 = jnp.bfloat16
+    m = lhs.shape[0]
+    # Sizes as the forward kernel read them (the bf16 product clamps alike on Hopper; lax, on
+    # other platforms, gives negative sizes no meaning).
+    gs = jnp.clip(gs, 0, m).astype(gs.dtype)
+    dyq, dys = quantize_fp8(ct, (1, SCALE_BLOCK), rhs.dtype)          # [M, N], [Nb, M]
+    w_t = jnp.swapaxes(rhs, 1, 2)                                    # [G, K, N]
+    s_t = jnp.swapaxes(sb, 1, 2) if sb_block else sb                 # [G, Nb, Kb]
+    d_lhs = _forward(dyq, w_t, dys, s_t, gs, True, sb_block, jnp.dtype(bf16), None)
+    x = (dequantize_fp8(lhs, sa, (1, SCALE_BLOCK)) if sa_block
+         else lhs.astype(jnp.float32) * sa).astype(bf16)
+    dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    d_rhs = ragged_dot_general(ct.astype(bf16), x, gs, dims, preferred_element_type=bf16)
+    cts = (d_lhs, d_rhs, jnp.zeros_like(sa), jnp.zeros_like(sb), None)
+    return tuple(c if c is None else _aval.sum_to_varying(c, p) for c, p in zip(cts, saved))
+
+
+_product.defvjp(_product_fwd, _product_bwd)

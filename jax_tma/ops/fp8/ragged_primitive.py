@@ -6,8 +6,9 @@ to XLA everywhere (dequantise, ``lax.ragged_dot_general`` in fp32) and, on CUDA,
 fp32 (csrc/contract/sm90_fp8_ragged_dot.h): ragged_dot's rows schedule and per-segment output
 maps, the FP8 mainloop's promotion every 128 K with the block scales, group sizes read on the
 device. Batching folds vmapped axes into the kernel's batch; sharding is ragged_dot's rows form
-with K, N and the groups whole (ragged/sharding.py). It has no differentiation rule yet: its JVP
-raises.
+with K, N and the groups whole (ragged/sharding.py). Gradients are fp8_ragged_dot's custom VJP
+(ragged.py: this primitive for dx, the bf16 grouped kernel for dW); the primitive itself has no
+JVP (forward-mode differentiation raises).
 
 Operands x [B, M, K], w [Bw, G, N, K] (one FP8 type), group sizes [Bg, G] (Bw, Bg: 1 or B), and
 the scales, each either a block scale or one fp32 value (the static ``sa_block`` / ``sb_block``
@@ -240,9 +241,8 @@ def _batch_rule(args, dims, *, sa_block, sb_block, out_dtype, config, local):
 def _jvp(primals, tangents, **params):
     del primals, tangents, params
     raise NotImplementedError(
-        "jax_tma.fp8_ragged_dot: gradients are not defined yet (no differentiation rule for "
-        "the FP8 grouped product); differentiate a bf16 jax_tma.ragged_dot of the dequantised "
-        "operands instead, or stop the gradient before fp8_ragged_dot")
+        "jax_tma.fp8_ragged_dot: forward-mode differentiation (jax.jvp, jax.jacfwd) is not "
+        "defined for the FP8 grouped product; reverse mode (jax.grad, jax.vjp) is")
 
 
 fp8_ragged_dot_p = define_primitive("jax_tma_fp8_ragged_dot", abstract_eval=_abstract_eval,

@@ -53,10 +53,9 @@ def decode(values) -> np.ndarray:
     return table[values.view(np.uint8)]
 
 
-def f64_fp8_ragged(xq, wq, xs, ws, gs) -> np.ndarray:
-    """ragged_dot of x * xs [M, K] and each group's (w * ws)^T ([N, K] stored) in float64; the
-    scales as quantize_fp8 lays them out ((1, 128): [Kb, M]; (128, 128): [G, Kb, Nb]) or one
-    value."""
+def f64_dequantised(xq, wq, xs, ws) -> tuple[np.ndarray, np.ndarray]:
+    """x * xs [M, K] and w * ws [G, N, K] in float64, decoded from the FP8 bytes; the scales as
+    quantize_fp8 lays them out ((1, 128): [Kb, M]; (128, 128): [G, Kb, Nb]) or one value."""
     x, w = decode(xq), decode(wq)
     (m, k), (g, n, _) = x.shape, w.shape
     xs, ws = np.asarray(xs, np.float64), np.asarray(ws, np.float64)
@@ -70,7 +69,12 @@ def f64_fp8_ragged(xq, wq, xs, ws, gs) -> np.ndarray:
         w = w * s[:, :n, :k]
     else:
         w = w * ws.reshape(())
-    return f64_ragged_rows(x, w, gs, w_k_major=True)
+    return x, w
+
+
+def f64_fp8_ragged(xq, wq, xs, ws, gs) -> np.ndarray:
+    """ragged_dot of the dequantised x [M, K] and each group's w^T ([N, K] stored), float64."""
+    return f64_ragged_rows(*f64_dequantised(xq, wq, xs, ws), gs, w_k_major=True)
 
 
 def sizes(pattern: str, m: int, g: int, rng) -> np.ndarray:
@@ -231,15 +235,124 @@ def test_errors_output_type_and_config():
         jax_tma.fp8_ragged_dot(*args, config=cfg)
 
 
-def test_gradients_raise_a_clear_error(rng):
+# ---------------------------------------------------------------- gradients
+
+
+def np_quantise_rows(y, dtype=E4M3):
+    """y [M, N] quantised per row and 128 columns in numpy, as DeepSeek-V3 scales activations:
+    scale = block amax / the type's largest finite value (1 for an all-zero block), values
+    rounded to nearest even; returned dequantised, in float64."""
+    y = np.asarray(y, np.float32)
+    m, n = y.shape
+    nb = -(-n // BLOCK)
+    padded = np.zeros((m, nb * BLOCK), np.float32)
+    padded[:, :n] = y
+    blocks = padded.reshape(m, nb, BLOCK)
+    amax = np.abs(blocks).max(axis=2)
+    scale = np.where(amax > 0, amax / np.float32(ml_dtypes.finfo(dtype).max), 1).astype(np.float32)
+    values = (blocks / scale[:, :, None]).astype(dtype)
+    return (values.astype(np.float64) * scale[:, :, None]).reshape(m, -1)[:, :n]
+
+
+def f64_contraction(dy, x, gs) -> np.ndarray:
+    """dw[g] = dy[rows of g]^T @ x[rows of g] in float64, [G, N, K]."""
+    dy, x = np.asarray(dy, np.float64), np.asarray(x, np.float64)
+    out = np.zeros((len(gs), dy.shape[1], x.shape[1]))
+    start = 0
+    for g, size in enumerate(np.asarray(gs)):
+        size = int(min(max(size, 0), x.shape[0] - start))
+        out[g] = dy[start:start + size].T @ x[start:start + size]
+        start += size
+    return out
+
+
+def _vjp(xq, wq, xs, ws, gs, ct):
+    fn = functools.partial(jax_tma.fp8_ragged_dot, lhs_scale=xs, rhs_scale=ws, group_sizes=gs)
+    return jax.vjp(lambda a, b: fn(a, b), jnp.asarray(xq), jnp.asarray(wq))[1](jnp.asarray(ct))
+
+
+GRAD_CASES = [(200, 300, 136, 4, "ragged"), (96, 256, 128, 3, "short"),
+              (130, 128, 72, 5, "empty_ends")]
+
+
+@pytest.mark.parametrize("blocks", [(True, True), (False, False)])
+@pytest.mark.parametrize("m,k,n,g,pattern", GRAD_CASES)
+def test_gradients_match_float64(rng, m, k, n, g, pattern, blocks):
+    """dx: dy quantised per 1 x 128 (in numpy here) against the dequantised weights, read
+    transposed; dW: dy against the dequantised rows, per group. Both bf16, the dequantised
+    operands' cotangents; rows past the last group give nothing and get zero."""
+    xq, wq, xs, ws = operands(rng, m, k, n, g, blocks=blocks)
+    gs = sizes(pattern, m, g, rng)
+    ct = rng.standard_normal((m, n)).astype(BF16)
+    dx, dw = _vjp(xq, wq, xs, ws, gs, ct)
+    assert dx.dtype == BF16 and dx.shape == (m, k) and dw.dtype == BF16 and dw.shape == (g, n, k)
+    x64, w64 = f64_dequantised(xq, wq, xs, ws)
+    want_dx = f64_ragged_rows(np_quantise_rows(ct), w64, gs)  # w [G, N, K] read as [G, K, N]^T
+    assert rel_error(dx, want_dx) <= tol(BF16)
+    assert rel_error(dw, f64_contraction(ct, x64, gs)) <= tol(BF16)
+    used = int(np.sum(gs))
+    assert not np.any(np.asarray(dx[used:], np.float32))
+    # FP8 dy loses ~2 % (e4m3's 3 mantissa bits): dx is the exact gradient up to that.
+    assert rel_error(dx, f64_ragged_rows(ct, w64, gs)) <= 0.05
+
+
+def test_gradients_of_sizes_past_the_rows(rng):
+    """Sizes summing past M and negative ones are clamped as the forward pass reads them."""
+    m, k, n, g = 64, 128, 64, 3
+    xq, wq, xs, ws = operands(rng, m, k, n, g)
+    gs = np.array([40, -5, 50], np.int32)
+    clamped = np.array([40, 0, 24], np.int32)
+    ct = rng.standard_normal((m, n)).astype(BF16)
+    dx, dw = _vjp(xq, wq, xs, ws, gs, ct)
+    x64, w64 = f64_dequantised(xq, wq, xs, ws)
+    assert rel_error(dx, f64_ragged_rows(np_quantise_rows(ct), w64, clamped)) <= tol(BF16)
+    assert rel_error(dw, f64_contraction(ct, x64, clamped)) <= tol(BF16)
+
+
+def test_grad_through_quantize_fp8_reaches_the_float_operands(rng):
+    """quantize_fp8 -> fp8_ragged_dot differentiates end to end (quantisation straight through):
+    jax.grad gives x's and w's gradients in their own types, and the scales none."""
+    m, k, n, g = 96, 256, 128, 3
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((g, n, k)) * 0.05, jnp.float32)
+    gs = np.array([30, 0, 50], np.int32)
+    ct = rng.standard_normal((m, n)).astype(np.float32)
+
+    def loss(x, w):
+        xq, xs = jax_tma.quantize_fp8(x, (1, 128))
+        wq, ws = jax_tma.quantize_fp8(w, (128, 128))
+        y = jax_tma.fp8_ragged_dot(xq, wq, xs, ws, gs, preferred_element_type=F32)
+        return jnp.sum(y * ct)
+
+    dx, dw = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, w)
+    assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    xq, xs = jax_tma.quantize_fp8(x, (1, 128))
+    wq, ws = jax_tma.quantize_fp8(w, (128, 128))
+    x64, w64 = f64_dequantised(xq, wq, xs, ws)
+    assert rel_error(dx, f64_ragged_rows(np_quantise_rows(ct), w64, gs)) <= tol(BF16)
+    assert rel_error(dw, f64_contraction(ct.astype(BF16), x64, gs)) <= tol(BF16)
+
+
+def test_vmap_of_gradients_matches_a_loop(rng):
+    m, k, n, g = 64, 128, 64, 2
+    xq, wq, xs, ws = operands(rng, m, k, n, g)
+    gs = np.array([20, 30], np.int32)
+    cts = rng.standard_normal((3, m, n)).astype(BF16)
+    fn = functools.partial(jax_tma.fp8_ragged_dot, lhs_scale=xs, rhs_scale=ws, group_sizes=gs)
+    _, pullback = jax.vjp(lambda a, b: fn(a, b), jnp.asarray(xq), jnp.asarray(wq))
+    dxs, dws = jax.vmap(pullback)(jnp.asarray(cts))
+    for i in range(3):
+        dx, dw = pullback(jnp.asarray(cts[i]))
+        np.testing.assert_array_equal(np.asarray(dxs[i], np.float32), np.asarray(dx, np.float32))
+        assert rel_error(dws[i], dw) <= 1e-2
+
+
+def test_forward_mode_raises_a_clear_error(rng):
     xq, wq, xs, ws = operands(rng, 16, 128, 16, 2)
     gs = np.array([10, 6], np.int32)
-
-    def loss(sa):
-        return jnp.sum(jax_tma.fp8_ragged_dot(xq, wq, sa, ws, gs).astype(jnp.float32))
-
-    with pytest.raises(NotImplementedError, match="fp8_ragged_dot: gradients are not defined"):
-        jax.grad(loss)(jnp.asarray(xs))
+    fn = functools.partial(jax_tma.fp8_ragged_dot, lhs_scale=xs, rhs_scale=ws, group_sizes=gs)
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(lambda a: fn(a, jnp.asarray(wq)), (jnp.asarray(xq),), (jnp.asarray(xq),))
 
 
 # ---------------------------------------------------------------- the primitive's rules
@@ -393,6 +506,23 @@ def test_cuda_lowering_calls_the_kernel_once(out_dtype):
     args = _lowering_args()
     hlo = cuda_hlo(fn, args[0], args[1], _spec((), F32), _spec((), F32), args[4])
     assert target_calls(hlo, rp.KERNEL_TARGET) == 1
+
+
+@needs_extension
+def test_cuda_lowering_of_the_gradients():
+    """Differentiated through quantize_fp8: the forward and dx products on the FP8 grouped
+    kernel, dW on the bf16 grouped kernel (contraction form), nothing else."""
+    m, k, n, g = 4096, 2048, 1536, 8
+
+    def loss(x, w, gs):
+        xq, xs = jax_tma.quantize_fp8(x, (1, 128))
+        wq, ws = jax_tma.quantize_fp8(w, (128, 128))
+        return jnp.sum(jax_tma.fp8_ragged_dot(xq, wq, xs, ws, gs).astype(jnp.float32))
+
+    hlo = cuda_hlo(jax.value_and_grad(loss, argnums=(0, 1)), _spec((m, k), BF16),
+                   _spec((g, n, k), BF16), _spec((g,), np.int32))
+    assert target_calls(hlo, rp.KERNEL_TARGET) == 2
+    assert target_calls(hlo, "jax_tma_ragged_dot_sm90") == 1
 
 
 @needs_extension
