@@ -198,8 +198,9 @@ class MoE(nn.Module):
     nothing; a float caps each expert's rows, see jax_tma.moe_mlp for what is dropped);
     expert_axis (a mesh axis: experts and tokens sharded over it, tokens exchanged with
     all_to_all; the expert parameters are annotated with it for nn.get_partition_spec);
-    mesh (default: the one set with jax.set_mesh); implementation ("jax_tma" or "xla":
-    lax.ragged_dot, for comparisons); kernel_init (experts); router_init.
+    mesh (default: the one set with jax.set_mesh); implementation ("jax_tma", "jax_tma_fp8":
+    the expert products in FP8 as jax_tma.moe_mlp says, or "xla": lax.ragged_dot, for
+    comparisons); kernel_init (experts); router_init.
     """
 
     num_experts: int

@@ -19,6 +19,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import jax_tma
 import jax_tma.flax as jtf
+from jax_tma.ops.fp8 import ragged_primitive as fp8r
 from jax_tma.ops.ragged import gated_primitive as gp, primitive as rd
 from support import cuda_hlo, needs_extension, rel_error, target_calls
 
@@ -310,6 +311,8 @@ def test_expert_parallel_exchange_is_capacity_sized(rng):
     (dict(top_k=2, capacity_factor=float("nan")), "capacity_factor must be None"),
     (dict(top_k=2, implementation="pallas"), "implementation must be one of"),
     (dict(top_k=2, dtype=jnp.int8), "dtype must be floating"),
+    (dict(top_k=2, dtype=jnp.float16, implementation="jax_tma_fp8"),
+     "'jax_tma_fp8' computes in bfloat16 or float32.*float16"),
 ])
 def test_bad_options(kwargs, message, rng):
     x, router, w_up, w_down, w_gate = _operands(rng, 16, 8, 4, 8)
@@ -458,6 +461,98 @@ def test_gpu_bf16_step_runs_kernel(rng):
     (_, xla_grads) = jax.jit(_step_fn("xla"))(*args)
     for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), grads, xla_grads):
         assert rel_error(g, w) <= 3e-2, name
+
+
+# ---------------------------------------------------------------- FP8 experts
+# implementation="jax_tma_fp8": e4m3 rows (1 x 128) and weights (128 x 128) at every product,
+# each rounding to 3 mantissa bits ~2-3 % relative at random data; a gated expert's path rounds
+# four operands so: 5-6.5 % from the exact float64 layer here (forward and gradients). The bound
+# leaves room for that and not for a misplaced block, scale or weight (errors of order 1).
+FP8_TOL = 0.1
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_fp8_experts_match_float64(gated, rng):
+    x, router, w_up, w_down, w_gate = _routable_operands(rng, 160, 256, 8, 192, top_k=2)
+    w_gate = w_gate if gated else None
+    act = "silu" if gated else "gelu"
+    for dtype, tol in ((jnp.float32, FP8_TOL), (jnp.bfloat16, FP8_TOL + 1e-2)):
+        y, stats = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=2, activation=act,
+                                   dtype=dtype, implementation="jax_tma_fp8")
+        want, want_stats = reference(x, router, w_up, w_down, w_gate, top_k=2, activation=act)
+        assert y.dtype == dtype and y.shape == x.shape
+        assert rel_error(y, want) <= tol
+        _check_stats(stats, want_stats)
+    bf16_y, _ = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=2, activation=act,
+                                dtype=jnp.float32)
+    assert rel_error(y, bf16_y) > 1e-4  # the FP8 products ran: their rounding shows
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_fp8_gradients_match_dense_form(gated, rng):
+    x, router, w_up, w_down, w_gate = _routable_operands(rng, 128, 256, 8, 128, top_k=2)
+    w_gate = w_gate if gated else None
+    act = "silu" if gated else "gelu"
+    cotangent = jnp.asarray(rng.standard_normal(x.shape).astype(F32))
+    args = (x, router, w_up, w_down) + ((w_gate,) if gated else ())
+
+    def ours(x, router, w_up, w_down, w_gate=None):
+        y, _ = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=2, activation=act,
+                               dtype=jnp.float32, implementation="jax_tma_fp8")
+        return jnp.sum(y * cotangent)
+
+    def dense(x, router, w_up, w_down, w_gate=None):
+        y, _ = dense_form(x, router, w_up, w_down, w_gate, top_k=2, activation=act)
+        return jnp.sum(y * cotangent)
+
+    argnums = tuple(range(len(args)))
+    got = jax.jit(jax.grad(ours, argnums))(*args)
+    want = jax.jit(jax.grad(dense, argnums))(*args)
+    for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), got, want):
+        assert g.dtype == w.dtype, name
+        assert rel_error(g, w) <= 2 * FP8_TOL, name  # a product more on each gradient's path
+
+
+def test_fp8_expert_parallel_matches_one_device(rng):
+    x, router, w_up, w_down, w_gate = _routable_operands(rng, 128, 256, 8, 128, top_k=2)
+    kw = dict(top_k=2, dtype=jnp.float32, implementation="jax_tma_fp8")
+    want, _ = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, **kw)
+    with jax.set_mesh(_cpu_mesh((4,), ("ep",))):
+        got, _ = jax.jit(lambda *a: jax_tma.moe_mlp(*a, expert_axis="ep", **kw))(
+            x, router, w_up, w_down, w_gate)
+    # The same rows quantised alike on either side: only summation order differs.
+    assert rel_error(_host(got)[0], want) <= 1e-5
+
+
+@needs_extension
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
+def test_fp8_cuda_lowering_kernel_calls(gated):
+    """FP8 experts: forward, the up (gated: gate and up together) and the down product on the
+    FP8 grouped kernel; backward, each one's input gradient on it too and each one's weight
+    gradient on the bf16 grouped kernel: 4 FP8 calls and 2 ragged_dot calls."""
+    specs = [jax.ShapeDtypeStruct(s, F32) for s in
+             ((512, 256), (256, 8), (8, 256, 128), (8, 128, 256), (8, 256, 128))]
+    hlo = cuda_hlo(_step_fn("jax_tma_fp8", gated), *(specs if gated else specs[:4]))
+    assert _kernel_calls(hlo, fp8r.KERNEL_TARGET) == 4
+    assert _kernel_calls(hlo) == 2
+    assert _kernel_calls(hlo, gp.KERNEL_TARGET) == 0
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_step_runs_kernel(rng):
+    x, router, w_up, w_down, w_gate = _routable_operands(rng, 2048, 256, 16, 512, top_k=2)
+    args = tuple(jnp.asarray(a) for a in (x, router, w_up, w_down, w_gate))
+    step = jax.jit(_step_fn("jax_tma_fp8"))
+    compiled = step.lower(*args).compile().as_text()
+    assert (_kernel_calls(compiled, fp8r.KERNEL_TARGET), _kernel_calls(compiled)) == (4, 2)
+    y, _ = jax.jit(lambda *a: jax_tma.moe_mlp(*a, top_k=2, dtype=jnp.bfloat16,
+                                              implementation="jax_tma_fp8"))(*args)
+    want, _ = reference(x, router, w_up, w_down, w_gate, top_k=2)
+    assert rel_error(y, want) <= FP8_TOL + 1e-2
+    (_, grads) = step(*args)
+    (_, xla_grads) = jax.jit(_step_fn("xla"))(*args)
+    for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), grads, xla_grads):
+        assert rel_error(g, w) <= 2 * FP8_TOL, name
 
 
 def test_nnx_layer_expert_parallel(rng, exact_f32):
