@@ -324,11 +324,14 @@ def _table(rows: list[Row], env: dict, dtype: str) -> str:
         f"timing: {env['timing']}; floor = the longer of the dense product of equal FLOPs and "
         f"the fewest bytes at the peak DRAM bandwidth"
         + (f" ({bw / 1e12:.2f} TB/s)" if bw else ""),
+    ]
+    rows_header = [
         "",
         "| M×K×N, G, sizes | jax_tma µs | jax_tma TFLOP/s | XLA TFLOP/s | Pallas TFLOP/s | dense TFLOP/s "
         "| × XLA | × Pallas | % of dense | floor µs | % of floor |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows_lines = []
     bandwidth = env.get("peak_dram_bytes_per_s")
     by_case: dict = {}
     for r in rows:
@@ -390,9 +393,11 @@ def _table(rows: list[Row], env: dict, dtype: str) -> str:
             continue
         xla, pallas = found.get("xla"), found.get("pallas_mgpu")
         share = f"{100 * dense.seconds / ours.seconds:.0f}" if dense and dense.seconds else "—"
-        lines.append(f"| {case} | {timed} | "
+        rows_lines.append(f"| {case} | {timed} | "
                      f"{tf(ours)} | {tf(xla)} | {tf(pallas)} | {tf(dense)} | {ratio(xla)} | "
                      f"{ratio(pallas)} | {share} | {floor_cells} |")
+    if rows_lines:
+        lines += rows_header + rows_lines
     if gated_lines:
         lines += gated_header + gated_lines
     if fp8_lines:
