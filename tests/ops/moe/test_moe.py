@@ -8,6 +8,7 @@ and on a Hopper GPU that step."""
 from __future__ import annotations
 
 import math
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -553,6 +554,37 @@ def test_gpu_fp8_step_runs_kernel(rng):
     (_, xla_grads) = jax.jit(_step_fn("xla"))(*args)
     for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), grads, xla_grads):
         assert rel_error(g, w) <= 2 * FP8_TOL, name
+
+
+def _example():
+    """examples/flax_moe.py as a module."""
+    import sys  # noqa: PLC0415
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[3] / "examples"))
+    import flax_moe  # noqa: PLC0415
+    return flax_moe
+
+
+@needs_extension
+def test_fp8_example_step_kernel_calls():
+    """examples/flax_moe.py --fp8's training step lowers to the calls the example expects: the
+    gate-and-up and the down product and the down product's input gradient in FP8, the two
+    weight gradients on the bf16 grouped kernel (the rows come from data: no input gradient)."""
+    flax_moe = _example()
+    s = flax_moe.setup(tokens=256, d_model=128, d_ff=128, experts=4, top_k=2, fp8=True)
+    hlo = jax.jit(s.step).trace(s.params, s.opt_state, *s.batches[0]).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert (_kernel_calls(hlo, fp8r.KERNEL_TARGET), _kernel_calls(hlo)) == (3, 2)
+    assert _kernel_calls(hlo, gp.KERNEL_TARGET) == 0
+    assert flax_moe.expected_kernel_calls(fp8=True) == 5
+
+
+def test_fp8_example_tracks_the_bf16_layer():
+    flax_moe = _example()
+    kw = dict(tokens=256, d_model=128, d_ff=128, experts=4, top_k=2, dtype="bf16")
+    fp8 = flax_moe.run(flax_moe.setup(fp8=True, **kw), 20)
+    bf16 = flax_moe.run(flax_moe.setup(**kw), 20)
+    assert fp8[-1] < 0.8 * fp8[0]
+    assert flax_moe.max_relative_difference(fp8, bf16) <= flax_moe.FP8_TOLERANCE
 
 
 def test_nnx_layer_expert_parallel(rng, exact_f32):
