@@ -106,6 +106,30 @@ def f64_act_grad(name, z):
     raise ValueError(name)
 
 
+def group_sizes(pattern: str, m: int, g: int, rng) -> np.ndarray:
+    """int32 sizes of g groups over m rows in a named pattern."""
+    if pattern == "uniform":
+        s = np.full(g, m // g)
+        s[: m % g] += 1
+    elif pattern == "ragged":  # random sizes, one zero, none a multiple of the tile
+        s = rng.multinomial(m, rng.dirichlet(np.ones(g) * 0.7))
+        s[rng.integers(0, g)] = 0
+    elif pattern == "short":  # sum < m: the rows after the last group are zero
+        s = rng.multinomial(m - m // 3, np.ones(g) / g)
+    elif pattern == "one":  # every row in one group, the others empty
+        s = np.zeros(g, int)
+        s[g // 2] = m
+    elif pattern == "empty_ends":  # the first and last groups empty
+        s = np.zeros(g, int)
+        s[1:-1] = rng.multinomial(m, np.ones(g - 2) / (g - 2))
+    elif pattern == "zipf":
+        weights = 1.0 / np.arange(1, g + 1) ** 1.2
+        s = rng.multinomial(m, weights / weights.sum())
+    else:
+        raise ValueError(pattern)
+    return s.astype(np.int32)
+
+
 def f64_ragged_rows(x, w, gs, w_k_major=False):
     """out[rows of g] = x[rows of g] @ w[g] in float64 (w [G, K, N], or [G, N, K] with
     w_k_major); rows past the last group zero."""
@@ -117,5 +141,18 @@ def f64_ragged_rows(x, w, gs, w_k_major=False):
     for g, size in enumerate(np.asarray(gs)):
         size = int(min(max(size, 0), x.shape[0] - start))
         out[start:start + size] = x[start:start + size] @ w[g]
+        start += size
+    return out
+
+
+def f64_ragged_contraction(x, dy, gs):
+    """out[g] = x[rows of g]^T @ dy[rows of g] in float64 (sizes clamped as the kernels read
+    them)."""
+    x, dy = np.asarray(x, np.float64), np.asarray(dy, np.float64)
+    out = np.zeros((len(gs), x.shape[1], dy.shape[1]))
+    start = 0
+    for g, size in enumerate(np.asarray(gs)):
+        size = int(min(max(size, 0), x.shape[0] - start))
+        out[g] = x[start:start + size].T @ dy[start:start + size]
         start += size
     return out

@@ -25,7 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_tma
 from jax_tma.ops.fp8 import config as fp8_config
 from jax_tma.ops.fp8 import ragged_primitive as rp
-from support import cpu_mesh, cuda_hlo, f64_ragged_rows, needs_extension, rel_error, target_calls
+from support import (cpu_mesh, cuda_hlo, f64_ragged_contraction, f64_ragged_rows, group_sizes,
+                     needs_extension, rel_error, target_calls)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -77,20 +78,6 @@ def f64_fp8_ragged(xq, wq, xs, ws, gs) -> np.ndarray:
     return f64_ragged_rows(*f64_dequantised(xq, wq, xs, ws), gs, w_k_major=True)
 
 
-def sizes(pattern: str, m: int, g: int, rng) -> np.ndarray:
-    if pattern == "ragged":  # random sizes, one zero, none a multiple of the tile
-        s = rng.multinomial(m, rng.dirichlet(np.ones(g) * 0.7))
-        s[rng.integers(0, g)] = 0
-    elif pattern == "short":  # sum < m: the rows after the last group are zero
-        s = rng.multinomial(m - m // 3, np.ones(g) / g)
-    elif pattern == "empty_ends":  # the first and last groups empty
-        s = np.zeros(g, int)
-        s[1:-1] = rng.multinomial(m, np.ones(g - 2) / (g - 2))
-    else:
-        raise ValueError(pattern)
-    return s.astype(np.int32)
-
-
 def operands(rng, m, k, n, g, dtype=E4M3, blocks=(True, True)):
     """Quantised operands and their scales: block scales as quantize_fp8 writes them, or (where
     `blocks` says no) one scale per tensor. Rows and weights span several binades so that the
@@ -113,7 +100,7 @@ CASES = [(200, 300, 200, 4, "ragged"), (77, 128, 64, 3, "short"),
 
 
 def _case_sizes(pattern, m, g, rng):
-    return np.array([1], np.int32) if pattern == "one" else sizes(pattern, m, g, rng)
+    return np.array([1], np.int32) if pattern == "one" else group_sizes(pattern, m, g, rng)
 
 
 @pytest.mark.parametrize("out_dtype", [BF16, F32])
@@ -144,7 +131,7 @@ def test_sizes_are_clamped(rng, gs):
 def test_per_tensor_scales(rng, blocks):
     m, k, n, g = 96, 200, 72, 3
     xq, wq, xs, ws = operands(rng, m, k, n, g, blocks=blocks)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     out = jax_tma.fp8_ragged_dot(xq, wq, xs, ws, gs, preferred_element_type=F32)
     assert rel_error(out, f64_fp8_ragged(xq, wq, xs, ws, gs)) <= tol(F32)
     # One value as a Python float or a [1, 1] array too.
@@ -159,7 +146,7 @@ def test_per_tensor_scales(rng, blocks):
 def test_e5m2(rng):
     m, k, n, g = 64, 256, 128, 2
     xq, wq, xs, ws = operands(rng, m, k, n, g, E5M2)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     out = jax_tma.fp8_ragged_dot(xq, wq, xs, ws, gs)
     assert rel_error(out, f64_fp8_ragged(xq, wq, xs, ws, gs)) <= tol(BF16)
 
@@ -168,7 +155,7 @@ def test_is_ragged_dot_of_the_dequantised_operands(rng):
     """The definition, in lax: ragged_dot of the dequantised fp32 operands, rhs as [G, K, N]."""
     m, k, n, g = 100, 384, 96, 4
     xq, wq, xs, ws = operands(rng, m, k, n, g)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     x = jax_tma.ops.fp8.quantize.dequantize_fp8(xq, xs, (1, 128))
     w = jax_tma.ops.fp8.quantize.dequantize_fp8(wq, ws, (128, 128))
     want = jax.lax.ragged_dot(x, jnp.swapaxes(w, 1, 2), jnp.asarray(gs),
@@ -181,7 +168,7 @@ def test_is_ragged_dot_of_the_dequantised_operands(rng):
 def test_jit_and_traced_group_sizes(rng):
     m, k, n, g = 48, 128, 32, 3
     xq, wq, xs, ws = operands(rng, m, k, n, g)
-    gs = sizes("short", m, g, rng)
+    gs = group_sizes("short", m, g, rng)
     out = jax.jit(jax_tma.fp8_ragged_dot)(xq, wq, xs, ws, jnp.asarray(gs))
     assert rel_error(out, f64_fp8_ragged(xq, wq, xs, ws, gs)) <= tol(BF16)
 
@@ -254,18 +241,6 @@ def np_quantise_rows(y, dtype=E4M3):
     return (values.astype(np.float64) * scale[:, :, None]).reshape(m, -1)[:, :n]
 
 
-def f64_contraction(dy, x, gs) -> np.ndarray:
-    """dw[g] = dy[rows of g]^T @ x[rows of g] in float64, [G, N, K]."""
-    dy, x = np.asarray(dy, np.float64), np.asarray(x, np.float64)
-    out = np.zeros((len(gs), dy.shape[1], x.shape[1]))
-    start = 0
-    for g, size in enumerate(np.asarray(gs)):
-        size = int(min(max(size, 0), x.shape[0] - start))
-        out[g] = dy[start:start + size].T @ x[start:start + size]
-        start += size
-    return out
-
-
 def _vjp(xq, wq, xs, ws, gs, ct):
     fn = functools.partial(jax_tma.fp8_ragged_dot, lhs_scale=xs, rhs_scale=ws, group_sizes=gs)
     return jax.vjp(lambda a, b: fn(a, b), jnp.asarray(xq), jnp.asarray(wq))[1](jnp.asarray(ct))
@@ -282,14 +257,14 @@ def test_gradients_match_float64(rng, m, k, n, g, pattern, blocks):
     transposed; dW: dy against the dequantised rows, per group. Both bf16, the dequantised
     operands' cotangents; rows past the last group give nothing and get zero."""
     xq, wq, xs, ws = operands(rng, m, k, n, g, blocks=blocks)
-    gs = sizes(pattern, m, g, rng)
+    gs = group_sizes(pattern, m, g, rng)
     ct = rng.standard_normal((m, n)).astype(BF16)
     dx, dw = _vjp(xq, wq, xs, ws, gs, ct)
     assert dx.dtype == BF16 and dx.shape == (m, k) and dw.dtype == BF16 and dw.shape == (g, n, k)
     x64, w64 = f64_dequantised(xq, wq, xs, ws)
     want_dx = f64_ragged_rows(np_quantise_rows(ct), w64, gs)  # w [G, N, K] read as [G, K, N]^T
     assert rel_error(dx, want_dx) <= tol(BF16)
-    assert rel_error(dw, f64_contraction(ct, x64, gs)) <= tol(BF16)
+    assert rel_error(dw, f64_ragged_contraction(ct, x64, gs)) <= tol(BF16)
     used = int(np.sum(gs))
     assert not np.any(np.asarray(dx[used:], np.float32))
     # FP8 dy loses ~2 % (e4m3's 3 mantissa bits): dx is the exact gradient up to that.
@@ -306,7 +281,7 @@ def test_gradients_of_sizes_past_the_rows(rng):
     dx, dw = _vjp(xq, wq, xs, ws, gs, ct)
     x64, w64 = f64_dequantised(xq, wq, xs, ws)
     assert rel_error(dx, f64_ragged_rows(np_quantise_rows(ct), w64, clamped)) <= tol(BF16)
-    assert rel_error(dw, f64_contraction(ct, x64, clamped)) <= tol(BF16)
+    assert rel_error(dw, f64_ragged_contraction(ct, x64, clamped)) <= tol(BF16)
 
 
 def test_grad_through_quantize_fp8_reaches_the_float_operands(rng):
@@ -330,7 +305,7 @@ def test_grad_through_quantize_fp8_reaches_the_float_operands(rng):
     wq, ws = jax_tma.quantize_fp8(w, (128, 128))
     x64, w64 = f64_dequantised(xq, wq, xs, ws)
     assert rel_error(dx, f64_ragged_rows(np_quantise_rows(ct), w64, gs)) <= tol(BF16)
-    assert rel_error(dw, f64_contraction(ct.astype(BF16), x64, gs)) <= tol(BF16)
+    assert rel_error(dw, f64_ragged_contraction(ct.astype(BF16), x64, gs)) <= tol(BF16)
 
 
 def test_vmap_of_gradients_matches_a_loop(rng):
@@ -375,7 +350,7 @@ def test_vmap_matches_a_loop(rng):
     v, m, k, n, g = 3, 40, 200, 48, 3
     ops = [operands(rng, m, k, n, g) for _ in range(v)]
     xq, wq, xs, ws = (np.stack([o[i] for o in ops]) for i in range(4))
-    gs = np.stack([sizes("ragged", m, g, rng) for _ in range(v)])
+    gs = np.stack([group_sizes("ragged", m, g, rng) for _ in range(v)])
     # shared weights and their scales
     out = jax.vmap(jax_tma.fp8_ragged_dot, in_axes=(0, None, 0, None, 0))(xq, wq[0], xs, ws[0],
                                                                          gs)
@@ -398,7 +373,7 @@ def test_vmap_of_per_tensor_scales(rng):
     xq, wq, _, ws = operands(rng, m, k, n, g, blocks=(False, True))
     sa = np.array([0.5, 3.0], np.float32)
     sb = np.array([2.0, 0.25], np.float32)
-    gs = sizes("short", m, g, rng)
+    gs = group_sizes("short", m, g, rng)
     fn = jax.vmap(lambda a, b: jax_tma.fp8_ragged_dot(xq, wq, a, b, gs,
                                                       preferred_element_type=F32))
     out = fn(sa, sb)
@@ -431,7 +406,7 @@ def test_sharded_tokens_match_float64(rng, x_spec, s_spec):
     mesh = cpu_mesh((4, 2), ("x", "y"))
     m, k, n, g = 64, 256, 48, 5
     xq, wq, xs, ws = operands(rng, m, k, n, g)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     put = lambda a, s: jax.device_put(jnp.asarray(a), NamedSharding(mesh, s))  # noqa: E731
     out = jax.jit(jax_tma.fp8_ragged_dot)(put(xq, x_spec), put(wq, P()), put(xs, s_spec),
                                           put(ws, P()), jnp.asarray(gs))
@@ -443,7 +418,7 @@ def test_sharded_with_per_tensor_scales(rng, blocks):
     mesh = cpu_mesh((8,), ("x",))
     m, k, n, g = 64, 200, 40, 3
     xq, wq, xs, ws = operands(rng, m, k, n, g, blocks=blocks)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     xs_spec = P(None, "x") if blocks[0] else P()
     put = lambda a, s: jax.device_put(jnp.asarray(a), NamedSharding(mesh, s))  # noqa: E731
     out = jax.jit(jax_tma.fp8_ragged_dot)(put(xq, P("x", None)), wq, put(xs, xs_spec), ws,
@@ -456,7 +431,7 @@ def test_sharded_weights_are_gathered(rng):
     mesh = cpu_mesh((2, 4), ("x", "y"))
     m, k, n, g = 32, 512, 64, 2
     xq, wq, xs, ws = operands(rng, m, k, n, g)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     put = lambda a, s: jax.device_put(jnp.asarray(a), NamedSharding(mesh, s))  # noqa: E731
     out = jax.jit(jax_tma.fp8_ragged_dot)(put(xq, P()), put(wq, P(None, "x", "y")), xs, ws,
                                           jnp.asarray(gs))
@@ -467,7 +442,7 @@ def test_export_cpu_round_trip(rng):
     """Without the extension too: exported for cpu, the primitive's local lowering."""
     m, k, n, g = 24, 136, 16, 2
     xq, wq, xs, ws = operands(rng, m, k, n, g)
-    gs = sizes("short", m, g, rng)
+    gs = group_sizes("short", m, g, rng)
     exported = jax.export.export(jax.jit(jax_tma.fp8_ragged_dot), platforms=("cpu",))(
         *(_spec(a.shape, a.dtype) for a in (xq, wq, xs, ws, gs)))
     cpu = jax.devices("cpu")[0]
@@ -584,7 +559,7 @@ def test_kernel_matches_float64(rng, pattern, out_dtype, config):
     sizes summing to less than M (rows past them zero), K and N not multiples of 128."""
     m, k, n, g = 1000, 1000, 328, 7
     xq, wq, xs, ws = operands(rng, m, k, n, g)
-    gs = sizes(pattern, m, g, rng)
+    gs = group_sizes(pattern, m, g, rng)
     out = _run_kernel(xq, wq, xs, ws, gs, out_dtype, config)
     assert rel_error(out, f64_fp8_ragged(xq, wq, xs, ws, gs)) <= KERNEL_TOL[out_dtype]
     assert np.all(out[int(gs.sum()):] == 0)
@@ -618,7 +593,7 @@ def test_kernel_groups_start_at_any_row(rng, config):
 def test_kernel_per_tensor_scales(rng, blocks, config):
     m, k, n, g = 300, 384, 256, 4
     xq, wq, xs, ws = operands(rng, m, k, n, g, blocks=blocks)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     out = _run_kernel(xq, wq, xs, ws, gs, F32, config, *blocks)
     assert rel_error(out, f64_fp8_ragged(xq, wq, xs, ws, gs)) <= KERNEL_TOL[F32]
 
@@ -630,7 +605,7 @@ def test_kernel_edge_sizes_match_float64(rng, m, k, n, g):
     """One row; K of 16 (one partial slice); N padded to 8 (1000: a ragged last column block);
     many groups of a few row blocks each."""
     xq, wq, xs, ws = operands(rng, m, k, n, g)
-    gs = sizes("short", m, g, rng) if m > 1 else np.array([1], np.int32)
+    gs = group_sizes("short", m, g, rng) if m > 1 else np.array([1], np.int32)
     out = _run_kernel(xq, wq, xs, ws, gs, BF16, None)
     assert rel_error(out, f64_fp8_ragged(xq, wq, xs, ws, gs)) <= KERNEL_TOL[BF16]
     assert np.all(out[int(gs.sum()):] == 0)
@@ -642,7 +617,7 @@ def test_kernel_vmap_matches_float64(rng):
     v, m, k, n, g = 3, 257, 512, 192, 4
     ops = [operands(rng, m, k, n, g) for _ in range(v)]
     xq, wq, xs, ws = (np.stack([o[i] for o in ops]) for i in range(4))
-    gs = np.stack([sizes("ragged", m, g, rng) for _ in range(v)])
+    gs = np.stack([group_sizes("ragged", m, g, rng) for _ in range(v)])
     for in_axes, pick in (((0, None, 0, None, 0), lambda i: 0), ((0, 0, 0, 0, 0), lambda i: i)):
         out = jax.jit(jax.vmap(jax_tma.fp8_ragged_dot, in_axes=in_axes))(
             xq, wq if pick(1) else wq[0], xs, ws if pick(1) else ws[0], gs)
@@ -656,7 +631,7 @@ def test_kernel_vmap_matches_float64(rng):
 def test_kernel_is_deterministic(rng, config):
     m, k, n, g = 2000, 1024, 384, 16
     xq, wq, xs, ws = operands(rng, m, k, n, g)
-    gs = jnp.asarray(sizes("ragged", m, g, rng))
+    gs = jnp.asarray(group_sizes("ragged", m, g, rng))
     fn = jax.jit(functools.partial(jax_tma.fp8_ragged_dot, config=config))
     first = np.asarray(fn(xq, wq, xs, ws, gs))
     for _ in range(3):

@@ -24,8 +24,8 @@ from jax_tma.ops.ragged import config as rd_config
 from jax_tma.ops.ragged import gated_primitive as gp
 from jax_tma.ops.ragged import primitive as rd
 from jax_tma.ops.ragged import sharding as ragged_sharding
-from support import (REPO, cpu_mesh, cuda_hlo, f64_ragged_rows, needs_extension, random_array,
-                     rel_error, target_calls)
+from support import (REPO, cpu_mesh, cuda_hlo, f64_ragged_contraction, f64_ragged_rows,
+                     group_sizes, needs_extension, random_array, rel_error, target_calls)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -37,39 +37,6 @@ CONTRACTION_DIMS = lax.RaggedDotDimensionNumbers(
 ROWS_KN_DIMS = lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
     rhs_group_dimensions=[0])
-
-
-def f64_ragged_contraction(x, dy, gs):
-    """out[g] = x[rows of g]^T @ dy[rows of g] in float64."""
-    x, dy = np.asarray(x, np.float64), np.asarray(dy, np.float64)
-    out = np.zeros((len(gs), x.shape[1], dy.shape[1]))
-    start = 0
-    for g, size in enumerate(np.asarray(gs)):
-        size = int(min(max(size, 0), x.shape[0] - start))
-        out[g] = x[start:start + size].T @ dy[start:start + size]
-        start += size
-    return out
-
-
-def sizes(pattern: str, m: int, g: int, rng) -> np.ndarray:
-    """Group sizes of a named pattern for m rows and g groups."""
-    if pattern == "uniform":
-        s = np.full(g, m // g)
-        s[: m % g] += 1
-    elif pattern == "ragged":  # random sizes, some zero, none a multiple of the tile
-        s = rng.multinomial(m, rng.dirichlet(np.ones(g) * 0.7))
-        s[rng.integers(0, g)] = 0
-    elif pattern == "short":  # sum < m: the rows after the last group are zero
-        s = rng.multinomial(m - m // 3, np.ones(g) / g)
-    elif pattern == "one":  # every row in one group, the others empty
-        s = np.zeros(g, int)
-        s[g // 2] = m
-    elif pattern == "zipf":
-        weights = 1.0 / np.arange(1, g + 1) ** 1.2
-        s = rng.multinomial(m, weights / weights.sum())
-    else:
-        raise ValueError(pattern)
-    return s.astype(np.int32)
 
 
 # ---------------------------------------------------------------- lax parity (CPU)
@@ -90,7 +57,7 @@ def test_matches_lax_and_float64(rng, m, k, n, g, dtype, out_dtype, request):
     if dtype == F32:
         request.getfixturevalue("exact_f32")
     x, w = random_array(rng, (m, k), dtype), random_array(rng, (g, k, n), dtype)
-    gs = sizes("ragged" if g > 1 else "uniform", m, g, rng)
+    gs = group_sizes("ragged" if g > 1 else "uniform", m, g, rng)
     ours = jax_tma.ragged_dot(x, w, gs, preferred_element_type=out_dtype)
     ref = lax.ragged_dot(x, w, gs, preferred_element_type=out_dtype)
     assert (ours.shape, ours.dtype) == (ref.shape, ref.dtype)
@@ -101,7 +68,7 @@ def test_matches_lax_and_float64(rng, m, k, n, g, dtype, out_dtype, request):
 @pytest.mark.parametrize("pattern", ["ragged", "short", "one"])
 def test_contraction_and_k_major_forms_match_lax(rng, pattern):
     m, k, n, g = 48, 16, 24, 5
-    gs = sizes(pattern, m, g, rng)
+    gs = group_sizes(pattern, m, g, rng)
     x, dy = random_array(rng, (m, k), BF16), random_array(rng, (m, n), BF16)
     ours = jax_tma.ragged_dot_general(x, dy, gs, CONTRACTION_DIMS)
     ref = lax.ragged_dot_general(x, dy, gs, CONTRACTION_DIMS)
@@ -179,7 +146,7 @@ def test_check_grads_order_2(rng, mode, w_k_major, on_cpu):
     on an H100 missed the order-2 check by 1.8% even under default_matmul_precision("highest")
     (the kernel's gradients are checked on the GPU by the tests below)."""
     b, m, k, n, g = 2, 12, 4, 6, 3
-    gs = np.stack([sizes("ragged", m, g, rng), sizes("short", m, g, rng)])
+    gs = np.stack([group_sizes("ragged", m, g, rng), group_sizes("short", m, g, rng)])
     x = random_array(rng, (b, m, k), F32)
     if mode == rd_config.ROWS:
         w = random_array(rng, (1, g, n, k) if w_k_major else (1, g, k, n), F32)
@@ -192,7 +159,7 @@ def test_check_grads_order_2(rng, mode, w_k_major, on_cpu):
 def test_grads_match_lax(rng):
     m, k, n, g = 40, 16, 24, 4
     x, w = random_array(rng, (m, k), F16), random_array(rng, (g, k, n), F16)
-    gs = sizes("short", m, g, rng)
+    gs = group_sizes("short", m, g, rng)
 
     def loss(fn):
         return lambda x, w: jnp.sum(fn(x, w, gs).astype(jnp.float32) ** 2)
@@ -209,8 +176,8 @@ def test_vmap_matches_lax(rng, in_axes):
     v, m, k, n, g = 3, 24, 8, 16, 4
     x = random_array(rng, (v, m, k) if in_axes[0] == 0 else (m, k), BF16)
     w = random_array(rng, (v, g, k, n) if in_axes[1] == 0 else (g, k, n), BF16)
-    gs = (np.stack([sizes("ragged", m, g, rng) for _ in range(v)]) if in_axes[2] == 0
-          else sizes("ragged", m, g, rng))
+    gs = (np.stack([group_sizes("ragged", m, g, rng) for _ in range(v)]) if in_axes[2] == 0
+          else group_sizes("ragged", m, g, rng))
     ours = jax.vmap(jax_tma.ragged_dot, in_axes=in_axes)(x, w, gs)
     bcast = lambda a, ax: a if ax == 0 else np.broadcast_to(a, (v, *a.shape))  # noqa: E731
     ref = jax.vmap(lax.ragged_dot)(bcast(x, in_axes[0]), bcast(w, in_axes[1]),
@@ -223,7 +190,7 @@ def test_nested_vmap_matches_lax(rng):
     m, k, n, g = 16, 8, 8, 2
     x = random_array(rng, (2, 3, m, k), BF16)
     w = random_array(rng, (g, k, n), BF16)
-    gs = np.stack([[sizes("ragged", m, g, rng) for _ in range(3)] for _ in range(2)])
+    gs = np.stack([[group_sizes("ragged", m, g, rng) for _ in range(3)] for _ in range(2)])
     ours = jax.vmap(jax.vmap(jax_tma.ragged_dot, in_axes=(0, None, 0)), in_axes=(0, None, 0))(
         x, w, gs)
     for i in range(2):
@@ -241,7 +208,7 @@ def test_sharded_matches_unsharded(rng, x_spec, w_spec):
     mesh = cpu_mesh((4, 2), ("x", "y"))
     m, k, n, g = 64, 16, 32, 5
     x, w = random_array(rng, (m, k), F32).astype(BF16), random_array(rng, (g, k, n), BF16)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     xs = jax.device_put(jnp.asarray(x), NamedSharding(mesh, x_spec))
     ws = jax.device_put(jnp.asarray(w), NamedSharding(mesh, w_spec))
     out = jax.jit(jax_tma.ragged_dot)(xs, ws, jnp.asarray(gs))
@@ -333,7 +300,7 @@ def test_kernel_rows_match_float64(rng, pattern, config):
     m, k, n, g = 1000, 256, 384, 7
     dtype = BF16 if pattern in ("ragged", "one") else F16
     x, w = random_array(rng, (m, k), dtype), random_array(rng, (g, k, n), dtype)
-    gs = sizes(pattern, m, g, rng)
+    gs = group_sizes(pattern, m, g, rng)
     out = _run_kernel(x, w, gs, rd_config.ROWS, False, dtype, config)[0]
     assert rel_error(out, f64_ragged_rows(x, w, gs)) <= TOL[dtype]
     assert np.all(out[int(gs.sum()):] == 0)
@@ -371,7 +338,7 @@ def test_kernel_pairs_row_blocks_across_groups(rng, config, case):
 def test_kernel_rows_k_major_weights_and_fp32_out(rng, config, out_dtype):
     m, k, n, g = 777, 192, 320, 5
     x, w = random_array(rng, (m, k), BF16), random_array(rng, (g, n, k), BF16)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     out = _run_kernel(x, w, gs, rd_config.ROWS, True, out_dtype, config)[0]
     assert rel_error(out, f64_ragged_rows(x, w, gs, w_k_major=True)) <= TOL[out_dtype]
 
@@ -383,7 +350,7 @@ def test_kernel_contraction_matches_float64(rng, pattern, config):
     m, k, n, g = 1500, 320, 256, 6
     dtype = F16 if pattern == "zipf" else BF16
     x, dy = random_array(rng, (m, k), dtype), random_array(rng, (m, n), dtype)
-    gs = sizes(pattern, m, g, rng)
+    gs = group_sizes(pattern, m, g, rng)
     out = _run_kernel(x, dy, gs, rd_config.CONTRACTION, False, F32, config)[0]
     ref = f64_ragged_contraction(x, dy, gs)
     assert rel_error(out, ref) <= TOL[F32] * 10
@@ -396,7 +363,7 @@ def test_kernel_contraction_matches_float64(rng, pattern, config):
                                      (5, 8, 8, 4), (20000, 128, 128, 2)])
 def test_kernel_edge_sizes_match_float64(rng, m, k, n, g):
     x, w = random_array(rng, (m, k), BF16), random_array(rng, (g, k, n), BF16)
-    gs = sizes("ragged" if g > 1 else "uniform", m, g, rng)
+    gs = group_sizes("ragged" if g > 1 else "uniform", m, g, rng)
     out = jax.jit(jax_tma.ragged_dot)(x, w, gs)
     assert rel_error(out, f64_ragged_rows(x, w, gs)) <= TOL[BF16]
     dy = random_array(rng, (m, n), BF16)
@@ -410,7 +377,7 @@ def test_kernel_edge_sizes_match_float64(rng, m, k, n, g):
 def test_kernel_batched_matches_float64(rng):
     v, m, k, n, g = 3, 700, 128, 192, 6
     x, w = random_array(rng, (v, m, k), BF16), random_array(rng, (v, g, k, n), BF16)
-    gs = np.stack([sizes(p, m, g, rng) for p in ("ragged", "short", "one")])
+    gs = np.stack([group_sizes(p, m, g, rng) for p in ("ragged", "short", "one")])
     out = np.asarray(jax.jit(jax.vmap(jax_tma.ragged_dot))(x, w, gs))
     shared = np.asarray(jax.jit(jax.vmap(jax_tma.ragged_dot, in_axes=(0, None, 0)))(x, w[0], gs))
     for i in range(v):
@@ -422,7 +389,7 @@ def test_kernel_batched_matches_float64(rng):
 def test_kernel_grads_match_float64(rng):
     m, k, n, g = 1024, 256, 128, 8
     x, w = random_array(rng, (m, k), BF16), random_array(rng, (g, k, n), BF16)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     dy = random_array(rng, (m, n), BF16)
     _, vjp = jax.vjp(lambda x, w: jax_tma.ragged_dot(x, w, gs), x, w)
     dx, dw = jax.jit(vjp)(jnp.asarray(dy))
@@ -437,7 +404,7 @@ def test_kernel_grads_match_float64(rng):
 def test_kernel_is_deterministic(rng, config):
     m, k, n, g = 2000, 512, 512, 16
     x, w = random_array(rng, (m, k), BF16), random_array(rng, (g, k, n), BF16)
-    gs = jnp.asarray(sizes("zipf", m, g, rng))
+    gs = jnp.asarray(group_sizes("zipf", m, g, rng))
     f = jax.jit(functools.partial(jax_tma.ragged_dot, config=config))
     first = np.asarray(f(x, w, gs))
     for _ in range(3):
@@ -486,7 +453,7 @@ def test_export_round_trip(rng):
     back): the CUDA branch holds the kernel, the CPU branch computes lax.ragged_dot's values."""
     m, k, n, g = 48, 16, 24, 3
     x, w = random_array(rng, (m, k), BF16), random_array(rng, (g, k, n), BF16)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     exported = jax.export.export(jax.jit(jax_tma.ragged_dot), platforms=("cpu", "cuda"),
                                  disabled_checks=jax_tma.export_disabled_checks())(
         _spec((m, k), BF16), _spec((g, k, n), BF16), _spec((g,), np.int32))
