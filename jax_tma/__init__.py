@@ -17,6 +17,9 @@ Public API:
   gated_ragged_dot(x, w_gate, w_up, group_sizes, activation): ``act(ragged_dot(x, w_gate)) *
     ragged_dot(x, w_up)`` (the SwiGLU / GeGLU experts' first half) in one grouped kernel with
     the gated epilogue, with its gradients.
+  gated_ragged_mlp(x, w_gate, w_up, w_down, group_sizes, activation): every expert's gated MLP
+    (gated_ragged_dot, then ragged_dot by w_down) whose backward writes the gate's and the up's
+    cotangents from the epilogue of dy @ w_down^T.
   moe_mlp(x, router_kernel, w_up, w_down, w_gate, top_k=...): a Mixture-of-Experts MLP (routing,
     sorting by expert, the experts on the grouped kernel, combine; expert parallelism over a
     mesh axis), returning the output and the router's MoeStats.
@@ -53,6 +56,7 @@ from jax_tma.ops.moe.api import MoeStats, moe_mlp
 from jax_tma.ops.ragged.api import ragged_dot, ragged_dot_general
 from jax_tma.ops.ragged.config import GATED_RAGGED_CONFIGS, RAGGED_CONFIGS
 from jax_tma.ops.ragged.gated import gated_ragged_dot
+from jax_tma.ops.ragged.gated_mlp import gated_ragged_mlp
 
 __version__ = "0.1.0"
 
@@ -78,6 +82,7 @@ __all__ = [
     "gated_dense",
     "gated_mlp",
     "gated_ragged_dot",
+    "gated_ragged_mlp",
     "GATED_RAGGED_CONFIGS",
     "kernel_status",
     "matmul",

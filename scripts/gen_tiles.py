@@ -78,7 +78,7 @@ def header() -> str:
     ]
     seen = {}
     for entries in (tiles.GEMM_TILES, tiles.RAGGED_TILES, tiles.RAGGED_GATED_TILES,
-                    tiles.DENSE_TILES, tiles.DENSE_NARROW_TILES, tiles.DENSE_RING_TILES,
+                    tiles.RAGGED_GATED_GRAD_TILES, tiles.DENSE_TILES, tiles.DENSE_NARROW_TILES, tiles.DENSE_RING_TILES,
                     tiles.FP8_TILES, tiles.FP8_RAGGED_TILES):
         for e in entries:
             seen.setdefault(e.tile.cxx, e.tile)
@@ -119,6 +119,17 @@ def header() -> str:
                   [f"X(TILE, LayoutNN, {f})" for f in tiles.RAGGED_GATED_FUSIONS])
     out += ["#define JAX_TMA_SM90_RAGGED_GATED_KERNELS(X) "
             "JAX_TMA_SM90_RAGGED_GATED_TILES(JAX_TMA_SM90_RAGGED_GATED_FUSIONS, X)", ""]
+
+    # Gated ragged gradient: X(tile, LayoutNT, fusion).
+    out += _why_table("Gated ragged gradient tiles (gated_ragged_mlp's backward):",
+                      tiles.RAGGED_GATED_GRAD_TILES)
+    out += _comment(tiles.RAGGED_GATED_GRAD_NOTE, first="NOTE: ")
+    out += _macro("JAX_TMA_SM90_RAGGED_GATED_GRAD_TILES(X, ARG)",
+                  [f"X(ARG, {e.tile.cxx})" for e in tiles.RAGGED_GATED_GRAD_TILES])
+    out += _macro("JAX_TMA_SM90_RAGGED_GATED_GRAD_FUSIONS(X, TILE)",
+                  [f"X(TILE, LayoutNT, {f})" for f in tiles.RAGGED_GATED_GRAD_FUSIONS])
+    out += ["#define JAX_TMA_SM90_RAGGED_GATED_GRAD_KERNELS(X) "
+            "JAX_TMA_SM90_RAGGED_GATED_GRAD_TILES(JAX_TMA_SM90_RAGGED_GATED_GRAD_FUSIONS, X)", ""]
 
     # Dense: X(tile, layout, fusion), per fusion group (one instantiation file each).
     notes = {"dense": tiles.DENSE_TILES_NOTE, "narrow": tiles.DENSE_NARROW_NOTE,
@@ -198,6 +209,14 @@ def instantiation(unit) -> str:
         params = "TILE, LAYOUT, FUSION"
         body = [f"template cudaError_t launch_ragged_gated<{t[0]}, TILE, LAYOUT, FUSION>(",
                 "    const LaunchArgs&, const RaggedArgs&, const CUtensorMap&, bool);"]
+    elif unit.op == "ragged_gated_grad":
+        what = (f"the gated gradient grouped (ragged) products for {_names(unit.types)} inputs "
+                "and outputs: every (tile, fusion)")
+        include = "kernels/sm90_ragged_dot.cuh"
+        macro = "JAX_TMA_SM90_RAGGED_GATED_GRAD_KERNELS"
+        params = "TILE, LAYOUT, FUSION"
+        body = [f"template cudaError_t launch_ragged_gated_grad<{t[0]}, TILE, LAYOUT, FUSION>(",
+                "    const LaunchArgs&, const RaggedArgs&);"]
     elif unit.op == "dense":
         what = (f"the {unit.group} fused dense products for {_names(unit.types)} inputs and "
                 "output: every (tile, layout, fusion) of the group")

@@ -18,6 +18,13 @@
 //                                  N-major (LayoutNN), out [batch, M, F]; optionally the two
 //                                  pre-activations as second outputs pre [2, batch, M, F], clipped
 //                                  per segment like out. Rows past the last group are zero.
+//   gated gradient rows mode (gated_ragged_mlp's backward):
+//                                  dh = dy[b, rows of g] @ w_down[b or -, g]^T, w_down [G, F, D]
+//                                  read K-major (LayoutNT), dy [batch, M, D]; from the saved
+//                                  pre-activations gate and up [batch, M, F] of the same rows,
+//                                  out (the gate's cotangent) = dh * up * act'(gate) and d_up
+//                                  = dh * act(gate), both [batch, M, F]; rows past the last
+//                                  group are zero in both.
 // Group g's rows start after groups 0..g-1's; sizes are clamped to [0, M] and the running sum
 // to M (a sum past M cuts the last groups short).
 #pragma once
@@ -46,7 +53,10 @@ inline constexpr int ragged_maps_per_segment(RaggedMode mode) {
 // The gated rows mode's: D's, then the gate's and the up's pre-activations (the epilogue finds
 // a segment's second outputs in the maps after its D's).
 inline constexpr int kRaggedGatedMapsPerSegment = 3;
-inline constexpr int kRaggedMaxMapsPerSegment = 3;
+// The gated gradient rows mode's: D's (the gate's cotangent), the up's cotangent's, then the
+// gate's and the up's pre-activations' (read by the epilogue warps, cut like D's).
+inline constexpr int kRaggedGatedGradMapsPerSegment = 4;
+inline constexpr int kRaggedMaxMapsPerSegment = 4;
 inline constexpr int64_t kRaggedMapBytes = 128;
 inline constexpr int64_t kRaggedSegmentBytes = 16;  // RaggedSegment
 inline constexpr int64_t kRaggedAlign = 128;        // tensormap.replace edits aligned maps
@@ -76,8 +86,9 @@ struct RaggedArgs {
   int batch;
   int rows;  // M, rows of each batch entry
   // The maps the prepare kernel edits per segment (address and row extent): rows mode D's
-  // (map 0), contraction mode A's and B's, gated rows mode D's and the two pre-activations';
-  // `bases` and `row_bytes` of their tensors.
+  // (map 0), contraction mode A's and B's, gated rows mode D's and the two pre-activations',
+  // gated gradient rows mode D's, the up's cotangent's and the two pre-activations'; `bases`
+  // and `row_bytes` of their tensors.
   const CUtensorMap* templates[kRaggedMaxMapsPerSegment];
   const void* bases[kRaggedMaxMapsPerSegment];
   int64_t row_bytes[kRaggedMaxMapsPerSegment];
@@ -103,5 +114,17 @@ cudaError_t launch_ragged(const LaunchArgs& args, const RaggedArgs& ragged);
 template <class In, class Tile, class Layout, class Fusion>
 cudaError_t launch_ragged_gated(const LaunchArgs& args, const RaggedArgs& ragged,
                                 const CUtensorMap& up, bool store_pre);
+
+// The gated gradient rows mode's kernels, JAX_TMA_SM90_RAGGED_GATED_GRAD_KERNELS(X), X(tile,
+// layout, fusion) with the gated gradient fusions of contract/sm90_dense.h, are in
+// contract/sm90_tiles.generated.h.
+
+// Defined in sm90_ragged_gated_grad_<in>.cu for every (Tile, Layout, Fusion) of
+// JAX_TMA_SM90_RAGGED_GATED_GRAD_KERNELS, output type = input type. `args` as launch_ragged's
+// rows mode with A = dy and B = w_down read K-major; `ragged.templates` D's (the gate's
+// cotangent), the up's cotangent's and the gate's and the up's pre-activations' maps, the last
+// three in boxes of half D's rows (the epilogue warps move them half a chunk at a time).
+template <class In, class Tile, class Layout, class Fusion>
+cudaError_t launch_ragged_gated_grad(const LaunchArgs& args, const RaggedArgs& ragged);
 
 }  // namespace jax_tma::sm90_gemm

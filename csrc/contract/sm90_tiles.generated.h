@@ -139,6 +139,18 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
   X(TILE, LayoutNN, GatedGeluErf)
 #define JAX_TMA_SM90_RAGGED_GATED_KERNELS(X) JAX_TMA_SM90_RAGGED_GATED_TILES(JAX_TMA_SM90_RAGGED_GATED_FUSIONS, X)
 
+// Gated ragged gradient tiles (gated_ragged_mlp's backward):
+//   Tile128x256  every gated MoE backward: the dense gated gradient's ring tile
+// NOTE: the gated gradient needs the epilogue warps' ring for its two pre-activations, which only
+// the 128 x 256 tile's shared memory holds beside its stages (as the dense gated gradient); not the
+// exact GELU (its erff spilled in the warps' registers there): XLA computes that backward.
+#define JAX_TMA_SM90_RAGGED_GATED_GRAD_TILES(X, ARG) \
+  X(ARG, Tile128x256)
+#define JAX_TMA_SM90_RAGGED_GATED_GRAD_FUSIONS(X, TILE) \
+  X(TILE, LayoutNT, GatedGradSilu)                      \
+  X(TILE, LayoutNT, GatedGradGeluTanh)
+#define JAX_TMA_SM90_RAGGED_GATED_GRAD_KERNELS(X) JAX_TMA_SM90_RAGGED_GATED_GRAD_TILES(JAX_TMA_SM90_RAGGED_GATED_GRAD_FUSIONS, X)
+
 // Dense tiles (jax_tma.DENSE_CONFIGS: forward, gradient and gated fusions):
 //   Tile128x256  large fused products, with stream-K (bench_epilogues, bench_mlp_block)
 //   Tile128x128  narrow N, with stream-K

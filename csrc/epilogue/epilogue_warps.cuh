@@ -19,7 +19,9 @@
 // the gated gradient's pair of them fills both slots, and its second output leaves from the up's
 // slot. Where D's maps lie in global memory, one per segment of a grouped product
 // (kSegmentMaps > 0: kernels/sm90_gemm_problems.cuh), the issuing thread acquires each before
-// its stores, and a gated block's pre-activations leave through the maps after its D's.
+// its stores, and a gated block's pre-activations leave through the maps after its D's; a gated
+// gradient block's up cotangent leaves through the map after D's, and its pre-activations
+// arrive through the two after that.
 #pragma once
 
 #include <cuda.h>
@@ -43,8 +45,9 @@ namespace jax_tma {
 
 // What a consumer warpgroup hands over: a staged block to store at `to`, a block past D's rows
 // (nothing to store: handed over so that both warpgroups hand over as many, but on a CTA's last
-// tile, where it is not), or the end.
-enum class StagedBlock : int { kStore, kSkip, kEnd };
+// tile, where it is not), a staged block of zeros to store as it is to D and every second output
+// (a gated gradient's tile with nothing to contract), or the end.
+enum class StagedBlock : int { kStore, kSkip, kZeros, kEnd };
 struct StagedSlot {
   StorePlan to;
   StagedBlock kind;
@@ -117,17 +120,21 @@ struct EpilogueWarps {
   }
 
   // Every thread of consumer warpgroup `warpgroup`: hand over a block of zeros to be stored at
-  // `to` (a work tile with nothing to contract). Only for the gated fusion, whose output and
-  // pre-activations of zeros are zeros: written into the staging buffers in place of the
-  // accumulators (which, written on this path, would serialise the tile's wgmma).
+  // `to` (a work tile with nothing to contract), written into the staging buffers in place of
+  // the accumulators (which, written on this path, would serialise the tile's wgmma). The gated
+  // fusion's output and pre-activations of zeros are zeros (it runs as on any block); the gated
+  // gradient's two cotangents are stored as zeros without reading the pre-activations (rows past
+  // the last group: zero whatever they hold).
   __device__ static void hand_off_zeros(SharedStorage& smem,
                                         typename Handoff::SharedStorage& slot,
                                         const StorePlan& to, int warpgroup) {
-    static_assert(F::kGated, "a zero block's fusion must give zeros");
+    static_assert(F::kGated || F::kKind == FusionKind::kGatedGrad,
+                  "a zero block's fusion must give zeros");
+    constexpr Block kZeroBlock = F::kGated ? Block::kStore : Block::kZeros;
     const Handoff handoff = staged_handoff(warpgroup, kThreads);
     const bool store = to.row < to.rows;
     handoff.acquire();
-    if (threadIdx.x % 128 == 0) slot.slot = Slot{to, store ? Block::kStore : Block::kSkip};
+    if (threadIdx.x % 128 == 0) slot.slot = Slot{to, store ? kZeroBlock : Block::kSkip};
     if (store) {
       constexpr int kUnits16 = kChunks * Stage::kChunkBytes / 16;
       for (int u = threadIdx.x % 128; u < kUnits16; u += 128) {
@@ -429,6 +436,35 @@ struct EpilogueWarps {
     }
   }
 
+  // Issuer, a gated gradient's block of zeros (staged by hand_off_zeros): each chunk within D's
+  // columns to D and, a half at a time (its map's boxes are half D's rows), to the up's
+  // cotangent `d_up`.
+  __device__ static void store_zero_grads(SharedStorage& smem, const StorePlan& to,
+                                          const CUtensorMap* d_up) {
+    const int halves = rows_within(to) > kHalfRows ? 2 : 1;
+#pragma unroll 1
+    for (int c = 0; chunk_within(c, to); ++c) {
+      const ptx::TmaCoord<4> at{{to.col + 64 * c, to.row, to.batch, to.split}};
+      ptx::tma_store(to.d, smem.buffer[c], at);
+      for (int h = 0; h < halves; ++h) {
+        ptx::tma_store(d_up, smem.buffer[c] + h * kHalfBytes,
+                       ptx::TmaCoord<4>{{at.c[0], at.c[1] + kHalfRows * h, at.c[2], at.c[3]}});
+      }
+    }
+    StorePipeline::producer_commit();
+  }
+
+  // The gated gradient's operands of the block at `to`: the kernel's maps, or the segment's
+  // after its D's (the up's cotangent, then the gate's and the up's pre-activations).
+  __device__ static Operands gated_grad_operands(const Operands& in, const StorePlan& to) {
+    if constexpr (kSegmentMaps > 0) {
+      static_assert(kSegmentMaps == 4, "D's, the up cotangent's and two pre-activations' maps");
+      return Operands{in.args, to.d + 2, to.d + 3, to.d + 1, in.pre2};
+    } else {
+      return in;
+    }
+  }
+
   // Issuer: chunks `first`, `first` + `step`, ... to `map`, the i-th at D column to.col + 64 i
   // (those past D's columns left out), as one store group.
   __device__ static void store(const CUtensorMap* map, SharedStorage& smem, const StorePlan& to,
@@ -456,7 +492,7 @@ struct EpilogueWarps {
     const FusionArgs& args = in.args;
     if constexpr (F::kKind == FusionKind::kGatedGrad) {
       // Handed over only with the pre-activations' ring (Kernel::kAuxRing); stores itself.
-      gated_grad(smem, to, in, t, barrier, *ring, loads);
+      gated_grad(smem, to, gated_grad_operands(in, to), t, barrier, *ring, loads);
       return;
     } else if constexpr (F::kGated) {
       if (args.store_pre) {  // the staged gate and up chunks as they are
@@ -551,12 +587,23 @@ struct EpilogueWarps {
         const Slot slot = slots[w].slot;
         if (slot.kind == Block::kEnd) {
           open[w] = false;
-        } else if (slot.kind == Block::kStore) {
+        } else if (slot.kind != Block::kSkip) {
           if constexpr (kSegmentMaps > 0) {
             if (t == 0 && slot.to.d != acquired) {
-              const int maps = in.args.store_pre ? kSegmentMaps : 1;
+              // (A gated gradient reads and writes through all of the segment's maps.)
+              const int maps = in.args.store_pre || F::kKind == FusionKind::kGatedGrad
+                                   ? kSegmentMaps
+                                   : 1;
               for (int i = 0; i < maps; ++i) ptx::fence_tensormap_acquire(slot.to.d + i);
               acquired = slot.to.d;
+            }
+          }
+          if constexpr (F::kKind == FusionKind::kGatedGrad) {
+            if (slot.kind == Block::kZeros) {
+              if (t == 0) {
+                store_zero_grads(staging[w], slot.to, gated_grad_operands(in, slot.to).pre);
+              }
+              continue;
             }
           }
           finish(staging[w], slot.to, in, barrier, t, ring, loads);

@@ -22,6 +22,8 @@ NB_MODULE(_jax_tma, m) {
     targets["jax_tma_ragged_dot_sm90"] = handler_capsule(jax_tma::ffi_handlers::RaggedDotSm90);
     targets["jax_tma_gated_ragged_dot_sm90"] =
         handler_capsule(jax_tma::ffi_handlers::GatedRaggedDotSm90);
+    targets["jax_tma_gated_ragged_grad_sm90"] =
+        handler_capsule(jax_tma::ffi_handlers::GatedRaggedGradSm90);
     targets["jax_tma_fp8_ragged_dot_sm90"] =
         handler_capsule(jax_tma::ffi_handlers::Fp8RaggedDotSm90);
     return targets;

@@ -19,6 +19,14 @@
 //   workspace (ragged_workspace_bytes with three maps per segment). out and pre are the inputs'
 //   type; activation: 2 gelu (tanh), 3 gelu (erf), 4 silu (epilogue/fusion.h).
 //
+// The gated gradient rows mode (jax_tma_gated_ragged_grad_sm90), the rows mode's checks and
+// maps with the gated gradient's epilogue (gated_ragged_mlp's backward):
+//   dy [batch, rows, k], w_down [groups or batch x groups, n, k] (K-major), group_sizes as above,
+//   pre [2, batch, rows, n]: the gate's and the up's saved pre-activations
+//   -> d_gate and d_up [batch, rows, n]: with dh = dy @ w_down^T per group, dh * up * act'(gate)
+//   and dh * act(gate) (rows past the last group zero), workspace (ragged_workspace_bytes with
+//   four maps per segment). One type, bf16 or fp16, for all; activation: 2 gelu (tanh), 4 silu.
+//
 // The FP8 rows mode (jax_tma_fp8_ragged_dot_sm90, contract/sm90_fp8_ragged_dot.h), the rows
 // mode's checks and maps with FP8 operands and the FP8 product's scales:
 //   x [batch, rows, k] e4m3, w [groups or batch x groups, n, k] (K-major) x's type,
@@ -66,6 +74,12 @@ struct GatedRaggedAttrs {
   int64_t weights_batched, group_sizes_batched;
 };
 
+struct GatedRaggedGradAttrs {
+  int64_t activation, block_m, block_n, stages, cluster_m;
+  int64_t rows, n, k, groups, batch;
+  int64_t weights_batched, group_sizes_batched;
+};
+
 struct Fp8RaggedAttrs {
   int64_t block_m, block_n, stages, cluster_m;
   int64_t rows, n, k, groups, batch;
@@ -78,14 +92,17 @@ namespace {
 constexpr char kOp[] = "jax_tma ragged_dot";  // every message's prefix
 constexpr char kGatedOp[] = "jax_tma gated_ragged_dot";  // the gated handler's
 constexpr char kGatedTypes[] = "x, the weights, out and pre must share one type, bf16 or fp16";
+constexpr char kGatedGradOp[] = "jax_tma gated_ragged_mlp backward";  // the gated gradient's
+constexpr char kGatedGradTypes[] =
+    "dy, w_down, pre, d_gate and d_up must share one type, bf16 or fp16";
 constexpr char kFp8Op[] = "jax_tma fp8_ragged_dot";  // the FP8 handler's
 constexpr char kFp8Types[] =
     "x and w must both be float8_e4m3fn or both float8_e5m2, and out bf16 or fp32";
 constexpr int64_t kScaleBlock = 128;  // K (and w's N) indices per FP8 block scale
 
 // The types a handler takes: 16-bit operands and out their type or fp32 (ragged_dot), out their
-// type (gated), FP8 operands and out bf16 or fp32 (fp8).
-enum class Types { kRagged, kGated, kFp8 };
+// type (gated and its gradient), FP8 operands and out bf16 or fp32 (fp8).
+enum class Types { kRagged, kGated, kGatedGrad, kFp8 };
 
 using ffi_util::str;
 using ffi_util::ViewDim;
@@ -126,12 +143,13 @@ ffi_util::TensorMapSpec weights_spec(const RaggedAttrs& p, DType in) {
 }
 
 // The stacked [batch x rows, n] output rows of `data` as the epilogue stores them (rows mode:
-// the template the prepare kernel moves and cuts per segment).
+// the template the prepare kernel moves and cuts per segment), in boxes of `box_rows` rows.
 template <class Tile>
-ffi_util::TensorMapSpec rows_output_spec(const RaggedAttrs& p, DType out) {
+ffi_util::TensorMapSpec rows_output_spec(const RaggedAttrs& p, DType out,
+                                         int box_rows = Tile::kEpilogueRows) {
   return ffi_util::output_spec(out, {p.n, 1, "n"}, {p.batch * p.rows, p.n, "rows"},
                                {1, 0, "batch"}, {1, 0, "split"}, Tile::kEpilogueRowBytes,
-                               Tile::kEpilogueRows);
+                               box_rows);
 }
 
 // Rows mode: A (the stacked rows, K-major), B (the weights `w`) and D's template (`out_data`),
@@ -292,7 +310,9 @@ ffi::Error check_call(const char* op, int32_t device, const ffi::AnyBuffer& x,
     return ffi::Error::InvalidArgument(
         prefix + (types == Types::kRagged
                       ? "both operands must be bf16 or both fp16, and out their type or fp32"
-                      : types == Types::kGated ? kGatedTypes : kFp8Types));
+                  : types == Types::kGated     ? kGatedTypes
+                  : types == Types::kGatedGrad ? kGatedGradTypes
+                                               : kFp8Types));
   }
   if (group_sizes.element_type() != ffi::DataType::S32) {
     return ffi::Error::InvalidArgument(prefix + "group_sizes must be int32");
@@ -305,12 +325,15 @@ ffi::Error check_call(const char* op, int32_t device, const ffi::AnyBuffer& x,
       rows_mode ? p.batch * p.rows * p.n : p.batch * p.groups * p.k * p.n;
   JAX_TMA_RETURN_IF_ERROR(ffi_util::check_element_counts(
       op,
-      {{"x", p.batch * p.rows * p.k, x.element_count()},
-       {rows_mode ? (types == Types::kGated ? "w_gate" : "w") : "dy", w_rows * w_cols,
-        w.element_count()},
+      {{types == Types::kGatedGrad ? "dy" : "x", p.batch * p.rows * p.k, x.element_count()},
+       {rows_mode ? (types == Types::kGated       ? "w_gate"
+                     : types == Types::kGatedGrad ? "w_down"
+                                                  : "w")
+                  : "dy",
+        w_rows * w_cols, w.element_count()},
        {"group_sizes", (p.group_sizes_batched ? p.batch : 1) * p.groups,
         group_sizes.element_count()},
-       {"out", out_elems, out.element_count()}},
+       {types == Types::kGatedGrad ? "d_gate" : "out", out_elems, out.element_count()}},
       dims));
   const int64_t need_workspace =
       sm90_gemm::ragged_workspace_bytes(mode, p.groups, p.batch, maps_per_segment);
@@ -466,6 +489,103 @@ ffi::Error gated_ragged_dot_sm90(cudaStream_t stream, int32_t device,
       [&] {
         return ffi_util::no_configuration(kGatedOp, g,
                                           ", activation=" + str(g.activation));
+      });
+}
+
+// ---------------------------------------------------------------- the gated gradient rows mode
+
+
+// The rows mode's attributes of a gated gradient call (w_down K-major, its n the cotangents'
+// columns F, its k dy's D).
+RaggedAttrs rows_attrs(const GatedRaggedGradAttrs& a) {
+  return RaggedAttrs{0,        a.block_m, a.block_n,         a.stages,
+                     a.cluster_m, a.rows, a.n,               a.k,
+                     a.groups, a.batch,   a.weights_batched, a.group_sizes_batched,
+                     1};
+}
+
+template <class Tile, class Layout, class Fusion>
+ffi::Error run_gated_grad(const GatedRaggedGradAttrs& a, Call call, const void* pre_data,
+                          void* d_up_data) {
+  const RaggedAttrs p = rows_attrs(a);
+  JAX_TMA_RETURN_IF_ERROR(
+      ffi_util::check_work_units(kGatedGradOp, rows_units<Tile>(p, p.n), "up to "));
+  CUtensorMap map_a, map_b, map_d, map_d_up, map_gate, map_up;
+  JAX_TMA_RETURN_IF_ERROR((encode_rows_maps<Tile, Layout>(kGatedGradOp, p, &call, &map_a,
+                                                          &map_b, &map_d)));
+  // Per segment: D's map (the gate's cotangent), then the up's cotangent's and the two
+  // pre-activations', cut like D's, in boxes of half its rows (the epilogue warps move them half
+  // a chunk at a time: epilogue/epilogue_warps.cuh).
+  const int64_t row_bytes = p.n * sm90_gemm::dtype_bytes(call.out);
+  const auto half = rows_output_spec<Tile>(p, call.out, Tile::kEpilogueRows / 2);
+  const auto* gate = static_cast<const uint8_t*>(pre_data);
+  const uint8_t* up = gate + p.batch * p.rows * row_bytes;
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::encode(kGatedGradOp, &map_d_up, d_up_data, half));
+  JAX_TMA_RETURN_IF_ERROR(
+      ffi_util::encode(kGatedGradOp, &map_gate, const_cast<uint8_t*>(gate), half));
+  JAX_TMA_RETURN_IF_ERROR(
+      ffi_util::encode(kGatedGradOp, &map_up, const_cast<uint8_t*>(up), half));
+  const CUtensorMap* templates[4] = {&map_d, &map_d_up, &map_gate, &map_up};
+  const void* bases[4] = {call.out_data, d_up_data, gate, up};
+  static_assert(sm90_gemm::kRaggedGatedGradMapsPerSegment == 4);
+  for (int i = 0; i < 4; ++i) {
+    call.ragged.templates[i] = templates[i];
+    call.ragged.bases[i] = bases[i];
+    call.ragged.row_bytes[i] = row_bytes;
+  }
+  const cudaError_t launched =
+      call.in == DType::kBF16
+          ? sm90_gemm::launch_ragged_gated_grad<__nv_bfloat16, Tile, Layout, Fusion>(
+                call.args, call.ragged)
+          : sm90_gemm::launch_ragged_gated_grad<__half, Tile, Layout, Fusion>(call.args,
+                                                                              call.ragged);
+  return ffi_util::cuda_error(launched, "jax_tma gated_ragged_mlp backward launch");
+}
+
+#define JAX_TMA_KERNEL(TILE, LAYOUT, FUSION) \
+  ffi_util::Kernel<sm90_gemm::TILE, sm90_gemm::LAYOUT, sm90_gemm::FUSION>,
+using GatedGradKernels =
+    ffi_util::KernelList<JAX_TMA_SM90_RAGGED_GATED_GRAD_KERNELS(JAX_TMA_KERNEL) void>;
+#undef JAX_TMA_KERNEL
+
+ffi::Error gated_ragged_grad_sm90(cudaStream_t stream, int32_t device,
+                                  ffi::AnyBuffer dy,                      // bf16 or fp16
+                                  ffi::AnyBuffer w_down,                  // [.., n, k]
+                                  ffi::AnyBuffer group_sizes,             // int32
+                                  ffi::AnyBuffer pre,                     // [2, .., n]
+                                  ffi::Result<ffi::AnyBuffer> d_gate,     // [batch, rows, n]
+                                  ffi::Result<ffi::AnyBuffer> d_up,       // [batch, rows, n]
+                                  ffi::Result<ffi::AnyBuffer> workspace,  // four maps a segment
+                                  GatedRaggedGradAttrs a) {
+  const RaggedAttrs p = rows_attrs(a);
+  Call call{};
+  JAX_TMA_RETURN_IF_ERROR(check_call(kGatedGradOp, device, dy, w_down, group_sizes, *d_gate,
+                                     *workspace, p, Types::kGatedGrad,
+                                     sm90_gemm::kRaggedGatedGradMapsPerSegment, stream, &call));
+  const std::string dims = "rows=" + str(p.rows) + ", n=" + str(p.n) + ", k=" + str(p.k) +
+                           ", groups=" + str(p.groups) + ", batch=" + str(p.batch);
+  DType pre_type, d_up_type;
+  if (!ffi_util::to_dtype(pre.element_type(), &pre_type) || pre_type != call.in ||
+      !ffi_util::to_dtype(d_up->element_type(), &d_up_type) || d_up_type != call.in) {
+    return ffi::Error::InvalidArgument(std::string(kGatedGradOp) + ": " + kGatedGradTypes);
+  }
+  JAX_TMA_RETURN_IF_ERROR(ffi_util::check_element_counts(
+      kGatedGradOp,
+      {{"pre", 2 * p.batch * p.rows * p.n, pre.element_count()},
+       {"d_up", p.batch * p.rows * p.n, d_up->element_count()}},
+      dims));
+  return ffi_util::dispatch(
+      GatedGradKernels{}, a,
+      [&](auto kernel) {
+        return a.activation == static_cast<int64_t>(decltype(kernel)::Variant::kAct);
+      },
+      [&](auto kernel) {
+        using K = decltype(kernel);
+        return run_gated_grad<typename K::Tile, typename K::Layout, typename K::Variant>(
+            a, call, pre.untyped_data(), d_up->untyped_data());
+      },
+      [&] {
+        return ffi_util::no_configuration(kGatedGradOp, a, ", activation=" + str(a.activation));
       });
 }
 
@@ -644,6 +764,21 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     xla::ffi::StructMember<int64_t>("group_sizes_batched")); // group_sizes has batch rows
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
+    jax_tma::ffi_handlers::GatedRaggedGradAttrs,
+    xla::ffi::StructMember<int64_t>("activation"),           // 2 gelu tanh, 4 silu
+    xla::ffi::StructMember<int64_t>("block_m"),              // tile M
+    xla::ffi::StructMember<int64_t>("block_n"),              // tile N
+    xla::ffi::StructMember<int64_t>("stages"),               // pipeline depth
+    xla::ffi::StructMember<int64_t>("cluster_m"),            // CTAs per cluster
+    xla::ffi::StructMember<int64_t>("rows"),                 // rows per batch entry (M)
+    xla::ffi::StructMember<int64_t>("n"),                    // cotangents' columns (F)
+    xla::ffi::StructMember<int64_t>("k"),                    // columns of dy (D)
+    xla::ffi::StructMember<int64_t>("groups"),               // groups per batch entry
+    xla::ffi::StructMember<int64_t>("batch"),                // batch entries
+    xla::ffi::StructMember<int64_t>("weights_batched"),      // w_down batch x groups matrices
+    xla::ffi::StructMember<int64_t>("group_sizes_batched")); // group_sizes has batch rows
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     jax_tma::ffi_handlers::Fp8RaggedAttrs,
     xla::ffi::StructMember<int64_t>("block_m"),              // tile M
     xla::ffi::StructMember<int64_t>("block_n"),              // tile N
@@ -669,6 +804,9 @@ namespace jax_tma::ffi_handlers {
 JAX_TMA_DEFINE_HANDLER_PAIR(RaggedDotSm90, RaggedDotSm90Into, ragged_dot_sm90, 1);
 // GatedRaggedDotSm90Into takes out_in and pre_in after group_sizes, aliased to out and pre.
 JAX_TMA_DEFINE_HANDLER_PAIR(GatedRaggedDotSm90, GatedRaggedDotSm90Into, gated_ragged_dot_sm90,
+                            2);
+// GatedRaggedGradSm90Into takes d_gate_in and d_up_in after pre, aliased to d_gate and d_up.
+JAX_TMA_DEFINE_HANDLER_PAIR(GatedRaggedGradSm90, GatedRaggedGradSm90Into, gated_ragged_grad_sm90,
                             2);
 // Fp8RaggedDotSm90Into takes out_in after col_scale, aliased to out.
 JAX_TMA_DEFINE_HANDLER_PAIR(Fp8RaggedDotSm90, Fp8RaggedDotSm90Into, fp8_ragged_dot_sm90, 1);

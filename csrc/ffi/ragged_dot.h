@@ -16,6 +16,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(GatedRaggedDotSm90);
 // jax_tma_gated_ragged_dot_sm90_into: (x, w_gate, w_up, group_sizes, out_in, pre_in) -> out and
 // pre aliased to out_in and pre_in (tests poison them).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(GatedRaggedDotSm90Into);
+// jax_tma_gated_ragged_grad_sm90: (dy, w_down, group_sizes, pre) -> (d_gate, d_up, workspace).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GatedRaggedGradSm90);
+// jax_tma_gated_ragged_grad_sm90_into: (dy, w_down, group_sizes, pre, d_gate_in, d_up_in) ->
+// d_gate and d_up aliased to d_gate_in and d_up_in (tests poison them).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(GatedRaggedGradSm90Into);
 // jax_tma_fp8_ragged_dot_sm90: (x, w, group_sizes, sa, sb, row_scale, col_scale) ->
 // (out, workspace).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(Fp8RaggedDotSm90);

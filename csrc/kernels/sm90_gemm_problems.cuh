@@ -11,6 +11,11 @@
 //   RaggedGatedRowsGemm
 //                   the same for a gated fusion: per segment D's map, then the gate's and the
 //                   up's pre-activations' (second outputs clipped like D).
+//   RaggedGatedGradRowsGemm
+//                   the same for the gated gradient: per segment D's map (the gate's
+//                   cotangent), the up's cotangent's, then the gate's and the up's
+//                   pre-activations', which the epilogue warps read (zero-filled past the
+//                   segment's rows, whose outputs the stores clip).
 //   RaggedKGemm     D[s] = A[rows of s] @ B[rows of s], the rows contracted (RaggedKScheduler).
 //                   A and B through one map each per segment whose row extent ends where the
 //                   segment ends: TMA zero-fills the last K slice past it. D through the
@@ -74,8 +79,9 @@ struct DenseGemm {
 };
 
 // The rows mode with kStoreMaps maps per segment in global memory: D's, then (the gated rows
-// mode) its kSecondOutputs second outputs' (the pre-activations), which the epilogue finds in
-// the maps after D's.
+// mode) its kSecondOutputs second outputs' (the pre-activations; the gated gradient: the up's
+// cotangent and the two pre-activations it reads), which the epilogue finds in the maps after
+// D's.
 template <class Tile, int kStoreMaps>
 struct RaggedRowsProblem {
   using Scheduler = RaggedRowScheduler<Tile::kBlockM, Tile::kBlockN, Tile::kClusterM,
@@ -116,6 +122,10 @@ struct RaggedRowsGemm : RaggedRowsProblem<Tile, 1> {};
 template <class Tile>
 struct RaggedGatedRowsGemm
     : RaggedRowsProblem<Tile, sm90_gemm::kRaggedGatedMapsPerSegment> {};
+
+template <class Tile>
+struct RaggedGatedGradRowsGemm
+    : RaggedRowsProblem<Tile, sm90_gemm::kRaggedGatedGradMapsPerSegment> {};
 
 template <class Tile>
 struct RaggedKGemm {

@@ -10,7 +10,10 @@
 // 2. sm90_gemm_kernel with RaggedRowsGemm or RaggedKGemm (kernels/sm90_gemm_problems.cuh), or
 //    (launch_ragged_gated) RaggedGatedRowsGemm with a gated fusion: the gate and up weights'
 //    blocks alternate in one mainloop, act(gate) * up is stored once, and the pre-activations,
-//    when asked for, through two more maps per segment.
+//    when asked for, through two more maps per segment; or (launch_ragged_gated_grad)
+//    RaggedGatedGradRowsGemm with a gated gradient fusion: dh = dy @ w_down^T per group, which
+//    the epilogue warps turn into the gate's and the up's cotangents with the saved
+//    pre-activations, read and written through three more maps per segment.
 //
 // Why per-segment maps: TMA bounds every copy by its map's extent, so a map that ends where a
 // segment ends makes the hardware clip a tile's stores at the segment's last row (rows mode) and
@@ -129,6 +132,32 @@ cudaError_t launch_ragged_gated(const LaunchArgs& args, const RaggedArgs& ragged
   FusedParams fused{};
   fused.b2 = up;
   fused.args.store_pre = store_pre;
+  return launcher.launch(launcher.resident(), args, params,
+                         typename K::Partials{nullptr, nullptr}, fused);
+}
+
+// The gated gradient rows mode: the rows mode's schedule with the gated gradient's epilogue
+// (finished by the epilogue warps, which read the pre-activations through their ring), and
+// four maps per segment (RaggedGatedGradRowsGemm's stride). Its fused parameters' maps are
+// unused: the warps use the segment's.
+template <class In, class Tile, class Layout, class Fusion>
+cudaError_t launch_ragged_gated_grad(const LaunchArgs& args, const RaggedArgs& ragged) {
+  static_assert(Fusion::kKind == FusionKind::kGatedGrad);
+  const int segments =
+      static_cast<int>(ragged_segments(RaggedMode::kRows, ragged.groups, ragged.batch));
+  RaggedWorkspace ws{};
+  cudaError_t err =
+      prepare_ragged<Tile>(ragged, true, kRaggedGatedGradMapsPerSegment, args.stream, &ws);
+  if (err != cudaSuccess) return err;
+  Launcher<In, In, Tile, Layout, RaggedGatedGradRowsGemm, Fusion> launcher;
+  using K = typename decltype(launcher)::K;
+  static_assert(K::kAuxRing, "the gated gradient needs the epilogue warps' ring");
+  err = launcher.init(args.num_sms, args.stream);
+  if (err != cudaSuccess) return err;
+  const typename K::Problem::Params params{
+      K::Scheduler::make_params(ws.table, segments, args.shape.n, args.shape.k), ws.maps};
+  FusedParams fused{};
+  fused.args.aux = true;
   return launcher.launch(launcher.resident(), args, params,
                          typename K::Partials{nullptr, nullptr}, fused);
 }

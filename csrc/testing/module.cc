@@ -25,6 +25,7 @@ NB_MODULE(_jax_tma_testing, m) {
     targets["jax_tma_fp8_gemm_sm90_into"] = handler_capsule(h::Fp8GemmSm90Into);
     targets["jax_tma_ragged_dot_sm90_into"] = handler_capsule(h::RaggedDotSm90Into);
     targets["jax_tma_gated_ragged_dot_sm90_into"] = handler_capsule(h::GatedRaggedDotSm90Into);
+    targets["jax_tma_gated_ragged_grad_sm90_into"] = handler_capsule(h::GatedRaggedGradSm90Into);
     targets["jax_tma_fp8_ragged_dot_sm90_into"] = handler_capsule(h::Fp8RaggedDotSm90Into);
     // The primitive test kernels.
     targets["jax_tma_test_tma_round_trip"] = handler_capsule(h::TestTmaRoundTrip);

@@ -160,6 +160,20 @@ RAGGED_GATED_NOTE = (
 RAGGED_GATED_FUSIONS = ("GatedSilu", "GatedGeluTanh", "GatedGeluErf")
 RAGGED_GATED_TYPES = ("bf16", "f16")
 
+# --- gated ragged gradient (gated_ragged_mlp's backward): ragged rows mode, gated gradient ------
+# dh = dy @ w_down^T per group (w_down [G, F, D] read K-major: LayoutNT), finished into the gate's
+# and the up's cotangents by the epilogue warps; output type = input type, one file per type.
+RAGGED_GATED_GRAD_TILES = (
+    Entry(T128x256, "every gated MoE backward: the dense gated gradient's ring tile"),
+)
+RAGGED_GATED_GRAD_NOTE = (
+    "the gated gradient needs the epilogue warps' ring for its two pre-activations, which only "
+    "the 128 x 256 tile's shared memory holds beside its stages (as the dense gated gradient); "
+    "not the exact GELU (its erff spilled in the warps' registers there): XLA computes that "
+    "backward.")
+RAGGED_GATED_GRAD_FUSIONS = ("GatedGradSilu", "GatedGradGeluTanh")
+RAGGED_GATED_GRAD_TYPES = ("bf16", "f16")
+
 # --- dense (fused epilogues): output type = input type ---------------------------------------
 DENSE_TILES = (
     Entry(T128x256, "large fused products, with stream-K (bench_epilogues, bench_mlp_block)"),
@@ -299,7 +313,7 @@ class TranslationUnit:
     """One generated instantiation file of csrc/kernels/ and the kernels it compiles."""
 
     name: str  # file name under csrc/kernels/
-    op: str  # gemm, ragged, ragged_gated, dense, fp8 or fp8_ragged
+    op: str  # gemm, ragged, ragged_gated, ragged_gated_grad, dense, fp8 or fp8_ragged
     types: tuple[str, ...]  # (input, output), or (input,) for dense, gated and FP8 ragged
     group: str = ""  # dense: forward, gradient or gated
     kernels: int = 0
@@ -333,6 +347,10 @@ def translation_units() -> tuple[TranslationUnit, ...]:
     for t in RAGGED_GATED_TYPES:
         units.append(TranslationUnit(f"sm90_ragged_gated_{t}.cu", "ragged_gated", (t,),
                                      kernels=len(RAGGED_GATED_TILES) * len(RAGGED_GATED_FUSIONS)))
+    for t in RAGGED_GATED_GRAD_TYPES:
+        units.append(TranslationUnit(
+            f"sm90_ragged_gated_grad_{t}.cu", "ragged_gated_grad", (t,),
+            kernels=len(RAGGED_GATED_GRAD_TILES) * len(RAGGED_GATED_GRAD_FUSIONS)))
     return tuple(units)
 
 
@@ -348,9 +366,10 @@ def expected_entries() -> dict[str, int]:
 
 
 def kernel_counts() -> dict[str, int]:
-    """Kernels per op over every type: gemm, ragged, ragged_gated, dense (fused), fp8
-    (promoted and fast) and fp8_ragged."""
-    counts = dict.fromkeys(("gemm", "ragged", "ragged_gated", "dense", "fp8", "fp8_ragged"), 0)
+    """Kernels per op over every type: gemm, ragged, ragged_gated, ragged_gated_grad, dense
+    (fused), fp8 (promoted and fast) and fp8_ragged."""
+    counts = dict.fromkeys(("gemm", "ragged", "ragged_gated", "ragged_gated_grad", "dense", "fp8",
+                            "fp8_ragged"), 0)
     for u in translation_units():
         counts[u.op] += u.kernels
     return counts

@@ -11,14 +11,15 @@ rows are one run, and every expert applies its MLP to its run as grouped product
   gated (w_gate given):  (act(rows @ w_gate[e]) * (rows @ w_up[e])) @ w_down[e]   (SwiGLU: silu)
   plain:                  act(rows @ w_up[e]) @ w_down[e]
 
-The gated first half is ``jax_tma.gated_ragged_dot``: one grouped kernel computes the gate's and
-the up's columns of the same rows and stores act(gate) * up [rows, F] once (no [rows, 2F]
-intermediate); the other products are ``jax_tma.ragged_dot``. Both round where the unfused
-expression rounds (each product, the activation, their product). Differentiated, the gated
-kernel also saves the two pre-activations and its backward pass is ragged_dot's kernels: a
-bf16 training step of gated experts is the gated call and 7 ragged_dot calls (forward: the down
-product; backward: the down product's input and weight gradients, and the rows' gradient
-against w_gate and w_up and the two weight gradients), of plain experts 6 ragged_dot calls.
+Gated experts are ``jax_tma.gated_ragged_mlp``: one grouped kernel computes the gate's and the
+up's columns of the same rows and stores act(gate) * up [rows, F] once (no [rows, 2F]
+intermediate), then ``jax_tma.ragged_dot``'s down product; plain experts are two ragged_dot
+products. Both round where the unfused expression rounds (each product, the activation, their
+product). Differentiated, the gated kernel also saves the two pre-activations, and the backward
+product dy @ w_down^T writes the gate's and the up's cotangents from its epilogue (the gated
+gradient kernel): a bf16 training step of gated experts is the gated call, the gated gradient
+call and 6 ragged_dot calls (forward: the down product; backward: the rows' gradient against
+w_gate and w_up and the three weight gradients), of plain experts 6 ragged_dot calls.
 The results are gathered back into token order and mixed by the weights in fp32:
 y [..., d] = sum over a token's choices of weight * expert output, in the compute type. No
 residual is added.
@@ -86,7 +87,7 @@ from jax_tma._core.activations import ACTIVATIONS, GATED_ACTIVATIONS, activate
 from jax_tma.ops.fp8.quantize import quantize_fp8
 from jax_tma.ops.fp8.ragged import fp8_ragged_dot
 from jax_tma.ops.ragged.api import ragged_dot
-from jax_tma.ops.ragged.gated import gated_ragged_dot
+from jax_tma.ops.ragged.gated_mlp import gated_ragged_mlp
 
 ROUTERS = ("softmax_topk", "sigmoid_topk")
 IMPLEMENTATIONS = ("jax_tma", "jax_tma_fp8", "xla")
@@ -359,8 +360,8 @@ def _experts(rows: jax.Array, group_sizes: jax.Array, weights, o: _Options) -> j
         h = activate(o.activation, h.astype(_F32)).astype(dtype)
     elif kernels:
         # o.activation is already canonical ("gelu" -> "gelu_tanh"), a name both take alike.
-        h = gated_ragged_dot(rows, jnp.asarray(w_gate, dtype), jnp.asarray(w_up, dtype),
-                             group_sizes, o.activation)
+        return gated_ragged_mlp(rows, jnp.asarray(w_gate, dtype), jnp.asarray(w_up, dtype),
+                                jnp.asarray(w_down, dtype), group_sizes, o.activation)
     else:
         # One lax.ragged_dot of the concatenated weights [E, d, 2F] (one read of the rows; the
         # concatenation fuses into the cast to the compute type), rounded as the kernel rounds.

@@ -69,3 +69,22 @@ def default_gated_config(rows: int, n: int, k: int, groups: int,
                                                 dram_bytes_per_s=device.dram_bytes_per_s(),
                                                 l2_bytes=device.l2_bytes()),
                    lambda cfg: (-cfg.stages, -cfg.cluster_m))
+
+
+# The gated gradient rows form (gated_ragged_mlp's backward): its compiled tile(s), picked by
+# the same model over the cotangents' F columns.
+GATED_RAGGED_GRAD_CONFIGS: tuple[GemmConfig, ...] = tuple(
+    GemmConfig(*t) for t in tiles.keys(tiles.RAGGED_GATED_GRAD_TILES))
+
+
+def default_gated_grad_config(rows: int, n: int, k: int, groups: int,
+                              num_sms: int | None = None) -> GemmConfig:
+    """The compiled gated gradient tile with the least estimated time (dh = dy @ w_down^T: the
+    rows form's model over n = F columns and k = D), groups assumed of equal size."""
+    num_sms = device.num_sms() if num_sms is None else num_sms
+    per_group = max(1, -(-rows // groups))
+    return fastest(GATED_RAGGED_GRAD_CONFIGS,
+                   lambda cfg: estimate_seconds(cfg, per_group, n, k, num_sms, 2, batch=groups,
+                                                dram_bytes_per_s=device.dram_bytes_per_s(),
+                                                l2_bytes=device.l2_bytes()),
+                   lambda cfg: (-cfg.stages, -cfg.cluster_m))

@@ -18,8 +18,9 @@ Partial products are summed in fp32 when the output is 16-bit. A mesh axis is us
 batch claims it first, then M, N and K.
 
 The gated rows form (gated_ragged_dot) shares the rows mode's rules but for K, which it never
-splits; so does the FP8 rows form (fp8_ragged_dot, at the end), which splits neither K nor N
-(its block scales are 128 deep and 128 wide).
+splits; so does the gated gradient rows form (gated_ragged_mlp's backward), which never splits
+dy's D; and the FP8 rows form (fp8_ragged_dot, at the end), which splits neither K nor N (its
+block scales are 128 deep and 128 wide).
 """
 
 from __future__ import annotations
@@ -246,6 +247,73 @@ def partitioned_gated_ragged_dot(x: jax.Array, wg: jax.Array, wu: jax.Array, gs:
     partitioning rules above."""
     params = Params({k: v for k, v in params.items() if k != "local"})
     return _partitioned_gated(local_op, params, x, wg, wu, gs)
+
+
+# ---------------------------------------------------------------- the gated gradient rows form
+# Operands dy [B, M, D], w_down [Bw, G, F, D], group sizes [Bg, G], pre [2, B, M, F]; results
+# d_gate and d_up [B, M, F] (gated_ragged_mlp's backward). The batch, M (with local group sizes,
+# as above) and F keep the operands' sharding; D is never split (the cotangents are not linear in
+# a partial dh), nor G.
+
+
+def _choose_gated_grad(mesh, arg_shapes):
+    dy, wd, gs, pre = arg_shapes
+    dy_spec, w_spec = spec_of(dy.sharding, 3), spec_of(wd.sharding, 4)
+    pre_spec = spec_of(pre.sharding, 4)
+    claim = AxisClaims(mesh)
+    w_batched = wd.shape[0] == dy.shape[0] and wd.shape[0] > 1
+    b = claim(dy_spec[0] or pre_spec[1] or (w_spec[0] if w_batched else ()), dy.shape[0])
+    m = claim(dy_spec[1] or pre_spec[2], dy.shape[1])
+    f = claim(pre_spec[3] or w_spec[2], wd.shape[2])
+    gs_batched = gs.shape[0] == dy.shape[0] and gs.shape[0] > 1
+    return dict(m=m, x=(b, m, ()), w=(b if w_batched else (), (), f, ()),
+                gs=(b if gs_batched else (), ()), pre=((), b, m, f), out=(b, m, f))
+
+
+def _infer_gated_grad(local_op, params, mesh, arg_shapes, result_shape):
+    del local_op, params, result_shape
+    out = NamedSharding(mesh, _spec(_choose_gated_grad(mesh, arg_shapes)["out"]))
+    return [out, out]
+
+
+def _partition_gated_grad(local_op, params, mesh, arg_shapes, result_shape):
+    del result_shape
+    choice = _choose_gated_grad(mesh, arg_shapes)
+    keys = ("x", "w", "gs", "pre")
+    sharded, local_sizes = _row_shards(mesh, choice, arg_shapes[0].shape[1], keys)
+    local_params = dict(params, config=None) if sharded else dict(params)
+
+    def per_device(dy, wd, gs, pre):
+        return local_op(dy, wd, local_sizes(gs), pre, **local_params)
+
+    out = NamedSharding(mesh, _spec(choice["out"]))
+    arg_shardings = tuple(NamedSharding(mesh, _spec(choice[key])) for key in keys)
+    return mesh, per_device, [out, out], arg_shardings
+
+
+def _gated_grad_sharding_rule(local_op, params, mesh, operand_types, result_types):
+    """Factors b, m, d, f, g; d and g are never split. A batch dim of size 1 (shared) gets its
+    own factor."""
+    del local_op, params, mesh, result_types
+    dy_t, w_t, gs_t, _ = operand_types
+    batch = dy_t.shape[0]
+    wb = "b" if w_t.shape[0] == batch and batch > 1 else "wb"
+    gb = "b" if gs_t.shape[0] == batch and batch > 1 else "gb"
+    rule = f"b m d, {wb} g f d, {gb} g, p b m f -> b m f, b m f"
+    return rule, dict(need_replication_factors=("d", "g"))
+
+
+_partitioned_gated_grad = partitioned_call(partition=_partition_gated_grad,
+                                           infer_sharding_from_operands=_infer_gated_grad,
+                                           sharding_rule=_gated_grad_sharding_rule, num_static=2)
+
+
+def partitioned_gated_ragged_grad(dy: jax.Array, wd: jax.Array, gs: jax.Array, pre: jax.Array, *,
+                                  local_op: Callable, params: dict) -> list[jax.Array]:
+    """``local_op(dy, wd, gs, pre, **params)`` (the gated gradient primitive's local product)
+    under the partitioning rules above."""
+    params = Params({k: v for k, v in params.items() if k != "local"})
+    return _partitioned_gated_grad(local_op, params, dy, wd, gs, pre)
 
 
 # ---------------------------------------------------------------- the FP8 rows form

@@ -21,7 +21,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 import jax_tma
 import jax_tma.flax as jtf
 from jax_tma.ops.fp8 import ragged_primitive as fp8r
-from jax_tma.ops.ragged import gated_primitive as gp, primitive as rd
+from jax_tma.ops.ragged import gated_grad_primitive as ggp, gated_primitive as gp, primitive as rd
 from support import cuda_hlo, needs_extension, rel_error, target_calls
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -432,20 +432,23 @@ def _step_fn(implementation="jax_tma", gated=True):
 @needs_extension
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
 def test_cuda_lowering_kernel_calls(gated):
-    """Gated experts: forward, the gated kernel (saving the pre-activations) and ragged_dot's
-    down product; backward, ragged_dot's kernels: the down product's input and weight
-    gradients, and the gated op's rule: the rows' gradient against w_gate and against w_up and
-    the two weight gradients. 1 gated call and 7 ragged_dot calls. Plain experts: the up and
-    the down product, each one's weight and input gradient (the first's reaches x): 6
-    ragged_dot calls. implementation="xla": none of either."""
+    """Gated experts (gated_ragged_mlp): forward, the gated kernel (saving the
+    pre-activations) and ragged_dot's down product; backward, the gated gradient kernel (dy @
+    w_down^T with the gate's and the up's cotangents from its epilogue), the rows' gradient
+    against w_gate and against w_up and the three weight gradients: 1 gated call, 1 gated
+    gradient call and 6 ragged_dot calls. Plain experts: the up and the down product, each
+    one's weight and input gradient (the first's reaches x): 6 ragged_dot calls.
+    implementation="xla": none of them."""
     specs = [jax.ShapeDtypeStruct(s, F32) for s in
              ((512, 64), (64, 8), (8, 64, 128), (8, 128, 64), (8, 64, 128))]
     args = specs if gated else specs[:4]
     hlo = cuda_hlo(_step_fn(gated=gated), *args)
     assert _kernel_calls(hlo, gp.KERNEL_TARGET) == (1 if gated else 0)
-    assert _kernel_calls(hlo) == (7 if gated else 6)
+    assert _kernel_calls(hlo, ggp.KERNEL_TARGET) == (1 if gated else 0)
+    assert _kernel_calls(hlo) == 6
     xla = cuda_hlo(_step_fn("xla"), *specs)
-    assert _kernel_calls(xla) == _kernel_calls(xla, gp.KERNEL_TARGET) == 0
+    assert (_kernel_calls(xla) == _kernel_calls(xla, gp.KERNEL_TARGET)
+            == _kernel_calls(xla, ggp.KERNEL_TARGET) == 0)
 
 
 @pytest.mark.gpu
@@ -454,7 +457,8 @@ def test_gpu_bf16_step_runs_kernel(rng):
     args = tuple(jnp.asarray(a) for a in (x, router, w_up, w_down, w_gate))
     step = jax.jit(_step_fn())
     compiled = step.lower(*args).compile().as_text()
-    assert (_kernel_calls(compiled, gp.KERNEL_TARGET), _kernel_calls(compiled)) == (1, 7)
+    assert (_kernel_calls(compiled, gp.KERNEL_TARGET), _kernel_calls(compiled, ggp.KERNEL_TARGET),
+            _kernel_calls(compiled)) == (1, 1, 6)
     y, _ = jax.jit(lambda *a: jax_tma.moe_mlp(*a, top_k=2, dtype=jnp.bfloat16))(*args)
     want, _ = reference(x, router, w_up, w_down, w_gate, top_k=2)
     assert rel_error(y, want) <= 2e-2
