@@ -179,6 +179,25 @@ def test_gated_ragged_kernels(kernels):
         assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"
 
 
+def test_gated_ragged_grad_kernels(kernels):
+    """The gated gradient rows mode (jax_tma.gated_ragged_mlp's backward): per type the
+    registry's gated gradient ragged tiles x 2 activations (silu, tanh gelu), w_down K-major;
+    the epilogue warps load the two pre-activations (TMA rank 4) through per-segment maps they
+    acquire (UTMACCTL.IV), 8 bytes at a time, and store both cotangents."""
+    found = _gemm_kernels(kernels, ("RaggedGatedGradRowsGemm",), fused=True)
+    assert len(found) == tiles.kernel_counts()["ragged_gated_grad"]
+    for name, body in found.items():
+        kind, act = _fusion(name)
+        assert kind == 5 and act in (2, 4), name
+        assert _tile(name)[:2] == (128, 256), name
+        assert _layout(name) == (0, 0), name
+        assert re.search(r"\bHGMMA\b", body) and re.search(r"\bUTMASTG\.4D\b", body), name
+        assert re.search(r"\bUTMALDG\.4D\b", body), f"no pre-activation load in {name}"
+        assert re.search(r"\bUTMACCTL\.IV\b", body), f"no tensormap acquire in {name}"
+        assert re.search(r"\bLDS\.64\b", body), name
+        assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"
+
+
 @pytest.mark.parametrize(
     "opcode",
     ["UTMALDG.3D", "SYNCS.ARRIVE", "SYNCS.PHASECHK", "HGMMA", "USETMAXREG", "UTMACCTL.PF"],

@@ -70,12 +70,18 @@ def test_python_configs_are_the_registry():
         tiles.RAGGED_GATED_TILES)
     # The gated ragged tiles are tiles the gated dense fusion compiles already.
     assert set(tiles.keys(tiles.RAGGED_GATED_TILES)) <= set(tiles.keys(tiles.DENSE_TILES))
+    assert tuple(c.tile for c in ragged_config.GATED_RAGGED_GRAD_CONFIGS) == tiles.keys(
+        tiles.RAGGED_GATED_GRAD_TILES)
+    # The gated gradient ragged tiles are the dense gated gradient's (the epilogue warps' ring).
+    assert set(tiles.keys(tiles.RAGGED_GATED_GRAD_TILES)) <= set(
+        tiles.keys(tiles.DENSE_RING_TILES))
 
 
 @pytest.mark.parametrize("macro, entries", [
     ("JAX_TMA_SM90_GEMM_TILES", tiles.GEMM_TILES),
     ("JAX_TMA_SM90_RAGGED_TILES", tiles.RAGGED_TILES),
     ("JAX_TMA_SM90_RAGGED_GATED_TILES", tiles.RAGGED_GATED_TILES),
+    ("JAX_TMA_SM90_RAGGED_GATED_GRAD_TILES", tiles.RAGGED_GATED_GRAD_TILES),
     ("JAX_TMA_SM90_DENSE_TILES", tiles.DENSE_TILES),
     ("JAX_TMA_SM90_DENSE_NARROW_TILES", tiles.DENSE_NARROW_TILES),
     ("JAX_TMA_SM90_DENSE_RING_TILES", tiles.DENSE_RING_TILES),
@@ -119,5 +125,6 @@ def test_counts():
     assert counts["gemm"] == len(tiles.GEMM_TILES) * 4 * 4
     assert counts["dense"] == 2 * (3 * 11 + 2 * 1 + 1 * 2)
     assert counts["ragged_gated"] == 2 * len(tiles.RAGGED_GATED_TILES) * 3
+    assert counts["ragged_gated_grad"] == 2 * len(tiles.RAGGED_GATED_GRAD_TILES) * 2
     assert counts["fp8_ragged"] == len(tiles.FP8_RAGGED_TILES) * len(tiles.FP8_RAGGED_OUT_TYPES)
     assert sum(tiles.expected_entries().values()) == sum(counts.values()) + 1

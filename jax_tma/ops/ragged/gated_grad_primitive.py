@@ -142,6 +142,10 @@ def _batch_rule(args, dims, *, activation, out_dtype, config, local):
     weights and group sizes stay shared."""
     del config
     dy, wd, gs, pre = args
+    dims = list(dims)
+    if all(d is None for d in dims[:3]):  # only pre mapped: dy mapped alike (broadcast)
+        dy = jnp.broadcast_to(dy[None], (pre.shape[dims[3]], *dy.shape))
+        dims[0] = 0
     folded, size, batch = fold_vmapped((dy, wd, gs), dims[:3], (False, True, True))
     if dims[3] is None:
         pre = jnp.broadcast_to(pre[:, None], (2, size, *pre.shape[1:]))
