@@ -6,8 +6,9 @@ TT), split-K and stream-K, and the direct-store epilogue (output rows that are n
 multiples). Fused epilogues: every compiled (tile, fusion) of jax_tma.DENSE_CONFIGS (bias,
 activation, residual and pre-activation output; activation gradients; gated pairs; gated
 gradients). Ragged: every tile of jax_tma.RAGGED_CONFIGS in the rows mode (weights N- and
-K-major) and the contraction mode, and every gated tile (GATED_RAGGED_CONFIGS, with the
-pre-activations), with an empty group and rows past the last group. FP8: every compiled tile
+K-major) and the contraction mode, every gated tile (GATED_RAGGED_CONFIGS, with the
+pre-activations) and every gated gradient tile (GATED_RAGGED_GRAD_CONFIGS, silu and the tanh
+GELU: both cotangents), with an empty group and rows past the last group. FP8: every compiled tile
 and type with block scales and a bias, and every fast-accumulation tile; FP8 ragged
 (fp8_ragged_dot): every tile of jax_tma.FP8_RAGGED_CONFIGS and output type, with block scales,
 groups starting at every row offset mod 4, an empty group and rows past the last. All cases
@@ -38,6 +39,7 @@ from jax_tma.ops.gemm import config as gemm_config
 from jax_tma.ops.dense import config as ep_config
 from jax_tma.ops.dense import primitive as ep
 from jax_tma.ops.ragged import config as rd_config
+from jax_tma.ops.ragged import gated_grad_primitive as ggp
 from jax_tma.ops.ragged import gated_primitive as gp
 from jax_tma.ops.ragged import primitive as rd
 
@@ -201,6 +203,26 @@ def _ragged_cases(rng, m, n, k, g) -> list[Case]:
             return jnp.concatenate([out[0], pre[0, 0], pre[1, 0]], axis=1)
         ref = np.concatenate([gated_ref, rows_ref, up_ref], axis=1)
         cases.append(Case(f"ragged gated silu {cfg.describe()}", run, ref, 1e-2))
+    # The gated gradient rows mode (gated_ragged_mlp's backward): dh = dy @ w_down[g]^T with dy
+    # = x and w_down = w stored [G, n, k] (so dh = rows_ref), both cotangents from the saved
+    # pre-activations through their per-segment maps; zero past the last group.
+    pre = rng.standard_normal((2, m, n)).astype(BF16)
+    w_down = np.ascontiguousarray(np.swapaxes(w, 1, 2))
+    for cfg in rd_config.GATED_RAGGED_GRAD_CONFIGS:
+        for act in ggp.KERNEL_ACTIVATIONS:
+            gate = jnp.asarray(pre[0], jnp.float32)
+            slope = _f64(ep.activation_grad(act, gate))
+            ref = np.concatenate([rows_ref * _f64(pre[1]) * slope,
+                                  rows_ref * _f64(ep.activate(act, gate))], axis=1)
+
+            def run(cfg=cfg, act=act):
+                args = (jnp.asarray(x)[None], jnp.asarray(w_down)[None],
+                        jnp.asarray(sizes)[None], jnp.asarray(pre)[:, None])
+                plan = ggp.gated_grad_kernel_plan(*args, act, BF16)
+                d_gate, d_up = ggp._kernel_call(*args, activation=act, out_dtype=BF16,
+                                                config=cfg, plan=plan, poison=True)
+                return jnp.concatenate([d_gate[0], d_up[0]], axis=1)
+            cases.append(Case(f"ragged gated gradient {act} {cfg.describe()}", run, ref, 1e-2))
     return cases
 
 
