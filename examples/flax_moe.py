@@ -13,10 +13,12 @@ times the layer's load-balancing loss (sown in "intermediates"). Parameters and 
 float32; the experts compute in ``--dtype``.
 
 On an H100/H200 the experts' gated first half is one ``jax_tma_gated_ragged_dot_sm90`` call
-(act(gate) * up stored once) and every other grouped product one ``jax_tma_ragged_dot_sm90``
-call: 6 per training step (forward: the gated call and the down projection; backward: the
-weight gradients of w_gate, w_up and w_down and the down projection's input gradient; the rows
-are gathered from the data, which is not trained, so no gradient reaches them). The script
+(act(gate) * up stored once), the down projection's input gradient one
+``jax_tma_gated_ragged_grad_sm90`` call (which writes the gate's and the up's cotangents from its
+epilogue) and every other grouped product one ``jax_tma_ragged_dot_sm90`` call: 6 per training
+step (forward: the gated call and the down projection; backward: the gated gradient call and the
+weight gradients of w_gate, w_up and w_down; the rows are gathered from the data, which is not
+trained, so no gradient reaches them). The script
 prints both curves, their largest relative difference and the kernel calls per compiled step;
 exit status 1 when the curves differ by more than the dtype's tolerance or the call count is
 not the expected one.
@@ -60,8 +62,9 @@ FP8_TOLERANCE = 0.05
 NUM_BATCHES = 8
 AUX_LOSS_WEIGHT = 1e-2
 # The grouped targets: jax_tma_ragged_dot_sm90, jax_tma_gated_ragged_dot_sm90 and
-# jax_tma_fp8_ragged_dot_sm90.
-_CALL_TARGET = re.compile(r'custom_call_target="(jax_tma_(?:gated_|fp8_)?ragged_dot[^"]*)"')
+# jax_tma_fp8_ragged_dot_sm90 and jax_tma_gated_ragged_grad_sm90.
+_CALL_TARGET = re.compile(
+    r'custom_call_target="(jax_tma_(?:gated_|fp8_)?ragged_(?:dot|grad)[^"]*)"')
 
 
 class Model(nn.Module):
@@ -96,15 +99,16 @@ def loss_fn(model: nn.Module) -> Callable:
 
 def expected_kernel_calls(fp8: bool = False) -> int:
     """jax_tma calls per step: the gated forward (one call for gate and up) and the down
-    projection's, the weight gradients of w_gate, w_up and w_down, and the input gradient of
-    the down projection. FP8: the gate-and-up and the down product, the down product's input
-    gradient and the two products' weight gradients."""
+    projection's, the down projection's input gradient (the gated gradient call: the gate's and
+    the up's cotangents from its epilogue), and the weight gradients of w_gate, w_up and
+    w_down. FP8: the gate-and-up and the down product, the down product's input gradient and
+    the two products' weight gradients."""
     return 5 if fp8 else 6
 
 
 def kernel_calls(fn: Callable, *args) -> int:
-    """How many grouped kernel calls (ragged_dot's and gated_ragged_dot's) the compiled
-    ``jax.jit(fn)(*args)`` makes (0 off GPU)."""
+    """How many grouped kernel calls (ragged_dot's, gated_ragged_dot's and the gated
+    gradient's) the compiled ``jax.jit(fn)(*args)`` makes (0 off GPU)."""
     return len(_CALL_TARGET.findall(jax.jit(fn).lower(*args).compile().as_text()))
 
 

@@ -78,7 +78,8 @@ def header() -> str:
     ]
     seen = {}
     for entries in (tiles.GEMM_TILES, tiles.RAGGED_TILES, tiles.RAGGED_GATED_TILES,
-                    tiles.RAGGED_GATED_GRAD_TILES, tiles.DENSE_TILES, tiles.DENSE_NARROW_TILES, tiles.DENSE_RING_TILES,
+                    tiles.RAGGED_GATED_GRAD_TILES, tiles.DENSE_TILES, tiles.DENSE_NARROW_TILES,
+                    tiles.DENSE_RING_TILES,
                     tiles.FP8_TILES, tiles.FP8_RAGGED_TILES):
         for e in entries:
             seen.setdefault(e.tile.cxx, e.tile)

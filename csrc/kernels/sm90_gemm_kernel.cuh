@@ -369,7 +369,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
           if constexpr (F::kGated) to.cols /= 2;
           if constexpr (K::kOffload) {
             // The staging buffers are the epilogue warps': a block of zeros goes through them
-            // (the gated fusion of zeros is zero, and so are its pre-activations).
+            // (the gated fusion of zeros is zero, and so are its pre-activations; a gated
+            // gradient's two cotangents are stored as zeros).
             if (K::offload(fused.args)) {
               K::Warps::hand_off_zeros(smem.staging[warpgroup], smem.handoff[warpgroup], to,
                                        warpgroup);

@@ -21,6 +21,7 @@ from jax.test_util import check_grads
 
 import jax_tma
 from jax_tma.ops.ragged import config as rd_config
+from jax_tma.ops.ragged import gated_grad_primitive as ggp
 from jax_tma.ops.ragged import gated_primitive as gp
 from jax_tma.ops.ragged import primitive as rd
 from jax_tma.ops.ragged import sharding as ragged_sharding
@@ -417,9 +418,9 @@ def test_kernel_is_deterministic(rng, config):
 @needs_extension
 def test_moe_training_step_kernel_calls():
     """The CUDA lowering of examples/flax_moe.py's training step makes the calls the example
-    expects: the gated first half's forward one gated_ragged_dot call, every other grouped
-    product (the down forward, the three weight gradients, the down input gradient) one
-    ragged_dot call."""
+    expects: the gated first half's forward one gated_ragged_dot call, the down input gradient
+    one gated gradient call (gated_ragged_mlp's backward), every other grouped product (the down
+    forward, the three weight gradients) one ragged_dot call."""
     import sys
     sys.path.insert(0, str(REPO / "examples"))
     import flax_moe
@@ -428,8 +429,9 @@ def test_moe_training_step_kernel_calls():
     hlo = jax.jit(s.step).trace(s.params, s.opt_state, *s.batches[0]).lower(
         lowering_platforms=("cuda",)).as_text()
     gated = hlo.count(f"@{gp.KERNEL_TARGET}(")
-    assert gated == 1
-    assert _kernel_calls(hlo) + gated == flax_moe.expected_kernel_calls()
+    gated_grad = hlo.count(f"@{ggp.KERNEL_TARGET}(")
+    assert gated == gated_grad == 1
+    assert _kernel_calls(hlo) + gated + gated_grad == flax_moe.expected_kernel_calls()
 
 
 def test_moe_example_matches_lax_on_cpu():
