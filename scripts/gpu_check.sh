@@ -35,7 +35,8 @@ if [ "${SPLIT_GPUS:-1}" = 2 ]; then
   # Two GPUs: the files with GPU tests in two halves of about equal time, one per GPU, then
   # the tests that need both (test_benchmarks and test_packaging have none: CI runs them).
   half_a="tests/ops/gemm/test_gemm.py tests/ops/gemm/test_autotune.py tests/ops/gemm/test_fuzz.py
-    tests/ops/ragged/test_ragged_dot.py tests/kernels"
+    tests/ops/ragged/test_ragged_dot.py tests/ops/ragged/test_gated_ragged_dot.py
+    tests/ops/ragged/test_gated_ragged_mlp.py tests/ops/moe tests/kernels"
   half_b="tests/ops/dense tests/ops/fp8 tests/ops/gemm/test_dot_general.py
     tests/ops/gemm/test_gemm_sharding.py tests/ops/ragged/test_expert_parallel.py tests/integration"
   CUDA_VISIBLE_DEVICES=0 "$PY" -m pytest -q -rfE -p no:cacheprovider ${PYTEST_ARGS:-} $half_a \
