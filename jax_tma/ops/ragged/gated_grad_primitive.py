@@ -10,7 +10,8 @@ on CUDA, to the ``jax_tma_gated_ragged_grad_sm90`` kernel pair when every operan
 fp16 of one type and the activation is silu or the tanh GELU (csrc/contract/sm90_ragged_dot.h,
 the gated gradient rows mode): w_down is read transposed in place, and the product's epilogue
 writes both cotangents. Batching folds vmapped axes into the kernel's batch; sharding keeps the
-tokens' (batch, M) and F's, with D and the groups whole (sharding.py).
+tokens' (batch, M) and F's, with D and the groups whole (sharding.py); its JVP (second-order
+gradients of gated_ragged_mlp) differentiates the same expression on ragged_dot's primitive.
 
 Operands dy [B, M, D], w_down [Bw, G, F, D], group sizes [Bg, G] (Bw, Bg: 1 or B), pre
 [2, B, M, F] (gate, up). Results d_gate and d_up [B, M, F].
@@ -23,13 +24,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.interpreters import batching
+from jax.interpreters import ad, batching
 
 from jax_tma._core.aval import result_aval
 from jax_tma._core.primitive import define_primitive, kernel_ffi_call
 from jax_tma.ops.dense.primitive import ACTIVATIONS, activate, activation_grad
 from jax_tma.ops.ragged import sharding as ragged_sharding
 from jax_tma.ops.ragged.config import ROWS, default_gated_grad_config
+from jax_tma.ops.ragged.primitive import _bind as _ragged_bind
 from jax_tma.ops.ragged.primitive import _pad_axis
 from jax_tma.ops.ragged.primitive import _reference as _ragged_reference
 from jax_tma.ops.ragged.primitive import fold_vmapped, kernel_plan, workspace_bytes
@@ -59,18 +61,23 @@ def _rows_within(gs, rows: int):
     return (jnp.arange(rows)[None, :] < total[:, None])[..., None]
 
 
-def _reference(dy, wd, gs, pre, *, activation, out_dtype, config, local):
-    """What the kernel computes, in XLA: dh in fp32 rounded to ``out_dtype``, the cotangents in
+def _cotangents(dh, gs, pre, activation, out_dtype):
+    """(d_gate, d_up) from dh [B, M, F] in fp32: dh rounded to ``out_dtype``, the cotangents in
     fp32, each rounded once; rows past the last group zero."""
-    del config, local
-    dh = _ragged_reference(dy, wd, gs, mode=ROWS, w_k_major=True, out_dtype=jnp.float32,
-                           config=None, local=False)
     dh = dh.astype(out_dtype).astype(jnp.float32)
     gate, up = pre[0].astype(jnp.float32), pre[1].astype(jnp.float32)
-    inside = _rows_within(gs, dy.shape[1])
+    inside = _rows_within(gs, dh.shape[1])
     d_gate = jnp.where(inside, dh * up * activation_grad(activation, gate), 0)
     d_up = jnp.where(inside, dh * activate(activation, gate), 0)
     return [d_gate.astype(out_dtype), d_up.astype(out_dtype)]
+
+
+def _reference(dy, wd, gs, pre, *, activation, out_dtype, config, local):
+    """What the kernel computes, in XLA."""
+    del config, local
+    dh = _ragged_reference(dy, wd, gs, mode=ROWS, w_k_major=True, out_dtype=jnp.float32,
+                           config=None, local=False)
+    return _cotangents(dh, gs, pre, activation, out_dtype)
 
 
 def gated_grad_kernel_plan(dy, wd, gs, pre, activation, out_dtype):
@@ -158,8 +165,26 @@ def _batch_rule(args, dims, *, activation, out_dtype, config, local):
     return [o.reshape(size, batch, *o.shape[1:]) for o in outs], [0, 0]
 
 
+def _jvp(primals, tangents, *, activation, out_dtype, config, local):
+    """The JVP of the cotangents as ragged_dot's primitive and jnp compute them (whose rules
+    transpose them to any order: the second-order gradients of gated_ragged_mlp)."""
+    dy, wd, gs, pre = primals
+    tangents = [jnp.zeros_like(p) if type(t) is ad.Zero else t
+                for p, t in zip((dy, wd, pre), (tangents[0], tangents[1], tangents[3]))]
+    outs = gated_ragged_grad_p.bind(*primals, activation=activation, out_dtype=out_dtype,
+                                    config=config, local=local)
+
+    def composed(dy, wd, pre):
+        dh = _ragged_bind(dy, wd, gs, ROWS, True, jnp.float32, local)
+        return _cotangents(dh, gs, pre, activation, out_dtype)
+
+    _, tangent_outs = jax.jvp(composed, (dy, wd, pre), tuple(tangents))
+    return outs, tangent_outs
+
+
 gated_ragged_grad_p = define_primitive("jax_tma_gated_ragged_grad",
                                        abstract_eval=_abstract_eval, reference=_reference,
                                        kernel_fn=_kernel_fn, partitioned=_partitioned,
                                        multiple_results=True)
+ad.primitive_jvps[gated_ragged_grad_p] = _jvp
 batching.primitive_batchers[gated_ragged_grad_p] = _batch_rule

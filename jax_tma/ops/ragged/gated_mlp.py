@@ -49,34 +49,13 @@ def _contraction(x, dy, gs, out_dtype):
     return _ragged_bind(x[None], dy[None], gs[None], CONTRACTION, False, out_dtype)[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _gated_grad(dy, wd, gs, pre, activation):
     """The gate's and the up's cotangents of ``act(gate) * up`` from the down projection's dy
-    [M, D'] (wd [G, F, D'], pre [2, M, F]): one kernel, the products' epilogue."""
+    [M, D'] (wd [G, F, D'], pre [2, M, F]): one kernel, the product's epilogue (differentiable
+    again through the primitive's JVP)."""
     d_gate, d_up = gated_grad_primitive.bind(dy[None], wd[None], gs[None], pre[:, None],
                                              activation=activation, out_dtype=dy.dtype)
     return d_gate[0], d_up[0]
-
-
-def _gg_fwd(dy, wd, gs, pre, activation):
-    return _gated_grad(dy, wd, gs, pre, activation), (dy, wd, gs, pre)
-
-
-def _gg_bwd(activation, saved, cts):
-    dy, wd, gs, pre = saved
-
-    def composed(dy, wd, pre):
-        d_gate, d_up = gated_grad_primitive._reference(
-            dy[None], wd[None], gs[None], pre[:, None], activation=activation,
-            out_dtype=dy.dtype, config=None, local=False)
-        return d_gate[0], d_up[0]
-
-    _, vjp = jax.vjp(composed, dy, wd, pre)
-    ddy, dwd, dpre = vjp(tuple(jnp.asarray(c, dy.dtype) for c in cts))
-    return ddy, dwd, None, dpre
-
-
-_gated_grad.defvjp(_gg_fwd, _gg_bwd)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
