@@ -61,8 +61,8 @@ TOLERANCE = {"float32": 1e-3, "bf16": 5e-2, "fp16": 2e-2}
 FP8_TOLERANCE = 0.05
 NUM_BATCHES = 8
 AUX_LOSS_WEIGHT = 1e-2
-# The grouped targets: jax_tma_ragged_dot_sm90, jax_tma_gated_ragged_dot_sm90 and
-# jax_tma_fp8_ragged_dot_sm90 and jax_tma_gated_ragged_grad_sm90.
+# The grouped targets: jax_tma_ragged_dot_sm90, jax_tma_gated_ragged_dot_sm90,
+# jax_tma_gated_ragged_grad_sm90 and jax_tma_fp8_ragged_dot_sm90.
 _CALL_TARGET = re.compile(
     r'custom_call_target="(jax_tma_(?:gated_|fp8_)?ragged_(?:dot|grad)[^"]*)"')
 
