@@ -122,6 +122,9 @@ def group_sizes(pattern: str, m: int, g: int, rng) -> np.ndarray:
     elif pattern == "empty_ends":  # the first and last groups empty
         s = np.zeros(g, int)
         s[1:-1] = rng.multinomial(m, np.ones(g - 2) / (g - 2))
+    elif pattern == "ones":  # one-row groups, then the rest in the last
+        s = np.ones(g, int)
+        s[-1] = m - (g - 1)
     elif pattern == "zipf":
         weights = 1.0 / np.arange(1, g + 1) ** 1.2
         s = rng.multinomial(m, weights / weights.sum())

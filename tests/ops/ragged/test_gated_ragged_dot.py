@@ -23,8 +23,8 @@ from jax.test_util import check_grads
 import jax_tma
 from jax_tma.ops.ragged import config as rd_config
 from jax_tma.ops.ragged import gated_primitive as gp
-from support import (cpu_mesh, cuda_hlo, f64_act, f64_act_grad, f64_ragged_rows,
-                     needs_extension, random_array, rel_error)
+from support import (cpu_mesh, cuda_hlo, f64_act, f64_act_grad, f64_ragged_contraction,
+                     f64_ragged_rows, group_sizes, needs_extension, random_array, rel_error)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -47,28 +47,7 @@ def f64_gated_vjp(x, wg, wu, gs, dy, activation):
     dg, du = dy64 * u * f64_act_grad(activation, g), dy64 * f64_act(activation, g)
     dx = f64_ragged_rows(dg, np.swapaxes(np.asarray(wg, np.float64), 1, 2), gs) + f64_ragged_rows(
         du, np.swapaxes(np.asarray(wu, np.float64), 1, 2), gs)
-    dwg, dwu = np.zeros(np.shape(wg)), np.zeros(np.shape(wu))
-    start = 0
-    for i, size in enumerate(np.asarray(gs)):
-        size = int(min(max(size, 0), x64.shape[0] - start))
-        rows = slice(start, start + size)
-        dwg[i], dwu[i] = x64[rows].T @ dg[rows], x64[rows].T @ du[rows]
-        start += size
-    return dx, dwg, dwu
-
-
-def sizes(pattern: str, m: int, g: int, rng) -> np.ndarray:
-    if pattern == "ragged":  # random sizes, one zero, none a multiple of the tile
-        s = rng.multinomial(m, rng.dirichlet(np.ones(g) * 0.7))
-        s[rng.integers(0, g)] = 0
-    elif pattern == "short":  # sum < m: the rows after the last group are zero
-        s = rng.multinomial(m - m // 3, np.ones(g) / g)
-    elif pattern == "empty_ends":  # the first and last groups empty
-        s = np.zeros(g, int)
-        s[1:-1] = rng.multinomial(m, np.ones(g - 2) / (g - 2))
-    else:
-        raise ValueError(pattern)
-    return s.astype(np.int32)
+    return dx, f64_ragged_contraction(x64, dg, gs), f64_ragged_contraction(x64, du, gs)
 
 
 def _spec(shape, dtype):
@@ -92,7 +71,7 @@ def _operands(rng, m, k, f, g, dtype, scale=0.25):
                                              (64, 32, 48, 6, "empty_ends")])
 def test_matches_float64(rng, m, k, f, g, pattern, dtype, activation):
     x, wg, wu = _operands(rng, m, k, f, g, dtype)
-    gs = sizes(pattern, m, g, rng)
+    gs = group_sizes(pattern, m, g, rng)
     out = jax_tma.gated_ragged_dot(x, wg, wu, gs, activation)
     assert (out.shape, out.dtype) == ((m, f), dtype)
     assert rel_error(out, f64_gated(x, wg, wu, gs, activation)) <= TOL[dtype]
@@ -102,7 +81,7 @@ def test_matches_float64(rng, m, k, f, g, pattern, dtype, activation):
 def test_float32_and_unfused_keywords(rng, exact_f32):
     m, k, f, g = 30, 16, 8, 3
     x, wg, wu = _operands(rng, m, k, f, g, F32)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     out = jax_tma.gated_ragged_dot(x, wg, wu, gs)
     assert out.dtype == F32 and rel_error(out, f64_gated(x, wg, wu, gs, "silu")) <= 1e-5
     xb, wgb, wub = (a.astype(BF16) for a in (x, wg, wu))
@@ -114,7 +93,7 @@ def test_float32_and_unfused_keywords(rng, exact_f32):
 def test_matches_the_primitive_reference_bitwise(rng):
     """The public function's XLA path is the primitive's reference: its rounding points."""
     x, wg, wu = _operands(rng, 33, 16, 24, 4, BF16)
-    gs = sizes("ragged", 33, 4, rng)
+    gs = group_sizes("ragged", 33, 4, rng)
     out = jax_tma.gated_ragged_dot(x, wg, wu, gs, "gelu")
     ref, = gp._reference(jnp.asarray(x)[None], jnp.asarray(wg)[None], jnp.asarray(wu)[None],
                          jnp.asarray(gs)[None], activation="gelu_tanh", save_pre=False,
@@ -156,7 +135,7 @@ def test_errors_activation_config_and_group_size_type():
 def test_bf16_gradients_match_float64(rng, activation):
     m, k, f, g = 48, 16, 24, 4
     x, wg, wu = _operands(rng, m, k, f, g, BF16)
-    gs = sizes("short", m, g, rng)
+    gs = group_sizes("short", m, g, rng)
     dy = random_array(rng, (m, f), BF16)
     _, vjp = jax.vjp(lambda *a: jax_tma.gated_ragged_dot(*a, gs, activation), x, wg, wu)
     ours = vjp(jnp.asarray(dy))
@@ -170,7 +149,7 @@ def test_check_grads_order_2(rng, activation, exact_f32):
     activation (each one's first-order gradients are checked against float64 above)."""
     m, k, f, g = 12, 6, 5, 3
     x, wg, wu = _operands(rng, m, k, f, g, F32)
-    gs = jnp.asarray(sizes("short", m, g, rng))
+    gs = jnp.asarray(group_sizes("short", m, g, rng))
     check_grads(lambda *a: jax_tma.gated_ragged_dot(*a, gs, activation), (x, wg, wu), order=2,
                 modes=("fwd", "rev"), atol=2e-2, rtol=2e-2)
 
@@ -182,7 +161,7 @@ def test_vmap_matches_a_loop(rng):
     v, m, k, f, g = 3, 20, 16, 8, 4
     x = random_array(rng, (v, m, k), BF16)
     _, wg, wu = _operands(rng, m, k, f, g, BF16)
-    gs = np.stack([sizes("ragged", m, g, rng) for _ in range(v)])
+    gs = np.stack([group_sizes("ragged", m, g, rng) for _ in range(v)])
     out = jax.vmap(lambda x, gs: jax_tma.gated_ragged_dot(x, wg, wu, gs))(x, gs)
     for i in range(v):
         assert rel_error(out[i], f64_gated(x[i], wg, wu, gs[i], "silu")) <= TOL[BF16]
@@ -227,7 +206,7 @@ def test_sharded_matches_float64(rng, x_spec, w_spec):
     mesh = cpu_mesh((4, 2), ("x", "y"))
     m, k, f, g = 64, 16, 32, 5
     x, wg, wu = _operands(rng, m, k, f, g, BF16)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     put = lambda a, s: jax.device_put(jnp.asarray(a), NamedSharding(mesh, s))  # noqa: E731
     xs, wgs, wus = put(x, x_spec), put(wg, w_spec), put(wu, w_spec)
     out = jax.jit(jax_tma.gated_ragged_dot)(xs, wgs, wus, jnp.asarray(gs))
@@ -285,7 +264,7 @@ def test_export_round_trip(rng):
     the CPU branch computes the reference's values."""
     m, k, f, g = 48, 16, 24, 3
     x, wg, wu = _operands(rng, m, k, f, g, BF16)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     exported = jax.export.export(jax.jit(jax_tma.gated_ragged_dot), platforms=("cpu", "cuda"),
                                  disabled_checks=jax_tma.export_disabled_checks())(
         _spec((m, k), BF16), _spec((g, k, f), BF16), _spec((g, k, f), BF16),
@@ -300,7 +279,7 @@ def test_export_cpu_round_trip(rng):
     """Without the extension too: exported for cpu, the primitive's local lowering."""
     m, k, f, g = 24, 8, 16, 2
     x, wg, wu = _operands(rng, m, k, f, g, BF16)
-    gs = sizes("short", m, g, rng)
+    gs = group_sizes("short", m, g, rng)
     exported = jax.export.export(jax.jit(jax_tma.gated_ragged_dot), platforms=("cpu",))(
         _spec((m, k), BF16), _spec((g, k, f), BF16), _spec((g, k, f), BF16),
         _spec((g,), np.int32))
@@ -336,7 +315,7 @@ CONFIG_IDS = ["x".join(map(str, c.tile)) for c in rd_config.GATED_RAGGED_CONFIGS
 def test_kernel_matches_float64(rng, dtype, activation, config):
     m, k, f, g = 1000, 256, 320, 7
     x, wg, wu = _operands(rng, m, k, f, g, dtype)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     out, pre = _run_kernel(x, wg, wu, gs, activation, dtype, config)
     out, pre = out[0], pre[:, 0]
     assert rel_error(out, f64_gated(x, wg, wu, gs, activation)) <= TOL[dtype]
@@ -353,7 +332,7 @@ def test_kernel_rows_past_the_groups_are_zero(rng, pattern, config, save_pre):
     are zero (the pre-activations too), none left unwritten."""
     m, k, f, g = 777, 136, 200, 9  # F not a multiple of the tile: a ragged last column block
     x, wg, wu = _operands(rng, m, k, f, g, BF16)
-    gs = sizes(pattern, m, g, rng)
+    gs = group_sizes(pattern, m, g, rng)
     outs = _run_kernel(x, wg, wu, gs, "silu", BF16, config, save_pre)
     assert rel_error(outs[0][0], f64_gated(x, wg, wu, gs, "silu")) <= TOL[BF16]
     end = int(gs.sum())
@@ -366,7 +345,7 @@ def test_kernel_rows_past_the_groups_are_zero(rng, pattern, config, save_pre):
 @pytest.mark.parametrize("m,k,f,g", [(1, 8, 8, 1), (5, 40, 24, 3), (300, 72, 1000, 2)])
 def test_kernel_edge_sizes_match_float64(rng, m, k, f, g):
     x, wg, wu = _operands(rng, m, k, f, g, F16)
-    gs = sizes("short", m, g, rng) if m > 1 else np.array([1], np.int32)
+    gs = group_sizes("short", m, g, rng) if m > 1 else np.array([1], np.int32)
     out = jax_tma.gated_ragged_dot(x, wg, wu, gs, "gelu")
     assert rel_error(out, f64_gated(x, wg, wu, gs, "gelu")) <= TOL[F16]
 
@@ -375,7 +354,7 @@ def test_kernel_edge_sizes_match_float64(rng, m, k, f, g):
 def test_kernel_grads_match_float64(rng):
     m, k, f, g = 1024, 256, 192, 8
     x, wg, wu = _operands(rng, m, k, f, g, BF16)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     dy = random_array(rng, (m, f), BF16)
     _, vjp = jax.vjp(lambda *a: jax_tma.gated_ragged_dot(*a, gs), x, wg, wu)
     for a, b in zip(jax.jit(vjp)(jnp.asarray(dy)), f64_gated_vjp(x, wg, wu, gs, dy, "silu")):
@@ -387,7 +366,7 @@ def test_kernel_grads_match_float64(rng):
 def test_kernel_is_deterministic(rng, config):
     m, k, f, g = 2000, 512, 384, 16
     x, wg, wu = _operands(rng, m, k, f, g, BF16)
-    gs = jnp.asarray(sizes("ragged", m, g, rng))
+    gs = jnp.asarray(group_sizes("ragged", m, g, rng))
     fn = jax.jit(functools.partial(jax_tma.gated_ragged_dot, config=config))
     first = np.asarray(fn(x, wg, wu, gs))
     for _ in range(3):

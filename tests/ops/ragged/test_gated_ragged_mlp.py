@@ -26,8 +26,9 @@ import jax_tma
 from jax_tma.ops.ragged import config as rd_config
 from jax_tma.ops.ragged import gated_grad_primitive as ggp
 from jax_tma.ops.ragged import gated_primitive as gp
-from support import (cpu_mesh, cuda_hlo, f64_act, f64_act_grad, f64_ragged_rows,
-                     needs_extension, random_array, rel_error, target_calls)
+from support import (cpu_mesh, cuda_hlo, f64_act, f64_act_grad, f64_ragged_contraction,
+                     f64_ragged_rows, group_sizes, needs_extension, random_array, rel_error,
+                     target_calls)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
@@ -39,18 +40,6 @@ RAGGED_TARGET = "jax_tma_ragged_dot_sm90"
 
 
 # ---------------------------------------------------------------- float64 references
-
-
-def _f64_contract(a, b, gs):
-    """[G, K, N]: a[rows of g]^T @ b[rows of g] in float64 (zero for an empty group)."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    out = np.zeros((len(gs), a.shape[1], b.shape[1]))
-    start = 0
-    for i, size in enumerate(np.asarray(gs)):
-        size = int(min(max(size, 0), a.shape[0] - start))
-        out[i] = a[start:start + size].T @ b[start:start + size]
-        start += size
-    return out
 
 
 def f64_mlp(x, wg, wu, wd, gs, activation):
@@ -66,7 +55,7 @@ def f64_mlp_vjp(x, wg, wu, wd, gs, dy, activation):
     d_gate, d_up = dh * u * f64_act_grad(activation, g), dh * f64_act(activation, g)
     dx = (f64_ragged_rows(d_gate, wg, gs, w_k_major=True)
           + f64_ragged_rows(d_up, wu, gs, w_k_major=True))
-    return dx, _f64_contract(x, d_gate, gs), _f64_contract(x, d_up, gs), _f64_contract(h, dy, gs)
+    return dx, f64_ragged_contraction(x, d_gate, gs), f64_ragged_contraction(x, d_up, gs), f64_ragged_contraction(h, dy, gs)
 
 
 def f64_gate_up_grads(dy, wd, gs, gate, up, activation):
@@ -74,23 +63,6 @@ def f64_gate_up_grads(dy, wd, gs, gate, up, activation):
     dh = f64_ragged_rows(dy, wd, gs, w_k_major=True)
     gate, up = np.asarray(gate, np.float64), np.asarray(up, np.float64)
     return dh * up * f64_act_grad(activation, gate), dh * f64_act(activation, gate)
-
-
-def sizes(pattern: str, m: int, g: int, rng) -> np.ndarray:
-    if pattern == "ragged":  # random sizes, one zero, none a multiple of the tile
-        s = rng.multinomial(m, rng.dirichlet(np.ones(g) * 0.7))
-        s[rng.integers(0, g)] = 0
-    elif pattern == "short":  # sum < m: the rows after the last group are zero
-        s = rng.multinomial(m - m // 3, np.ones(g) / g)
-    elif pattern == "empty_ends":  # the first and last groups empty
-        s = np.zeros(g, int)
-        s[1:-1] = rng.multinomial(m, np.ones(g - 2) / (g - 2))
-    elif pattern == "ones":  # one-row groups, then the rest in the last
-        s = np.ones(g, int)
-        s[-1] = m - (g - 1)
-    else:
-        raise ValueError(pattern)
-    return s.astype(np.int32)
 
 
 def _spec(shape, dtype):
@@ -126,7 +98,7 @@ def _grad_operands(rng, m, d, f, g, dtype):
                                              (20, 16, 8, 5, "ones")])
 def test_matches_float64(rng, m, d, f, g, pattern, dtype, activation):
     x, wg, wu, wd = _operands(rng, m, d, f, g, dtype, d_out=d + 8)
-    gs = sizes(pattern, m, g, rng)
+    gs = group_sizes(pattern, m, g, rng)
     out = jax_tma.gated_ragged_mlp(x, wg, wu, wd, gs, activation)
     assert (out.shape, out.dtype) == ((m, d + 8), dtype)
     assert rel_error(out, f64_mlp(x, wg, wu, wd, gs, activation)) <= TOL[dtype]
@@ -137,7 +109,7 @@ def test_is_the_composition(rng):
     """The result is ragged_dot(gated_ragged_dot(...), w_down) bit for bit."""
     m, d, f, g = 33, 16, 24, 4
     x, wg, wu, wd = _operands(rng, m, d, f, g, BF16)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     out = jax_tma.gated_ragged_mlp(x, wg, wu, wd, gs, "gelu")
     want = jax_tma.ragged_dot(jax_tma.gated_ragged_dot(x, wg, wu, gs, "gelu"), wd, gs)
     np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
@@ -146,7 +118,7 @@ def test_is_the_composition(rng):
 def test_float32_and_unfused_keywords(rng, exact_f32):
     m, d, f, g = 30, 16, 8, 3
     x, wg, wu, wd = _operands(rng, m, d, f, g, F32)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     out = jax_tma.gated_ragged_mlp(x, wg, wu, wd, gs)
     assert out.dtype == F32 and rel_error(out, f64_mlp(x, wg, wu, wd, gs, "silu")) <= 1e-5
     xb, wgb, wub, wdb = (a.astype(BF16) for a in (x, wg, wu, wd))
@@ -193,7 +165,7 @@ def test_errors_activation_config_and_types():
 def test_gradients_match_float64(rng, activation, dtype):
     m, d, f, g = 48, 16, 24, 4
     x, wg, wu, wd = _operands(rng, m, d, f, g, dtype, d_out=40)
-    gs = sizes("short", m, g, rng)
+    gs = group_sizes("short", m, g, rng)
     dy = random_array(rng, (m, 40), dtype)
     _, vjp = jax.vjp(lambda *a: jax_tma.gated_ragged_mlp(*a, gs, activation), x, wg, wu, wd)
     ours = vjp(jnp.asarray(dy))
@@ -207,7 +179,7 @@ def test_gradients_match_float64(rng, activation, dtype):
 def test_float32_gradients_match_float64(rng, exact_f32):
     m, d, f, g = 30, 12, 10, 3
     x, wg, wu, wd = _operands(rng, m, d, f, g, F32)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     dy = random_array(rng, (m, d), F32)
     _, vjp = jax.vjp(lambda *a: jax_tma.gated_ragged_mlp(*a, gs, "gelu_erf"), x, wg, wu, wd)
     for a, b in zip(vjp(jnp.asarray(dy)), f64_mlp_vjp(x, wg, wu, wd, gs, dy, "gelu_erf")):
@@ -225,7 +197,7 @@ def test_gradient_primitive_matches_float64(rng, dtype, activation):
     w_down^T, rows past the last group zero."""
     m, d, f, g = 50, 24, 40, 4
     dy, wd, pre = _grad_operands(rng, m, d, f, g, dtype)
-    gs = sizes("short", m, g, rng)
+    gs = group_sizes("short", m, g, rng)
     d_gate, d_up = ggp.bind(jnp.asarray(dy)[None], jnp.asarray(wd)[None], jnp.asarray(gs)[None],
                             jnp.asarray(pre)[:, None], activation=ggp_name(activation),
                             out_dtype=dtype)
@@ -240,7 +212,7 @@ def test_gradient_primitive_check_grads(rng, exact_f32):
     reverse mode to second order (float32)."""
     m, d, f, g = 10, 6, 5, 3
     dy, wd, pre = _grad_operands(rng, m, d, f, g, F32)
-    gs = jnp.asarray(sizes("short", m, g, rng))[None]
+    gs = jnp.asarray(group_sizes("short", m, g, rng))[None]
 
     def fn(dy, wd, pre):
         d_gate, d_up = ggp.bind(dy[None], wd[None], gs, pre[:, None], activation="silu",
@@ -255,7 +227,7 @@ def test_check_grads_order_2(rng, exact_f32):
     goes through the gradient primitive's JVP and ragged_dot's transposes."""
     m, d, f, g = 12, 6, 5, 3
     x, wg, wu, wd = _operands(rng, m, d, f, g, F32)
-    gs = jnp.asarray(sizes("short", m, g, rng))
+    gs = jnp.asarray(group_sizes("short", m, g, rng))
     check_grads(lambda *a: jax_tma.gated_ragged_mlp(*a, gs), (x, wg, wu, wd), order=2,
                 modes=("rev",), atol=2e-2, rtol=2e-2)
 
@@ -267,7 +239,7 @@ def test_vmap_matches_a_loop(rng):
     v, m, d, f, g = 3, 20, 16, 8, 4
     x = random_array(rng, (v, m, d), BF16)
     _, wg, wu, wd = _operands(rng, m, d, f, g, BF16)
-    gs = np.stack([sizes("ragged", m, g, rng) for _ in range(v)])
+    gs = np.stack([group_sizes("ragged", m, g, rng) for _ in range(v)])
     out = jax.vmap(lambda x, gs: jax_tma.gated_ragged_mlp(x, wg, wu, wd, gs))(x, gs)
     for i in range(v):
         assert rel_error(out[i], f64_mlp(x[i], wg, wu, wd, gs[i], "silu")) <= TOL[BF16]
@@ -287,7 +259,7 @@ def test_gradient_primitive_vmap_is_one_primitive(rng):
     dy = random_array(rng, (v, m, d), BF16)
     _, wd, pre = _grad_operands(rng, m, d, f, g, BF16)
     pres = np.stack([pre, pre[::-1]], axis=1)  # [2, V, M, F]
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
 
     def one(dy, pre):
         d_gate, d_up = ggp.bind(dy[None], jnp.asarray(wd)[None], jnp.asarray(gs)[None],
@@ -313,7 +285,7 @@ def test_sharded_matches_float64(rng, x_spec, w_spec, d_spec):
     mesh = cpu_mesh((4, 2), ("x", "y"))
     m, d, f, g = 64, 16, 32, 5
     x, wg, wu, wd = _operands(rng, m, d, f, g, BF16)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     put = lambda a, s: jax.device_put(jnp.asarray(a), NamedSharding(mesh, s))  # noqa: E731
     xs, wgs, wus, wds = put(x, x_spec), put(wg, w_spec), put(wu, w_spec), put(wd, d_spec)
     out = jax.jit(jax_tma.gated_ragged_mlp)(xs, wgs, wus, wds, jnp.asarray(gs))
@@ -382,7 +354,7 @@ def test_export_round_trip(rng):
     the kernels, the CPU branch computes the reference's values."""
     m, d, f, g = 48, 16, 24, 3
     x, wg, wu, wd = _operands(rng, m, d, f, g, BF16)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
 
     def grad_x(x, wg, wu, wd, gs):
         return jax.grad(lambda x: jnp.sum(jax_tma.gated_ragged_mlp(x, wg, wu, wd, gs)
@@ -403,7 +375,7 @@ def test_export_cpu_round_trip(rng):
     """Without the extension too: exported for cpu, the primitives' local lowerings."""
     m, d, f, g = 24, 8, 16, 2
     x, wg, wu, wd = _operands(rng, m, d, f, g, BF16)
-    gs = sizes("short", m, g, rng)
+    gs = group_sizes("short", m, g, rng)
     exported = jax.export.export(jax.jit(jax_tma.gated_ragged_mlp), platforms=("cpu",))(
         _spec((m, d), BF16), _spec((g, d, f), BF16), _spec((g, d, f), BF16),
         _spec((g, f, d), BF16), _spec((g,), np.int32))
@@ -441,7 +413,7 @@ CONFIG_IDS = ["x".join(map(str, c.tile)) for c in rd_config.GATED_RAGGED_GRAD_CO
 def test_grad_kernel_matches_float64(rng, dtype, activation, config):
     m, d, f, g = 1000, 256, 320, 7
     dy, wd, pre = _grad_operands(rng, m, d, f, g, dtype)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     d_gate, d_up = _run_grad_kernel(dy, wd, gs, pre, activation, dtype, config)
     want = f64_gate_up_grads(dy, wd, gs, pre[0], pre[1], activation)
     assert rel_error(d_gate, want[0]) <= GRAD_KERNEL_TOL[dtype]
@@ -457,7 +429,7 @@ def test_grad_kernel_rows_past_the_groups_are_zero(rng, pattern, config):
     column block), D not a multiple of 64."""
     m, d, f, g = 777, 136, 200, 9
     dy, wd, pre = _grad_operands(rng, m, d, f, g, BF16)
-    gs = sizes(pattern, m, g, rng)
+    gs = group_sizes(pattern, m, g, rng)
     outs = _run_grad_kernel(dy, wd, gs, pre, "silu", BF16, config)
     want = f64_gate_up_grads(dy, wd, gs, pre[0], pre[1], "silu")
     end = int(gs.sum())
@@ -473,7 +445,7 @@ def test_grad_kernel_edge_sizes_match_float64(rng, m, d, f, g):
     """One row, a few rows with D and F padded to multiples of 8, a wide F, and one-row
     groups (the last case: every group one row)."""
     dy, wd, pre = _grad_operands(rng, m, d, f, g, F16)
-    gs = np.ones(g, np.int32) if g == m else (sizes("short", m, g, rng) if m > 1
+    gs = np.ones(g, np.int32) if g == m else (group_sizes("short", m, g, rng) if m > 1
                                               else np.array([1], np.int32))
     config = rd_config.GATED_RAGGED_GRAD_CONFIGS[0]
     d_gate, d_up = _run_grad_kernel(dy, wd, gs, pre, "gelu_tanh", F16, config)
@@ -489,7 +461,7 @@ def test_kernel_step_matches_float64(rng, dtype):
     kernel in it."""
     m, d, f, g = 1024, 256, 192, 8
     x, wg, wu, wd = _operands(rng, m, d, f, g, dtype)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     dy = random_array(rng, (m, d), dtype)
     step = jax.jit(lambda *a: jax.vjp(lambda *w: jax_tma.gated_ragged_mlp(*w, gs), *a))
     compiled = jax.jit(lambda *a: step(*a)[1](jnp.asarray(dy))).lower(
@@ -506,7 +478,7 @@ def test_kernel_step_matches_float64(rng, dtype):
 def test_grad_kernel_is_deterministic(rng, config):
     m, d, f, g = 2000, 512, 384, 16
     dy, wd, pre = _grad_operands(rng, m, d, f, g, BF16)
-    gs = sizes("ragged", m, g, rng)
+    gs = group_sizes("ragged", m, g, rng)
     first = _run_grad_kernel(dy, wd, gs, pre, "silu", BF16, config)
     for _ in range(3):
         again = _run_grad_kernel(dy, wd, gs, pre, "silu", BF16, config)
