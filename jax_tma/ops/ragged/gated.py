@@ -82,26 +82,28 @@ def _gated_jvp(activation, config, primals, tangents):
 _gated.defjvp(_gated_jvp, symbolic_zeros=True)
 
 
-def _check(x, w_gate, w_up, group_sizes):
-    """Shapes and types as the unfused expression needs them; ValueError naming them."""
+def check_operands(op: str, x, w_gate, w_up, group_sizes, k: str = "K") -> None:
+    """Shapes and types of a gated grouped product's operands (x [M, k], w_gate and w_up
+    [G, k, F], group_sizes [G] integers) as the unfused expression needs them; ValueError naming
+    them, `op` first."""
     shapes = {"x": jnp.shape(x), "w_gate": jnp.shape(w_gate), "w_up": jnp.shape(w_up),
               "group_sizes": jnp.shape(group_sizes)}
     if len(shapes["x"]) != 2:
-        raise ValueError(f"jax_tma.{_NAME}: x must be [M, K], got shape {shapes['x']}")
-    k = shapes["x"][1]
+        raise ValueError(f"{op}: x must be [M, {k}], got shape {shapes['x']}")
+    size = shapes["x"][1]
     for key in ("w_gate", "w_up"):
-        if len(shapes[key]) != 3 or shapes[key][1] != k:
-            raise ValueError(f"jax_tma.{_NAME}: {key} must be [G, K, F] with K = x.shape[1] = "
-                             f"{k}, got shape {shapes[key]}")
+        if len(shapes[key]) != 3 or shapes[key][1] != size:
+            raise ValueError(f"{op}: {key} must be [G, {k}, F] with {k} = x.shape[1] = "
+                             f"{size}, got shape {shapes[key]}")
     if shapes["w_gate"] != shapes["w_up"]:
-        raise ValueError(f"jax_tma.{_NAME}: w_gate and w_up must have one shape, got "
+        raise ValueError(f"{op}: w_gate and w_up must have one shape, got "
                          f"{shapes['w_gate']} and {shapes['w_up']}")
     if shapes["group_sizes"] != shapes["w_gate"][:1]:
-        raise ValueError(f"jax_tma.{_NAME}: group_sizes must be [G] with G = "
+        raise ValueError(f"{op}: group_sizes must be [G] with G = "
                          f"w_gate.shape[0] = {shapes['w_gate'][0]}, got shape "
                          f"{shapes['group_sizes']}")
     if not jnp.issubdtype(jnp.result_type(group_sizes), jnp.integer):
-        raise ValueError(f"jax_tma.{_NAME}: group_sizes must be integers, got "
+        raise ValueError(f"{op}: group_sizes must be integers, got "
                          f"{jnp.result_type(group_sizes)}")
 
 
@@ -130,7 +132,7 @@ def gated_ragged_dot(x: Any, w_gate: Any, w_up: Any, group_sizes: Any, activatio
       run the kernel; other types run XLA with the same rounding points.
     """
     activation = _canonical(activation, GATED_ACTIVATIONS, _NAME)
-    _check(x, w_gate, w_up, group_sizes)
+    check_operands(f"jax_tma.{_NAME}", x, w_gate, w_up, group_sizes)
     dtype = jnp.result_type(x, w_gate, w_up)
     x, wg, wu = (jnp.asarray(v, dtype) for v in (x, w_gate, w_up))
     gs = jnp.asarray(group_sizes)

@@ -33,7 +33,7 @@ from jax_tma.ops.gemm.config import GemmConfig
 from jax_tma.ops.ragged import gated_grad_primitive, gated_primitive
 from jax_tma.ops.ragged.api import ragged_dot
 from jax_tma.ops.ragged.config import CONTRACTION, ROWS, check_gated_config
-from jax_tma.ops.ragged.gated import gated_ragged_dot
+from jax_tma.ops.ragged.gated import check_operands, gated_ragged_dot
 from jax_tma.ops.ragged.primitive import _bind as _ragged_bind
 
 _NAME = "gated_ragged_mlp"
@@ -90,29 +90,13 @@ _gated_mlp.defvjp(_gated_mlp_fwd, _gated_mlp_bwd)
 
 
 def _check(x, w_gate, w_up, w_down, group_sizes):
-    """Shapes and types as the unfused expression needs them; ValueError naming them."""
-    shapes = {"x": jnp.shape(x), "w_gate": jnp.shape(w_gate), "w_up": jnp.shape(w_up),
-              "w_down": jnp.shape(w_down), "group_sizes": jnp.shape(group_sizes)}
-    if len(shapes["x"]) != 2:
-        raise ValueError(f"jax_tma.{_NAME}: x must be [M, D], got shape {shapes['x']}")
-    d = shapes["x"][1]
-    for key in ("w_gate", "w_up"):
-        if len(shapes[key]) != 3 or shapes[key][1] != d:
-            raise ValueError(f"jax_tma.{_NAME}: {key} must be [G, D, F] with D = x.shape[1] = "
-                             f"{d}, got shape {shapes[key]}")
-    if shapes["w_gate"] != shapes["w_up"]:
-        raise ValueError(f"jax_tma.{_NAME}: w_gate and w_up must have one shape, got "
-                         f"{shapes['w_gate']} and {shapes['w_up']}")
-    g, _, f = shapes["w_gate"]
-    if len(shapes["w_down"]) != 3 or shapes["w_down"][:2] != (g, f):
+    """gated_ragged_dot's operand checks, then w_down's and the operands' types; ValueError
+    naming the shapes."""
+    check_operands(f"jax_tma.{_NAME}", x, w_gate, w_up, group_sizes, k="D")
+    g, _, f = jnp.shape(w_gate)
+    if jnp.ndim(w_down) != 3 or jnp.shape(w_down)[:2] != (g, f):
         raise ValueError(f"jax_tma.{_NAME}: w_down must be [G, F, D'] with (G, F) = "
-                         f"w_gate's {(g, f)}, got shape {shapes['w_down']}")
-    if shapes["group_sizes"] != (g,):
-        raise ValueError(f"jax_tma.{_NAME}: group_sizes must be [G] with G = "
-                         f"w_gate.shape[0] = {g}, got shape {shapes['group_sizes']}")
-    if not jnp.issubdtype(jnp.result_type(group_sizes), jnp.integer):
-        raise ValueError(f"jax_tma.{_NAME}: group_sizes must be integers, got "
-                         f"{jnp.result_type(group_sizes)}")
+                         f"w_gate's {(g, f)}, got shape {jnp.shape(w_down)}")
     dtypes = {k: jnp.result_type(v) for k, v in
               (("x", x), ("w_gate", w_gate), ("w_up", w_up), ("w_down", w_down))}
     bad = {k: str(t) for k, t in dtypes.items() if not jnp.issubdtype(t, jnp.inexact)}
