@@ -159,3 +159,16 @@ def f64_ragged_contraction(x, dy, gs):
         out[g] = x[start:start + size].T @ dy[start:start + size]
         start += size
     return out
+
+
+def equations(jaxpr, primitive):
+    """The equations of `primitive` in `jaxpr` and the jaxprs nested in its equations."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is primitive:
+            found.append(eqn)
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if hasattr(inner, "eqns"):
+                found += equations(inner, primitive)
+    return found

@@ -25,8 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jax_tma
 from jax_tma.ops.fp8 import config as fp8_config
 from jax_tma.ops.fp8 import ragged_primitive as rp
-from support import (cpu_mesh, cuda_hlo, f64_ragged_contraction, f64_ragged_rows, group_sizes,
-                     needs_extension, rel_error, target_calls)
+from support import (cpu_mesh, cuda_hlo, equations, f64_ragged_contraction, f64_ragged_rows,
+                     group_sizes, needs_extension, rel_error, target_calls)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.dtype(np.float32)
@@ -333,19 +333,6 @@ def test_forward_mode_raises_a_clear_error(rng):
 # ---------------------------------------------------------------- the primitive's rules
 
 
-def _equations(jaxpr, primitive):
-    """The equations of `primitive` in `jaxpr` and the jaxprs nested in its equations."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is primitive:
-            found.append(eqn)
-        for value in eqn.params.values():
-            inner = getattr(value, "jaxpr", value)
-            if hasattr(inner, "eqns"):
-                found += _equations(inner, primitive)
-    return found
-
-
 def test_vmap_matches_a_loop(rng):
     v, m, k, n, g = 3, 40, 200, 48, 3
     ops = [operands(rng, m, k, n, g) for _ in range(v)]
@@ -380,7 +367,7 @@ def test_vmap_of_per_tensor_scales(rng):
     for i in range(v):
         assert rel_error(out[i], f64_fp8_ragged(xq, wq, sa[i], sb[i], gs)) <= tol(F32)
     jaxpr = jax.make_jaxpr(fn)(sa, sb)
-    eqns = _equations(jaxpr.jaxpr, rp.fp8_ragged_dot_p)
+    eqns = equations(jaxpr.jaxpr, rp.fp8_ragged_dot_p)
     assert len(eqns) == 1 and eqns[0].params["sa_block"] and eqns[0].params["sb_block"]
     del ws
 
@@ -391,7 +378,7 @@ def test_vmap_with_shared_weights_is_one_primitive_without_copies():
             _spec((8, 2, 1), f32), _spec((8,), np.int32))
     jaxpr = jax.make_jaxpr(jax.vmap(jax_tma.fp8_ragged_dot, in_axes=(0, None, 0, None, None)))(
         *args)
-    eqns = _equations(jaxpr.jaxpr, rp.fp8_ragged_dot_p)
+    eqns = equations(jaxpr.jaxpr, rp.fp8_ragged_dot_p)
     assert len(eqns) == 1
     shapes = [v.aval.shape for v in eqns[0].invars]
     assert shapes == [(4, 64, 256), (1, 8, 32, 256), (1, 8), (4, 2, 64), (1, 8, 2, 1)]

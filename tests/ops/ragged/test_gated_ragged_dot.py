@@ -23,7 +23,7 @@ from jax.test_util import check_grads
 import jax_tma
 from jax_tma.ops.ragged import config as rd_config
 from jax_tma.ops.ragged import gated_primitive as gp
-from support import (cpu_mesh, cuda_hlo, f64_act, f64_act_grad, f64_ragged_contraction,
+from support import (cpu_mesh, cuda_hlo, equations, f64_act, f64_act_grad, f64_ragged_contraction,
                      f64_ragged_rows, group_sizes, needs_extension, random_array, rel_error)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -175,24 +175,11 @@ def test_vmap_matches_a_loop(rng):
         assert rel_error(grads[1][i], want[1]) <= 2 * TOL[BF16]
 
 
-def _equations(jaxpr, primitive):
-    """The equations of `primitive` in `jaxpr` and the jaxprs nested in its equations."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive is primitive:
-            found.append(eqn)
-        for value in eqn.params.values():
-            inner = getattr(value, "jaxpr", value)
-            if hasattr(inner, "eqns"):
-                found += _equations(inner, primitive)
-    return found
-
-
 def test_vmap_with_shared_weights_is_one_primitive_without_copies():
     x, w, gs = (_spec((4, 64, 32), BF16), _spec((8, 32, 16), BF16), _spec((8,), np.int32))
     jaxpr = jax.make_jaxpr(jax.vmap(jax_tma.gated_ragged_dot, in_axes=(0, None, None, None)))(
         x, w, w, gs)
-    eqns = _equations(jaxpr.jaxpr, gp.gated_ragged_dot_p)
+    eqns = equations(jaxpr.jaxpr, gp.gated_ragged_dot_p)
     assert len(eqns) == 1
     assert eqns[0].invars[0].aval.shape == (4, 64, 32)
     assert eqns[0].invars[1].aval.shape == (1, 8, 32, 16)
