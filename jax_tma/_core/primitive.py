@@ -85,6 +85,14 @@ def define_primitive(name: str, *, abstract_eval: Callable, reference: Callable,
     return prim
 
 
+def planned_call(call: Callable, plan, params: dict) -> Callable | None:
+    """``call`` with the kernel's plan and the primitive's parameters but ``local`` bound: a
+    ``kernel_fn``'s result; None (XLA's reference runs) without a plan."""
+    if plan is None:
+        return None
+    return functools.partial(call, plan=plan, **{k: v for k, v in params.items() if k != "local"})
+
+
 def bind_local(prim: Primitive) -> Callable:
     """``bind(*operands, **params)`` of one device's share (``local=True``): what the
     partitioned body calls."""

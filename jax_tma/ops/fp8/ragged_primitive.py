@@ -29,7 +29,7 @@ from jax import lax
 from jax.interpreters import ad, batching
 
 from jax_tma._core.aval import result_aval
-from jax_tma._core.primitive import define_primitive, kernel_ffi_call
+from jax_tma._core.primitive import bind_local, define_primitive, kernel_ffi_call, planned_call
 from jax_tma.ops.fp8.config import OUT_DTYPES, SCALE_BLOCK, default_ragged_config
 from jax_tma.ops.fp8.primitive import kernel_enabled
 from jax_tma.ops.fp8.quantize import _pad_to
@@ -174,20 +174,12 @@ def _kernel_fn(avals_in, params):
     """The kernel call of one device's product, or None where the reference runs it."""
     if not kernel_enabled():
         return None
-    plan = kernel_plan(*avals_in[:3], params["out_dtype"])
-    if plan is None:
-        return None
-    return functools.partial(_kernel_call, plan=plan,
-                             **{k: v for k, v in params.items() if k != "local"})
+    return planned_call(_kernel_call, kernel_plan(*avals_in[:3], params["out_dtype"]), params)
 
 
 def _partitioned(params):
-    return functools.partial(ragged_sharding.partitioned_fp8_ragged_dot, local_op=_bind_local,
-                             params=params)
-
-
-def _bind_local(x, w, gs, sa, sb, **params):
-    return fp8_ragged_dot_p.bind(x, w, gs, sa, sb, **params, local=True)
+    return functools.partial(ragged_sharding.partitioned_fp8_ragged_dot,
+                             local_op=bind_local(fp8_ragged_dot_p), params=params)
 
 
 def bind(x, w, gs, sa, sb, *, sa_block: bool, sb_block: bool, out_dtype, config=None,

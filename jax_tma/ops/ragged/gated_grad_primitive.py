@@ -27,7 +27,7 @@ import numpy as np
 from jax.interpreters import ad, batching
 
 from jax_tma._core.aval import result_aval
-from jax_tma._core.primitive import define_primitive, kernel_ffi_call
+from jax_tma._core.primitive import bind_local, define_primitive, kernel_ffi_call, planned_call
 from jax_tma.ops.dense.primitive import ACTIVATIONS, activate, activation_grad
 from jax_tma.ops.ragged import sharding as ragged_sharding
 from jax_tma.ops.ragged.config import ROWS, default_gated_grad_config
@@ -122,19 +122,12 @@ def _kernel_call(dy, wd, gs, pre, *, activation, out_dtype, config, plan,
 
 def _kernel_fn(avals_in, params):
     plan = gated_grad_kernel_plan(*avals_in, params["activation"], params["out_dtype"])
-    if plan is None:
-        return None
-    return functools.partial(_kernel_call, plan=plan,
-                             **{k: v for k, v in params.items() if k != "local"})
+    return planned_call(_kernel_call, plan, params)
 
 
 def _partitioned(params):
-    return functools.partial(ragged_sharding.partitioned_gated_ragged_grad, local_op=_bind_local,
-                             params=params)
-
-
-def _bind_local(dy, wd, gs, pre, **params):
-    return gated_ragged_grad_p.bind(dy, wd, gs, pre, **params, local=True)
+    return functools.partial(ragged_sharding.partitioned_gated_ragged_grad,
+                             local_op=bind_local(gated_ragged_grad_p), params=params)
 
 
 def bind(dy, wd, gs, pre, *, activation: str, out_dtype, config=None, local: bool = False):

@@ -23,7 +23,7 @@ import numpy as np
 from jax.interpreters import ad, batching
 
 from jax_tma._core.aval import result_aval
-from jax_tma._core.primitive import define_primitive, kernel_ffi_call
+from jax_tma._core.primitive import bind_local, define_primitive, kernel_ffi_call, planned_call
 from jax_tma.ops.dense.primitive import ACTIVATIONS, activate
 from jax_tma.ops.ragged import sharding as ragged_sharding
 from jax_tma.ops.ragged.config import ROWS, default_gated_config
@@ -128,20 +128,12 @@ def gated_kernel_plan(x, wg, wu, gs, out_dtype):
 
 
 def _kernel_fn(avals_in, params):
-    plan = gated_kernel_plan(*avals_in, params["out_dtype"])
-    if plan is None:
-        return None
-    return functools.partial(_kernel_call, plan=plan,
-                             **{k: v for k, v in params.items() if k != "local"})
+    return planned_call(_kernel_call, gated_kernel_plan(*avals_in, params["out_dtype"]), params)
 
 
 def _partitioned(params):
-    return functools.partial(ragged_sharding.partitioned_gated_ragged_dot, local_op=_bind_local,
-                             params=params)
-
-
-def _bind_local(x, wg, wu, gs, **params):
-    return gated_ragged_dot_p.bind(x, wg, wu, gs, **params, local=True)
+    return functools.partial(ragged_sharding.partitioned_gated_ragged_dot,
+                             local_op=bind_local(gated_ragged_dot_p), params=params)
 
 
 def bind(x, wg, wu, gs, *, activation: str, save_pre: bool, out_dtype, config=None,
