@@ -140,14 +140,22 @@ def _partition(local_op, mode, w_k_major, out_dtype, config, mesh, arg_shapes, r
     return mesh, per_device, NamedSharding(mesh, _spec(choice["out"])), arg_shardings
 
 
+def _batch_factors(batch: int, w_t, gs_t, w_mapped_at_1: bool = False) -> tuple[str, str]:
+    """The Shardy factors of the weights' and the group sizes' batch dims: the operands' "b"
+    where they are mapped with x, else one of their own (shared: size 1). `w_mapped_at_1`: the
+    weights' batch of 1 is x's too (the contraction form's second operand)."""
+    wb = "b" if w_t.shape[0] == batch and (w_mapped_at_1 or batch > 1) else "wb"
+    gb = "b" if gs_t.shape[0] == batch and batch > 1 else "gb"
+    return wb, gb
+
+
 def _sharding_rule(local_op, mode, w_k_major, out_dtype, config, mesh, operand_types,
                    result_types):
     """Einsum-like factors b, m, k, n, g; a batch dim of size 1 (shared) gets its own factor."""
     del local_op, out_dtype, config, mesh, result_types
     x_t, w_t, gs_t = operand_types
     batch = x_t.shape[0]
-    wb = "b" if w_t.shape[0] == batch and (mode != "rows" or batch > 1) else "wb"
-    gb = "b" if gs_t.shape[0] == batch and batch > 1 else "gb"
+    wb, gb = _batch_factors(batch, w_t, gs_t, w_mapped_at_1=mode != "rows")
     if mode == "rows":
         w = f"{wb} g n k" if w_k_major else f"{wb} g k n"
         rule = f"b m k, {w}, {gb} g -> b m n"
@@ -229,8 +237,7 @@ def _gated_sharding_rule(local_op, params, mesh, operand_types, result_types):
     del local_op, mesh, result_types
     x_t, w_t, _, gs_t = operand_types
     batch = x_t.shape[0]
-    wb = "b" if w_t.shape[0] == batch and batch > 1 else "wb"
-    gb = "b" if gs_t.shape[0] == batch and batch > 1 else "gb"
+    wb, gb = _batch_factors(batch, w_t, gs_t)
     outs = "b m f, p b m f" if params["save_pre"] else "b m f"
     rule = f"b m k, {wb} g k f, {wb} g k f, {gb} g -> {outs}"
     return rule, dict(need_replication_factors=("k", "g"))
@@ -297,8 +304,7 @@ def _gated_grad_sharding_rule(local_op, params, mesh, operand_types, result_type
     del local_op, params, mesh, result_types
     dy_t, w_t, gs_t, _ = operand_types
     batch = dy_t.shape[0]
-    wb = "b" if w_t.shape[0] == batch and batch > 1 else "wb"
-    gb = "b" if gs_t.shape[0] == batch and batch > 1 else "gb"
+    wb, gb = _batch_factors(batch, w_t, gs_t)
     rule = f"b m d, {wb} g f d, {gb} g, p b m f -> b m f, b m f"
     return rule, dict(need_replication_factors=("d", "g"))
 
@@ -364,8 +370,7 @@ def _fp8_sharding_rule(local_op, params, mesh, operand_types, result_types):
     del local_op, mesh, result_types
     x_t, w_t, gs_t = operand_types[:3]
     batch = x_t.shape[0]
-    wb = "b" if w_t.shape[0] == batch and batch > 1 else "wb"
-    gb = "b" if gs_t.shape[0] == batch and batch > 1 else "gb"
+    wb, gb = _batch_factors(batch, w_t, gs_t)
     sa = "b kb m" if params["sa_block"] else ""
     sb = f"{wb} g kb nb" if params["sb_block"] else ""
     rule = f"b m k, {wb} g n k, {gb} g, {sa}, {sb} -> b m n"
