@@ -28,7 +28,8 @@ Public API:
     products with per-tensor, row/column or block (1x128, 128x128) scales on the FP8 kernel.
   fp8_ragged_dot(lhs, rhs, lhs_scale, rhs_scale, group_sizes): the block-scaled FP8 grouped
     (MoE) product, ``lax.ragged_dot`` of the dequantised operands (weights [G, N, K]) on one
-    grouped FP8 kernel, group sizes read on the device (forward only: no gradients yet).
+    grouped FP8 kernel, group sizes read on the device; gradients as DeepSeek-V3 (dx in FP8,
+    dW in bf16).
   GemmConfig: a compiled tile configuration to pass as ``config=``.
   kernel_status(): whether the kernels run on the default backend, and why not.
   autotune(lhs, rhs, dimension_numbers): times every configuration of a product on the device
