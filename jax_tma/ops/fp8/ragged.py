@@ -47,6 +47,7 @@ from jax_tma.ops.fp8.config import (FP8_DTYPES, OUT_DTYPES, SCALE_BLOCK, Fp8Conf
 from jax_tma.ops.fp8.quantize import dequantize_fp8, quantize_fp8
 from jax_tma.ops.fp8.ragged_primitive import bind
 from jax_tma.ops.ragged.api import ragged_dot_general
+from jax_tma.ops.ragged.config import clamp_sizes
 
 _NAME = "jax_tma.fp8_ragged_dot"
 
@@ -92,15 +93,19 @@ def fp8_ragged_dot(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any, group_siz
         are clamped to [0, M], and the groups after the running sum reaches M cut off, as
         ``jax_tma.ragged_dot`` reads them; rows past the last group are zero.
       preferred_element_type: the output type, bfloat16 (default) or float32.
-      config: an ``Fp8Config`` among ``FP8_RAGGED_CONFIGS`` (by default a heuristic picks one).
+      config: an ``Fp8Config`` among ``FP8_RAGGED_CONFIGS`` for this product (by default a
+        heuristic picks one); the gradient's product and a vmapped call take the heuristic's.
 
     Returns:
       [M, N] in preferred_element_type: row i is ``(lhs[i] * s_i) @ (rhs[g] * S_g)^T`` for the
       group g holding row i (the scales expanded over their blocks), summed in fp32 (on Hopper:
       promoted out of the tensor core every 128 K) and rounded once; zero past the last group.
 
-    Gradients (module docstring): dx in FP8 through this kernel, dW in bf16 through the bf16
-    grouped kernel, both returned in bf16 as the dequantised operands' cotangents.
+    Gradients (module docstring): dx in FP8 (this product again), dW in bf16 (the bf16 grouped
+    product), each on its Hopper kernel where the forward's would run, else in XLA; both are
+    returned in bf16 and are the cotangents of the dequantised operands ``lhs * lhs_scale`` and
+    ``rhs * rhs_scale`` (the scales get zero): differentiate through ``quantize_fp8`` to reach
+    the values that were quantised.
 
     Raises:
       TypeError: operands not of one FP8 type, non-integer group sizes, non-float scales.
@@ -168,7 +173,7 @@ def _product_bwd(sa_block, sb_block, out_dtype, config, saved, ct):
     m = lhs.shape[0]
     # Sizes as the forward kernel read them (the bf16 product clamps alike on Hopper; lax, on
     # other platforms, gives negative sizes no meaning).
-    gs = jnp.clip(gs, 0, m).astype(gs.dtype)
+    gs = clamp_sizes(gs, m)
     dyq, dys = quantize_fp8(ct, (1, SCALE_BLOCK), rhs.dtype)          # [M, N], [Nb, M]
     w_t = jnp.swapaxes(rhs, 1, 2)                                    # [G, K, N]
     s_t = jnp.swapaxes(sb, 1, 2) if sb_block else sb                 # [G, Nb, Kb]

@@ -34,7 +34,7 @@ from jax_tma.ops.fp8.config import OUT_DTYPES, SCALE_BLOCK, default_ragged_confi
 from jax_tma.ops.fp8.primitive import kernel_enabled
 from jax_tma.ops.fp8.quantize import _pad_to
 from jax_tma.ops.ragged import sharding as ragged_sharding
-from jax_tma.ops.ragged.config import ROWS
+from jax_tma.ops.ragged.config import ROWS, clamp_sizes
 from jax_tma.ops.ragged.primitive import _INT32_MAX, _pad_axis, fold_vmapped, workspace_bytes
 
 KERNEL_TARGET = "jax_tma_fp8_ragged_dot_sm90"
@@ -78,7 +78,7 @@ def _reference(x, w, gs, sa, sb, *, sa_block, sb_block, out_dtype, config, local
     one = functools.partial(lax.ragged_dot_general, ragged_dot_dimension_numbers=dims,
                             precision=lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
     # Sizes clamped to [0, M] as the kernel reads them (lax gives negative sizes no meaning).
-    gs = jnp.clip(gs, 0, x.shape[1]).astype(gs.dtype)
+    gs = clamp_sizes(gs, x.shape[1])
     # NOTE: lax batches ragged_dot only with every operand mapped.
     out = jax.vmap(one)(x32, jnp.broadcast_to(w32, (batch, *w32.shape[1:])),
                         jnp.broadcast_to(gs, (batch, gs.shape[1])))
@@ -139,7 +139,7 @@ def _kernel_call(x, w, gs, sa, sb, *, plan: Fp8RaggedPlan, sa_block: bool, sb_bl
     w = _pad_axis(_pad_axis(w, 3, plan.k_pad), 2, plan.n_pad)
     weights = w.shape[0] * plan.groups
     w = w.reshape(weights, np_, kp)
-    gs = jnp.clip(gs, 0, plan.rows).astype(jnp.int32)
+    gs = clamp_sizes(gs, plan.rows)
     cfg = config if config is not None else default_ragged_config(
         plan.batch * plan.rows, np_, kp, plan.groups * plan.batch)
     placeholder = jnp.zeros((1,), f32)
@@ -233,8 +233,9 @@ def _batch_rule(args, dims, *, sa_block, sb_block, out_dtype, config, local):
 def _jvp(primals, tangents, **params):
     del primals, tangents, params
     raise NotImplementedError(
-        "jax_tma.fp8_ragged_dot: forward-mode differentiation (jax.jvp, jax.jacfwd) is not "
-        "defined for the FP8 grouped product; reverse mode (jax.grad, jax.vjp) is")
+        "jax_tma.fp8_ragged_dot: only first-order reverse-mode gradients (jax.grad, jax.vjp) "
+        "are defined for the FP8 grouped product, not forward mode (jax.jvp, jax.jacfwd) nor "
+        "gradients of its gradients")
 
 
 fp8_ragged_dot_p = define_primitive("jax_tma_fp8_ragged_dot", abstract_eval=_abstract_eval,

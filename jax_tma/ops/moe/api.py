@@ -60,7 +60,8 @@ order; the statistics are the global ones. Other mesh axes are left to the compi
 ``jax_tma.fp8_ragged_dot``: the rows quantised per row and 128 columns (e4m3, one XLA fusion
 each) and every expert's weights per 128 x 128 block, read K-major (``quantize_fp8`` of the
 transposed weights, each step: the weights stay in their own type); the gated half as one
-product of the concatenated [E, 2F, d] weights and the elementwise combination in fp32. Its
+product of the concatenated [E, 2F, d] weights (where F is not a multiple of 128, one block of
+128 rows holds gate and up rows and shares their scale) and the elementwise combination in fp32. Its
 gradients are fp8_ragged_dot's (the rows' in FP8, the weights' in bf16) straight through the
 quantisation. Results differ from the bf16 layer's by FP8's rounding (about 3 % relative per
 product with e4m3's 3 mantissa bits, at random data).

@@ -38,7 +38,7 @@ from jax import lax
 
 from jax_tma import _ext
 from jax_tma.ops.gemm.config import KERNEL_INPUT_DTYPES, GemmConfig, kernel_output_dtypes
-from jax_tma.ops.ragged.config import CONTRACTION, ROWS, check_config
+from jax_tma.ops.ragged.config import CONTRACTION, ROWS, check_config, widen_sizes
 from jax_tma.ops.ragged.primitive import ragged_dot_p
 
 # lax.ragged_dot's dimension numbers: lhs [M, K], rhs [G, K, N].
@@ -94,6 +94,8 @@ def ragged_dot_general(lhs: Any, rhs: Any, group_sizes: Any,
     config = GemmConfig.coerce(config, "jax_tma.ragged_dot_general")
     if config is not None:
         check_config(config)
+    if jnp.issubdtype(jnp.result_type(group_sizes), jnp.integer):
+        group_sizes = widen_sizes(group_sizes)  # int8 sizes summing past 127 wrap in lax
     reference = functools.partial(
         lax.ragged_dot_general, ragged_dot_dimension_numbers=ragged_dot_dimension_numbers,
         precision=precision, preferred_element_type=preferred_element_type,

@@ -88,3 +88,18 @@ def default_gated_grad_config(rows: int, n: int, k: int, groups: int,
                                                 dram_bytes_per_s=device.dram_bytes_per_s(),
                                                 l2_bytes=device.l2_bytes()),
                    lambda cfg: (-cfg.stages, -cfg.cluster_m))
+
+
+def widen_sizes(gs):
+    """Integer group sizes narrower than 32 bits as int32 (others as they are): their running
+    sums (lax's and the kernels') and clamps to M would wrap in int8 or int16."""
+    gs = jnp.asarray(gs)
+    if jnp.issubdtype(gs.dtype, jnp.integer) and jnp.iinfo(gs.dtype).bits < 32:
+        return gs.astype(jnp.int32)
+    return gs
+
+
+def clamp_sizes(gs, rows: int) -> jnp.ndarray:
+    """Group sizes clamped to [0, rows] as int32, whatever their integer type (a narrow one is
+    widened first, a wider one clamped before it narrows)."""
+    return jnp.clip(widen_sizes(gs), 0, rows).astype(jnp.int32)

@@ -24,13 +24,14 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.interpreters import ad, batching
 
 from jax_tma._core.aval import result_aval
 from jax_tma._core.primitive import bind_local, define_primitive, kernel_ffi_call, planned_call
 from jax_tma.ops.dense.primitive import ACTIVATIONS, activate, activation_grad
 from jax_tma.ops.ragged import sharding as ragged_sharding
-from jax_tma.ops.ragged.config import ROWS, default_gated_grad_config
+from jax_tma.ops.ragged.config import ROWS, clamp_sizes, default_gated_grad_config
 from jax_tma.ops.ragged.primitive import _bind as _ragged_bind
 from jax_tma.ops.ragged.primitive import _pad_axis
 from jax_tma.ops.ragged.primitive import _reference as _ragged_reference
@@ -57,7 +58,10 @@ def _abstract_eval(dy, wd, gs, pre, *, activation, out_dtype, config, local):
 def _rows_within(gs, rows: int):
     """[B or 1, M, 1]: whether each row lies in a group (sizes clamped to [0, M], the running sum
     to M, as the kernels read them)."""
-    total = jnp.minimum(jnp.sum(jnp.clip(gs, 0, rows), axis=-1), rows)
+    sizes = clamp_sizes(gs, rows).astype(jnp.uint32)
+    # Saturating at rows (below 2^31): two terms add without wrapping.
+    total = lax.associative_scan(lambda a, b: jnp.minimum(a + b, rows), sizes,
+                                 axis=-1)[:, -1].astype(jnp.int32)
     return (jnp.arange(rows)[None, :] < total[:, None])[..., None]
 
 
@@ -101,7 +105,7 @@ def _kernel_call(dy, wd, gs, pre, *, activation, out_dtype, config, plan,
     wd = _pad_axis(_pad_axis(wd, 3, plan.k_pad), 2, plan.n_pad)
     pre = _pad_axis(pre, 3, plan.n_pad)
     kp, fp = plan.k + plan.k_pad, plan.n + plan.n_pad
-    gs = jnp.clip(gs, 0, plan.rows).astype(jnp.int32)
+    gs = clamp_sizes(gs, plan.rows)
     cfg = config if config is not None else default_gated_grad_config(
         plan.batch * plan.rows, fp, kp, plan.groups * plan.batch)
     i64 = np.int64

@@ -26,7 +26,7 @@ from jax_tma._core.aval import result_aval
 from jax_tma._core.primitive import bind_local, define_primitive, kernel_ffi_call, planned_call
 from jax_tma.ops.dense.primitive import ACTIVATIONS, activate
 from jax_tma.ops.ragged import sharding as ragged_sharding
-from jax_tma.ops.ragged.config import ROWS, default_gated_config
+from jax_tma.ops.ragged.config import ROWS, clamp_sizes, default_gated_config
 from jax_tma.ops.ragged.primitive import (_INT32_MAX, _pad_axis, fold_vmapped, kernel_plan,
                                           rows_product, rows_reference, workspace_bytes)
 
@@ -87,7 +87,7 @@ def _kernel_call(x, wg, wu, gs, *, activation, save_pre, out_dtype, config, plan
     x = _pad_axis(x, 2, plan.k_pad)
     wg, wu = (_pad_axis(_pad_axis(w, 2, plan.k_pad), 3, plan.n_pad) for w in (wg, wu))
     kp, fp = plan.k + plan.k_pad, plan.n + plan.n_pad
-    gs = jnp.clip(gs, 0, plan.rows).astype(jnp.int32)
+    gs = clamp_sizes(gs, plan.rows)
     cfg = config if config is not None else default_gated_config(
         plan.batch * plan.rows, fp, kp, plan.groups * plan.batch)
     i64 = np.int64

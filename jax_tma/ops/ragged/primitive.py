@@ -23,7 +23,8 @@ from jax_tma._core.aval import result_aval
 from jax_tma._core.primitive import define_primitive, kernel_ffi_call
 from jax_tma.ops.gemm.config import KERNEL_INPUT_DTYPES, STRIDE_ELEMS, kernel_output_dtypes
 from jax_tma.ops.ragged import sharding as ragged_sharding
-from jax_tma.ops.ragged.config import CONTRACTION, ROWS, default_config
+from jax_tma.ops.ragged.config import (CONTRACTION, ROWS, clamp_sizes, default_config,
+                                       widen_sizes)
 
 KERNEL_TARGET = "jax_tma_ragged_dot_sm90"
 _MODE_ATTR = {ROWS: 0, CONTRACTION: 1}
@@ -93,7 +94,7 @@ def _reference(x, w, gs, *, mode, w_k_major, out_dtype, config, local):
     one = functools.partial(lax.ragged_dot_general, ragged_dot_dimension_numbers=dims,
                             preferred_element_type=out_dtype)
     # NOTE: lax batches ragged_dot only with every operand mapped.
-    return jax.vmap(one)(x, _broadcast_batch(w, batch), _broadcast_batch(gs, batch))
+    return jax.vmap(one)(x, _broadcast_batch(w, batch), _broadcast_batch(widen_sizes(gs), batch))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +157,7 @@ def _kernel_call(x, w, gs, *, plan: RaggedPlan, w_k_major: bool, out_dtype, conf
     else:
         w = _pad_axis(w, 2, plan.n_pad)
     kp, np_ = plan.k + plan.k_pad, plan.n + plan.n_pad
-    gs = jnp.clip(gs, 0, plan.rows).astype(jnp.int32)
+    gs = clamp_sizes(gs, plan.rows)
     cfg = config if config is not None else default_config(
         mode, plan.batch * plan.rows, np_, kp, plan.groups * plan.batch, out_dtype=out_dtype)
     out_shape = ((plan.batch, plan.rows, np_) if mode == ROWS

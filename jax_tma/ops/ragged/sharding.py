@@ -36,6 +36,7 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_tma._core.sharding import Axes, AxisClaims, Params, partitioned_call, spec_of
+from jax_tma.ops.ragged.config import clamp_sizes
 
 
 def _spec(dims) -> PartitionSpec:
@@ -82,7 +83,7 @@ def local_group_sizes(group_sizes: jax.Array, rows: int, shard: jax.Array,
     """Rows of each group that fall in rows [shard * shard_rows, (shard + 1) * shard_rows) of
     `rows`, groups laid out one after another from row 0 (sizes clamped to [0, rows], the
     running sum saturating at rows, as the kernel reads them)."""
-    sizes = jnp.clip(group_sizes, 0, rows).astype(jnp.uint32)
+    sizes = clamp_sizes(group_sizes, rows).astype(jnp.uint32)
     limit = jnp.uint32(rows)
     # Saturating addition on [0, rows] is associative; two values below 2^31 add without wrap.
     ends = lax.associative_scan(lambda a, b: jnp.minimum(a + b, limit), sizes, axis=-1)

@@ -127,6 +127,22 @@ def test_sizes_are_clamped(rng, gs):
     assert rel_error(out, f64_fp8_ragged(xq, wq, xs, ws, clamped)) <= tol(F32)
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint32])
+def test_narrow_and_unsigned_sizes(rng, dtype):
+    """Sizes of any integer type read as their values: clamping an int8 to M > 127 in its own
+    type would wrap."""
+    m, k, n = 200, 128, 16
+    xq, wq, xs, ws = operands(rng, m, k, n, 2)
+    gs = np.array([100, 100], dtype)
+    out = jax_tma.fp8_ragged_dot(xq, wq, xs, ws, gs, preferred_element_type=F32)
+    assert rel_error(out, f64_fp8_ragged(xq, wq, xs, ws, gs.astype(np.int32))) <= tol(F32)
+    ct = rng.standard_normal((m, n)).astype(BF16)
+    dx, dw = _vjp(xq, wq, xs, ws, gs, ct)
+    x64, w64 = f64_dequantised(xq, wq, xs, ws)
+    assert rel_error(dx, f64_ragged_rows(np_quantise_rows(ct), w64, gs)) <= tol(BF16)
+    assert rel_error(dw, f64_ragged_contraction(ct, x64, gs)) <= tol(BF16)
+
+
 @pytest.mark.parametrize("blocks", [(False, False), (True, False), (False, True)])
 def test_per_tensor_scales(rng, blocks):
     m, k, n, g = 96, 200, 72, 3
@@ -271,6 +287,18 @@ def test_gradients_match_float64(rng, m, k, n, g, pattern, blocks):
     assert rel_error(dx, f64_ragged_rows(ct, w64, gs)) <= 0.05
 
 
+def test_gradients_of_e5m2_operands(rng):
+    """e5m2 (XLA's path): dy quantised in e5m2 too, the same recipe."""
+    m, k, n, g = 96, 256, 128, 3
+    xq, wq, xs, ws = operands(rng, m, k, n, g, dtype=E5M2)
+    gs = group_sizes("short", m, g, rng)
+    ct = rng.standard_normal((m, n)).astype(BF16)
+    dx, dw = _vjp(xq, wq, xs, ws, gs, ct)
+    x64, w64 = f64_dequantised(xq, wq, xs, ws)
+    assert rel_error(dx, f64_ragged_rows(np_quantise_rows(ct, E5M2), w64, gs)) <= tol(BF16)
+    assert rel_error(dw, f64_ragged_contraction(ct, x64, gs)) <= tol(BF16)
+
+
 def test_gradients_of_sizes_past_the_rows(rng):
     """Sizes summing past M and negative ones are clamped as the forward pass reads them."""
     m, k, n, g = 64, 128, 64, 3
@@ -320,6 +348,19 @@ def test_vmap_of_gradients_matches_a_loop(rng):
         dx, dw = pullback(jnp.asarray(cts[i]))
         np.testing.assert_array_equal(np.asarray(dxs[i], np.float32), np.asarray(dx, np.float32))
         assert rel_error(dws[i], dw) <= 1e-2
+
+
+def test_second_order_raises_a_clear_error(rng):
+    xq, wq, xs, ws = operands(rng, 16, 128, 16, 2)
+    gs = np.array([10, 6], np.int32)
+    x = jnp.asarray(rng.standard_normal((16, 128)), jnp.float32)
+
+    def loss(x):
+        q, s = jax_tma.quantize_fp8(x, (1, 128))
+        return jnp.sum(jax_tma.fp8_ragged_dot(q, wq, s, ws, gs).astype(jnp.float32) ** 2)
+
+    with pytest.raises(NotImplementedError, match="only first-order reverse-mode"):
+        jax.grad(lambda x: jnp.sum(jax.grad(loss)(x)))(x)
 
 
 def test_forward_mode_raises_a_clear_error(rng):

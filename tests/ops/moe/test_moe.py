@@ -7,6 +7,7 @@ and on a Hopper GPU that step."""
 
 from __future__ import annotations
 
+import functools
 import math
 import pathlib
 
@@ -472,7 +473,8 @@ def test_gpu_bf16_step_runs_kernel(rng):
 # implementation="jax_tma_fp8": e4m3 rows (1 x 128) and weights (128 x 128) at every product,
 # each rounding to 3 mantissa bits ~2-3 % relative at random data; a gated expert's path rounds
 # four operands so: 5-6.5 % from the exact float64 layer here (forward and gradients). The bound
-# leaves room for that and not for a misplaced block, scale or weight (errors of order 1).
+# leaves room for that, not for a misplaced block or scale (errors of order 1) nor for a
+# gradient off by a fifth.
 FP8_TOL = 0.1
 
 
@@ -488,9 +490,12 @@ def test_fp8_experts_match_float64(gated, rng):
         assert y.dtype == dtype and y.shape == x.shape
         assert rel_error(y, want) <= tol
         _check_stats(stats, want_stats)
-    bf16_y, _ = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=2, activation=act,
-                                dtype=jnp.float32)
-    assert rel_error(y, bf16_y) > 1e-4  # the FP8 products ran: their rounding shows
+    # The FP8 products ran: against the same layer's 16-bit-free float32 products, FP8's
+    # rounding (a few %) shows.
+    kw = dict(top_k=2, activation=act, dtype=jnp.float32)
+    fp8_y, _ = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, implementation="jax_tma_fp8", **kw)
+    f32_y, _ = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, **kw)
+    assert rel_error(fp8_y, f32_y) > 1e-2
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
@@ -515,7 +520,7 @@ def test_fp8_gradients_match_dense_form(gated, rng):
     want = jax.jit(jax.grad(dense, argnums))(*args)
     for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), got, want):
         assert g.dtype == w.dtype, name
-        assert rel_error(g, w) <= 2 * FP8_TOL, name  # a product more on each gradient's path
+        assert rel_error(g, w) <= FP8_TOL, name
 
 
 def test_fp8_expert_parallel_matches_one_device(rng):
@@ -527,6 +532,17 @@ def test_fp8_expert_parallel_matches_one_device(rng):
             x, router, w_up, w_down, w_gate)
     # The same rows quantised alike on either side: only summation order differs.
     assert rel_error(_host(got)[0], want) <= 1e-5
+    args = (x, router, w_up, w_down, w_gate)
+    ct = rng.standard_normal(x.shape).astype(F32)
+
+    def loss(*a, **more):
+        return jnp.sum(jax_tma.moe_mlp(*a, **kw, **more)[0] * ct)
+
+    want_grads = jax.jit(jax.grad(loss, range(5)))(*args)
+    with jax.set_mesh(_cpu_mesh((4,), ("ep",))):
+        got_grads = jax.jit(jax.grad(functools.partial(loss, expert_axis="ep"), range(5)))(*args)
+    for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), got_grads, want_grads):
+        assert rel_error(_host(g)[0], w) <= 1e-4, name
 
 
 @needs_extension
@@ -540,7 +556,7 @@ def test_fp8_cuda_lowering_kernel_calls(gated):
     hlo = cuda_hlo(_step_fn("jax_tma_fp8", gated), *(specs if gated else specs[:4]))
     assert _kernel_calls(hlo, fp8r.KERNEL_TARGET) == 4
     assert _kernel_calls(hlo) == 2
-    assert _kernel_calls(hlo, gp.KERNEL_TARGET) == 0
+    assert _kernel_calls(hlo, gp.KERNEL_TARGET) == _kernel_calls(hlo, ggp.KERNEL_TARGET) == 0
 
 
 @pytest.mark.gpu
@@ -557,7 +573,7 @@ def test_gpu_fp8_step_runs_kernel(rng):
     (_, grads) = step(*args)
     (_, xla_grads) = jax.jit(_step_fn("xla"))(*args)
     for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), grads, xla_grads):
-        assert rel_error(g, w) <= 2 * FP8_TOL, name
+        assert rel_error(g, w) <= FP8_TOL + 1e-2, name  # bf16 products
 
 
 def _example():
@@ -577,9 +593,9 @@ def test_fp8_example_step_kernel_calls():
     s = flax_moe.setup(tokens=256, d_model=128, d_ff=128, experts=4, top_k=2, fp8=True)
     hlo = jax.jit(s.step).trace(s.params, s.opt_state, *s.batches[0]).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert (_kernel_calls(hlo, fp8r.KERNEL_TARGET), _kernel_calls(hlo)) == (3, 2)
-    assert _kernel_calls(hlo, gp.KERNEL_TARGET) == 0
-    assert flax_moe.expected_kernel_calls(fp8=True) == 5
+    calls = (_kernel_calls(hlo, fp8r.KERNEL_TARGET), _kernel_calls(hlo))
+    assert calls == (3, 2) and sum(calls) == flax_moe.expected_kernel_calls(fp8=True)
+    assert _kernel_calls(hlo, gp.KERNEL_TARGET) == _kernel_calls(hlo, ggp.KERNEL_TARGET) == 0
 
 
 def test_fp8_example_tracks_the_bf16_layer():

@@ -87,6 +87,22 @@ ERROR_CASES = [
 ]
 
 
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16])
+def test_narrow_integer_sizes(rng, dtype):
+    """Sizes of a narrow integer type read as their values (the kernel's clamp to [0, M] works
+    in int32: in int8, M = 200 would wrap), both forms."""
+    m, k, n = 200, 64, 32
+    x, dy = random_array(rng, (m, k), BF16), random_array(rng, (m, n), BF16)
+    w = random_array(rng, (2, k, n), BF16)
+    gs = np.array([100, 90], dtype)
+    out = jax_tma.ragged_dot(x, w, gs, preferred_element_type=jnp.float32)
+    assert rel_error(out, f64_ragged_rows(x, w, gs.astype(np.int32))) <= TOL[F32]
+    dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    dw = jax_tma.ragged_dot_general(x, dy, gs, dims, preferred_element_type=jnp.float32)
+    assert rel_error(dw, f64_ragged_contraction(x, dy, gs.astype(np.int32))) <= TOL[F32]
+
+
 @pytest.mark.parametrize("x_shape,w_shape,gs_shape", ERROR_CASES)
 def test_errors_match_lax(x_shape, w_shape, gs_shape):
     x, w = jnp.ones(x_shape, jnp.bfloat16), jnp.ones(w_shape, jnp.bfloat16)
