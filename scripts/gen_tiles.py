@@ -44,6 +44,20 @@ def _macro(head: str, rows: list[str]) -> list[str]:
     return [line.ljust(width) + "\\" for line in lines[:-1]] + [lines[-1]]
 
 
+def _kernel_family(name: str, title: str, entries, note: str | None, inner: str,
+                   rows: list[str]) -> list[str]:
+    """A family's why-table, its NOTE, JAX_TMA_SM90_<name>_TILES(X, ARG) over the tiles,
+    JAX_TMA_SM90_<name>_<inner>(X, TILE) over `rows` and JAX_TMA_SM90_<name>_KERNELS(X), the
+    two crossed."""
+    out = _why_table(title, entries)
+    if note is not None:
+        out += _comment(note, first="NOTE: ")
+    out += _macro(f"JAX_TMA_SM90_{name}_TILES(X, ARG)", [f"X(ARG, {e.tile.cxx})" for e in entries])
+    out += _macro(f"JAX_TMA_SM90_{name}_{inner}(X, TILE)", rows)
+    return out + [f"#define JAX_TMA_SM90_{name}_KERNELS(X) "
+                  f"JAX_TMA_SM90_{name}_TILES(JAX_TMA_SM90_{name}_{inner}, X)", ""]
+
+
 def _why_table(title: str, entries) -> list[str]:
     width = max(len(e.tile.cxx) for e in entries)
     return [f"// {title}"] + [f"//   {e.tile.cxx.ljust(width)}  {e.why}" for e in entries]
@@ -100,37 +114,20 @@ def header() -> str:
     out += ["#define JAX_TMA_SM90_GEMM_KERNELS(X) "
             "JAX_TMA_SM90_GEMM_TILES(JAX_TMA_SM90_GEMM_LAYOUTS, X)", ""]
 
-    # Ragged: X(tile, layout, mode).
-    out += _why_table("Ragged tiles (jax_tma.RAGGED_CONFIGS), all with the TMA-store epilogue:",
-                      tiles.RAGGED_TILES)
-    out += _macro("JAX_TMA_SM90_RAGGED_TILES(X, ARG)",
-                  [f"X(ARG, {e.tile.cxx})" for e in tiles.RAGGED_TILES])
-    out += _macro("JAX_TMA_SM90_RAGGED_LAYOUTS(X, TILE)",
-                  [f"X(TILE, {layout}, {mode})" for layout, mode in tiles.RAGGED_LAYOUTS])
-    out += ["#define JAX_TMA_SM90_RAGGED_KERNELS(X) "
-            "JAX_TMA_SM90_RAGGED_TILES(JAX_TMA_SM90_RAGGED_LAYOUTS, X)", ""]
-
-    # Gated ragged: X(tile, LayoutNN, fusion).
-    out += _why_table("Gated ragged tiles (gated_ragged_dot's configs):",
-                      tiles.RAGGED_GATED_TILES)
-    out += _comment(tiles.RAGGED_GATED_NOTE, first="NOTE: ")
-    out += _macro("JAX_TMA_SM90_RAGGED_GATED_TILES(X, ARG)",
-                  [f"X(ARG, {e.tile.cxx})" for e in tiles.RAGGED_GATED_TILES])
-    out += _macro("JAX_TMA_SM90_RAGGED_GATED_FUSIONS(X, TILE)",
-                  [f"X(TILE, LayoutNN, {f})" for f in tiles.RAGGED_GATED_FUSIONS])
-    out += ["#define JAX_TMA_SM90_RAGGED_GATED_KERNELS(X) "
-            "JAX_TMA_SM90_RAGGED_GATED_TILES(JAX_TMA_SM90_RAGGED_GATED_FUSIONS, X)", ""]
-
-    # Gated ragged gradient: X(tile, LayoutNT, fusion).
-    out += _why_table("Gated ragged gradient tiles (gated_ragged_mlp's backward):",
-                      tiles.RAGGED_GATED_GRAD_TILES)
-    out += _comment(tiles.RAGGED_GATED_GRAD_NOTE, first="NOTE: ")
-    out += _macro("JAX_TMA_SM90_RAGGED_GATED_GRAD_TILES(X, ARG)",
-                  [f"X(ARG, {e.tile.cxx})" for e in tiles.RAGGED_GATED_GRAD_TILES])
-    out += _macro("JAX_TMA_SM90_RAGGED_GATED_GRAD_FUSIONS(X, TILE)",
-                  [f"X(TILE, LayoutNT, {f})" for f in tiles.RAGGED_GATED_GRAD_FUSIONS])
-    out += ["#define JAX_TMA_SM90_RAGGED_GATED_GRAD_KERNELS(X) "
-            "JAX_TMA_SM90_RAGGED_GATED_GRAD_TILES(JAX_TMA_SM90_RAGGED_GATED_GRAD_FUSIONS, X)", ""]
+    # Ragged: X(tile, layout, mode); gated ragged: X(tile, LayoutNN, fusion); gated ragged
+    # gradient: X(tile, LayoutNT, fusion).
+    out += _kernel_family(
+        "RAGGED", "Ragged tiles (jax_tma.RAGGED_CONFIGS), all with the TMA-store epilogue:",
+        tiles.RAGGED_TILES, None, "LAYOUTS",
+        [f"X(TILE, {layout}, {mode})" for layout, mode in tiles.RAGGED_LAYOUTS])
+    out += _kernel_family(
+        "RAGGED_GATED", "Gated ragged tiles (gated_ragged_dot's configs):",
+        tiles.RAGGED_GATED_TILES, tiles.RAGGED_GATED_NOTE, "FUSIONS",
+        [f"X(TILE, LayoutNN, {f})" for f in tiles.RAGGED_GATED_FUSIONS])
+    out += _kernel_family(
+        "RAGGED_GATED_GRAD", "Gated ragged gradient tiles (gated_ragged_mlp's backward):",
+        tiles.RAGGED_GATED_GRAD_TILES, tiles.RAGGED_GATED_GRAD_NOTE, "FUSIONS",
+        [f"X(TILE, LayoutNT, {f})" for f in tiles.RAGGED_GATED_GRAD_FUSIONS])
 
     # Dense: X(tile, layout, fusion), per fusion group (one instantiation file each).
     notes = {"dense": tiles.DENSE_TILES_NOTE, "narrow": tiles.DENSE_NARROW_NOTE,
