@@ -19,7 +19,6 @@ per weight) or []. Result [B, M, N]; rows past the last group are zero.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -35,7 +34,8 @@ from jax_tma.ops.fp8.primitive import kernel_enabled
 from jax_tma.ops.fp8.quantize import _pad_to
 from jax_tma.ops.ragged import sharding as ragged_sharding
 from jax_tma.ops.ragged.config import ROWS, clamp_sizes
-from jax_tma.ops.ragged.primitive import _INT32_MAX, _pad_axis, fold_vmapped, workspace_bytes
+from jax_tma.ops.ragged.primitive import (_INT32_MAX, RaggedPlan, _pad_axis, call_attrs,
+                                         fold_vmapped, workspace_bytes)
 
 KERNEL_TARGET = "jax_tma_fp8_ragged_dot_sm90"
 # The FP8 types the kernel is compiled for (e5m2 runs the reference).
@@ -89,21 +89,7 @@ def _reference(x, w, gs, sa, sb, *, sa_block, sb_block, out_dtype, config, local
     return out.astype(out_dtype)
 
 
-@dataclasses.dataclass(frozen=True)
-class Fp8RaggedPlan:
-    """The kernel's view of one call: sizes, and the zero padding that makes K a multiple of 16
-    and N of 8 (TMA's 16-byte rows of the operands and of a bf16 output)."""
-
-    batch: int
-    rows: int
-    k: int
-    n: int
-    groups: int
-    k_pad: int
-    n_pad: int
-
-
-def kernel_plan(x, w, gs, out_dtype) -> Fp8RaggedPlan | None:
+def kernel_plan(x, w, gs, out_dtype) -> RaggedPlan | None:
     """The kernel's view of the product, or None when it runs through XLA: operands not both
     e4m3, an output not bf16 or fp32, an empty product, or sizes past the kernel's int32
     numbering."""
@@ -122,10 +108,10 @@ def kernel_plan(x, w, gs, out_dtype) -> Fp8RaggedPlan | None:
     if (max(stacked, k + k_pad, np_) > _INT32_MAX or batch * groups > _INT32_MAX // 2
             or (stacked // 64 + batch * (groups + 1)) * -(-np_ // 128) > _INT32_MAX // 2):
         return None
-    return Fp8RaggedPlan(batch, rows, k, n, groups, k_pad, n_pad)
+    return RaggedPlan(ROWS, batch, rows, k, n, groups, k_pad, n_pad)
 
 
-def _kernel_call(x, w, gs, sa, sb, *, plan: Fp8RaggedPlan, sa_block: bool, sb_block: bool,
+def _kernel_call(x, w, gs, sa, sb, *, plan: RaggedPlan, sa_block: bool, sb_block: bool,
                  out_dtype, config, poison: bool = False):
     """The FFI call for `plan`: K and N padded with zeros (neither changes the scales' block
     counts: the padding ends within the last block), the scales' rows padded to 16 bytes, sa's
@@ -155,10 +141,7 @@ def _kernel_call(x, w, gs, sa, sb, *, plan: Fp8RaggedPlan, sa_block: bool, sb_bl
         sb, col_scale = placeholder, sb.astype(f32).reshape(1)
     i64 = np.int64
     attrs = dict(
-        block_m=i64(cfg.block_m), block_n=i64(cfg.block_n), stages=i64(cfg.stages),
-        cluster_m=i64(cfg.cluster_m), rows=i64(plan.rows), n=i64(np_), k=i64(kp),
-        groups=i64(plan.groups), batch=i64(plan.batch), weights_batched=i64(weights > plan.groups),
-        group_sizes_batched=i64(gs.shape[0] > 1),
+        call_attrs(cfg, plan, np_, kp, weights > plan.groups, gs),
         sa_ld=i64(sa.shape[1] if sa_block else _SCALE_ROW_MULTIPLE),
         sb_ld=i64(sb.shape[2] if sb_block else _SCALE_ROW_MULTIPLE), has_sa=i64(sa_block),
         has_sb=i64(sb_block), row_scale=i64(not sa_block), col_scale=i64(not sb_block))

@@ -35,7 +35,7 @@ from jax_tma.ops.ragged.config import ROWS, clamp_sizes, default_gated_grad_conf
 from jax_tma.ops.ragged.primitive import _bind as _ragged_bind
 from jax_tma.ops.ragged.primitive import _pad_axis
 from jax_tma.ops.ragged.primitive import _reference as _ragged_reference
-from jax_tma.ops.ragged.primitive import fold_vmapped, kernel_plan, workspace_bytes
+from jax_tma.ops.ragged.primitive import call_attrs, fold_vmapped, kernel_plan, workspace_bytes
 
 KERNEL_TARGET = "jax_tma_gated_ragged_grad_sm90"
 # sm90_gemm::kRaggedGatedGradMapsPerSegment: D's, the up cotangent's and two pre-activations'.
@@ -108,13 +108,8 @@ def _kernel_call(dy, wd, gs, pre, *, activation, out_dtype, config, plan,
     gs = clamp_sizes(gs, plan.rows)
     cfg = config if config is not None else default_gated_grad_config(
         plan.batch * plan.rows, fp, kp, plan.groups * plan.batch)
-    i64 = np.int64
-    attrs = dict(
-        activation=i64(ACTIVATIONS[activation]), block_m=i64(cfg.block_m),
-        block_n=i64(cfg.block_n), stages=i64(cfg.stages), cluster_m=i64(cfg.cluster_m),
-        rows=i64(plan.rows), n=i64(fp), k=i64(kp), groups=i64(plan.groups),
-        batch=i64(plan.batch), weights_batched=i64(wd.shape[0] > 1),
-        group_sizes_batched=i64(gs.shape[0] > 1))
+    attrs = dict(call_attrs(cfg, plan, fp, kp, wd.shape[0] > 1, gs),
+                 activation=np.int64(ACTIVATIONS[activation]))
     shape = jax.ShapeDtypeStruct((plan.batch, plan.rows, fp), out_dtype)
     out_types = (shape, shape,
                  jax.ShapeDtypeStruct((gated_grad_workspace_bytes(plan.groups, plan.batch),),

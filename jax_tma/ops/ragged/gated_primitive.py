@@ -27,8 +27,9 @@ from jax_tma._core.primitive import bind_local, define_primitive, kernel_ffi_cal
 from jax_tma.ops.dense.primitive import ACTIVATIONS, activate
 from jax_tma.ops.ragged import sharding as ragged_sharding
 from jax_tma.ops.ragged.config import ROWS, clamp_sizes, default_gated_config
-from jax_tma.ops.ragged.primitive import (_INT32_MAX, _pad_axis, fold_vmapped, kernel_plan,
-                                          rows_product, rows_reference, workspace_bytes)
+from jax_tma.ops.ragged.primitive import (_INT32_MAX, _pad_axis, call_attrs, fold_vmapped,
+                                          kernel_plan, rows_product, rows_reference,
+                                          workspace_bytes)
 
 KERNEL_TARGET = "jax_tma_gated_ragged_dot_sm90"
 # sm90_gemm::kRaggedGatedMapsPerSegment: D's map and the two pre-activations' per segment.
@@ -90,13 +91,8 @@ def _kernel_call(x, wg, wu, gs, *, activation, save_pre, out_dtype, config, plan
     gs = clamp_sizes(gs, plan.rows)
     cfg = config if config is not None else default_gated_config(
         plan.batch * plan.rows, fp, kp, plan.groups * plan.batch)
-    i64 = np.int64
-    attrs = dict(
-        activation=i64(ACTIVATIONS[activation]), store_pre=i64(save_pre),
-        block_m=i64(cfg.block_m), block_n=i64(cfg.block_n), stages=i64(cfg.stages),
-        cluster_m=i64(cfg.cluster_m), rows=i64(plan.rows), n=i64(fp), k=i64(kp),
-        groups=i64(plan.groups), batch=i64(plan.batch), weights_batched=i64(wg.shape[0] > 1),
-        group_sizes_batched=i64(gs.shape[0] > 1))
+    attrs = dict(call_attrs(cfg, plan, fp, kp, wg.shape[0] > 1, gs),
+                 activation=np.int64(ACTIVATIONS[activation]), store_pre=np.int64(save_pre))
     pre_shape = (2, plan.batch, plan.rows, fp) if save_pre else (1,)
     out_types = (jax.ShapeDtypeStruct((plan.batch, plan.rows, fp), out_dtype),
                  jax.ShapeDtypeStruct(pre_shape, out_dtype),

@@ -99,8 +99,8 @@ def _reference(x, w, gs, *, mode, w_k_major, out_dtype, config, local):
 
 @dataclasses.dataclass(frozen=True)
 class RaggedPlan:
-    """The kernel's view of one call: sizes and the zero padding that makes K and N multiples of
-    8 elements (TMA's 16-byte rows)."""
+    """The kernel's view of one call: sizes and the zero padding that makes K's and N's rows whole
+    multiples of 16 bytes (TMA's rule; the FP8 grouped product's plan is one too, mode ROWS)."""
 
     mode: str
     batch: int
@@ -110,6 +110,16 @@ class RaggedPlan:
     groups: int
     k_pad: int
     n_pad: int
+
+
+def call_attrs(cfg, plan: RaggedPlan, n: int, k: int, weights_batched: bool, gs) -> dict:
+    """The FFI attributes every grouped kernel's handler reads (ffi/ragged_dot.cc's shared
+    checks): the tile configuration, the padded problem and which operands carry a batch."""
+    i64 = np.int64
+    return dict(block_m=i64(cfg.block_m), block_n=i64(cfg.block_n), stages=i64(cfg.stages),
+                cluster_m=i64(cfg.cluster_m), rows=i64(plan.rows), n=i64(n), k=i64(k),
+                groups=i64(plan.groups), batch=i64(plan.batch),
+                weights_batched=i64(weights_batched), group_sizes_batched=i64(gs.shape[0] > 1))
 
 
 def kernel_plan(x, w, gs, mode: str, w_k_major: bool, out_dtype) -> RaggedPlan | None:
@@ -162,14 +172,8 @@ def _kernel_call(x, w, gs, *, plan: RaggedPlan, w_k_major: bool, out_dtype, conf
         mode, plan.batch * plan.rows, np_, kp, plan.groups * plan.batch, out_dtype=out_dtype)
     out_shape = ((plan.batch, plan.rows, np_) if mode == ROWS
                  else (plan.batch, plan.groups, kp, np_))
-    i64 = np.int64
-    attrs = dict(
-        mode=i64(_MODE_ATTR[mode]), block_m=i64(cfg.block_m), block_n=i64(cfg.block_n),
-        stages=i64(cfg.stages), cluster_m=i64(cfg.cluster_m), rows=i64(plan.rows), n=i64(np_),
-        k=i64(kp), groups=i64(plan.groups), batch=i64(plan.batch),
-        weights_batched=i64(mode == ROWS and w.shape[0] > 1),
-        group_sizes_batched=i64(gs.shape[0] > 1), w_k_major=i64(mode == ROWS and w_k_major),
-    )
+    attrs = dict(call_attrs(cfg, plan, np_, kp, mode == ROWS and w.shape[0] > 1, gs),
+                 mode=np.int64(_MODE_ATTR[mode]), w_k_major=np.int64(mode == ROWS and w_k_major))
     out_types = (jax.ShapeDtypeStruct(out_shape, out_dtype),
                  jax.ShapeDtypeStruct((workspace_bytes(mode, plan.groups, plan.batch),),
                                       jnp.uint8))
