@@ -60,6 +60,11 @@ class Params(dict):
     def __hash__(self):
         return hash(tuple(sorted((k, repr(v)) for k, v in self.items())))
 
+    @classmethod
+    def static(cls, params: dict) -> "Params":
+        """A primitive's parameters but ``local``, which the partitioned body's bind sets."""
+        return cls({k: v for k, v in params.items() if k != "local"})
+
 
 def partitioned_call(*, partition: Callable, infer_sharding_from_operands: Callable,
                      sharding_rule: Callable, num_static: int) -> Callable:

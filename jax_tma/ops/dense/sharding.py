@@ -104,5 +104,5 @@ _partitioned = partitioned_call(partition=_partition, infer_sharding_from_operan
 
 def partitioned_dense(*operands, local_op: Callable, reference: Callable, params: dict):
     """``local_op(*operands, **params)`` under the partitioning rules above."""
-    params = Params({k: v for k, v in params.items() if k != "local"})
+    params = Params.static(params)
     return _partitioned(local_op, reference, params, *operands)

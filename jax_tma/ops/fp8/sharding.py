@@ -101,5 +101,5 @@ _partitioned = partitioned_call(partition=_partition, infer_sharding_from_operan
 
 def partitioned_fp8_dot(*operands, local_op: Callable, params: dict):
     """``local_op(*operands, **params)`` under the partitioning rules above."""
-    params = Params({k: v for k, v in params.items() if k != "local"})
+    params = Params.static(params)
     return _partitioned(local_op, params, *operands)

@@ -253,7 +253,7 @@ def partitioned_gated_ragged_dot(x: jax.Array, wg: jax.Array, wu: jax.Array, gs:
                                  local_op: Callable, params: dict) -> list[jax.Array]:
     """``local_op(x, wg, wu, gs, **params)`` (the gated primitive's local product) under the
     partitioning rules above."""
-    params = Params({k: v for k, v in params.items() if k != "local"})
+    params = Params.static(params)
     return _partitioned_gated(local_op, params, x, wg, wu, gs)
 
 
@@ -319,7 +319,7 @@ def partitioned_gated_ragged_grad(dy: jax.Array, wd: jax.Array, gs: jax.Array, p
                                   local_op: Callable, params: dict) -> list[jax.Array]:
     """``local_op(dy, wd, gs, pre, **params)`` (the gated gradient primitive's local product)
     under the partitioning rules above."""
-    params = Params({k: v for k, v in params.items() if k != "local"})
+    params = Params.static(params)
     return _partitioned_gated_grad(local_op, params, dy, wd, gs, pre)
 
 
@@ -389,5 +389,5 @@ def partitioned_fp8_ragged_dot(x: jax.Array, w: jax.Array, gs: jax.Array, sa: ja
                                sb: jax.Array, *, local_op: Callable, params: dict) -> jax.Array:
     """``local_op(x, w, gs, sa, sb, **params)`` (the FP8 primitive's local product) under the
     partitioning rules above."""
-    params = Params({k: v for k, v in params.items() if k != "local"})
+    params = Params.static(params)
     return _partitioned_fp8(local_op, params, x, w, gs, sa, sb)
