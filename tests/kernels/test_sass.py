@@ -319,6 +319,19 @@ def _promoted(name: str) -> bool:
     return found.group(1) == "1"
 
 
+def _check_fp8_body(name: str, body: str, kind: str, part: int) -> None:
+    """What every FP8 kernel's SASS holds: QGMMA of its type, `part` columns wide and nothing
+    else (no 16-bit HGMMA, no transposed operand), K-major operands, the scaled epilogue, A, B
+    and the scales loaded by rank-3 TMA, the output stored by TMA."""
+    qgmma = re.findall(r"\bQGMMA\.[^ ;]*", body)
+    assert qgmma and set(qgmma) == {f"QGMMA.64x{part}x32.F32.{kind}.{kind}"}, (set(qgmma), name)
+    assert not re.search(r"\bHGMMA\b", body) and "tnsp" not in body, name
+    assert _layout(name) == (0, 0), name
+    assert _fusion(name) == (4, 0), name
+    assert set(re.findall(r"\bUTMALDG\.(\w+)", body)) == {"3D"}, name
+    assert re.search(r"\bUTMASTG\.4D\b", body), name
+
+
 def test_fp8_kernels(kernels):
     """FP8 products: the registry's tiles (promoted) and fast tiles x (e4m3, e5m2) x (bf16,
     fp32 out). Every one runs FP8 wgmma (QGMMA) of its type on K-major operands (no
@@ -334,13 +347,7 @@ def test_fp8_kernels(kernels):
         kind = "E5M2" if "e5m2" in name else "E4M3"
         width = _tile(name)[1]
         part = 128 if name in promoted and width == 256 else width
-        qgmma = re.findall(r"\bQGMMA\.[^ ;]*", body)
-        assert qgmma and set(qgmma) == {f"QGMMA.64x{part}x32.F32.{kind}.{kind}"}, (set(qgmma), name)
-        assert not re.search(r"\bHGMMA\b", body) and "tnsp" not in body, name
-        assert _layout(name) == (0, 0), name
-        assert _fusion(name) == (4, 0), name
-        assert set(re.findall(r"\bUTMALDG\.(\w+)", body)) == {"3D"}, name
-        assert re.search(r"\bUTMASTG\.4D\b", body), name
+        _check_fp8_body(name, body, kind, part)
         # The register split: consumers 240 and producer 24 where a promoted tile keeps two
         # sets wider than 128 columns (the 144-wide ones), else 232 and 40.
         wide = name in promoted and 128 < width <= 144
@@ -374,13 +381,7 @@ def test_fp8_ragged_kernels(kernels):
         assert _promoted(name), name
         width = _tile(name)[1]
         part = 128 if width == 256 else width
-        qgmma = re.findall(r"\bQGMMA\.[^ ;]*", body)
-        assert qgmma and set(qgmma) == {f"QGMMA.64x{part}x32.F32.E4M3.E4M3"}, (set(qgmma), name)
-        assert not re.search(r"\bHGMMA\b", body) and "tnsp" not in body, name
-        assert _layout(name) == (0, 0), name
-        assert _fusion(name) == (4, 0), name
-        assert set(re.findall(r"\bUTMALDG\.(\w+)", body)) == {"3D"}, name
-        assert re.search(r"\bUTMASTG\.4D\b", body), name
+        _check_fp8_body(name, body, "E4M3", part)
         assert re.search(r"\bUTMACCTL\.IV\b", body), f"no tensormap acquire in {name}"
         assert len(re.findall(r"\bFFMA\b", body)) >= part // 2, name
         assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"
