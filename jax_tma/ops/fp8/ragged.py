@@ -178,8 +178,7 @@ def _product_bwd(sa_block, sb_block, out_dtype, config, saved, ct):
     w_t = jnp.swapaxes(rhs, 1, 2)                                    # [G, K, N]
     s_t = jnp.swapaxes(sb, 1, 2) if sb_block else sb                 # [G, Nb, Kb]
     d_lhs = _forward(dyq, w_t, dys, s_t, gs, True, sb_block, jnp.dtype(bf16), None)
-    x = (dequantize_fp8(lhs, sa, (1, SCALE_BLOCK)) if sa_block
-         else lhs.astype(jnp.float32) * sa).astype(bf16)
+    x = dequantize_fp8(lhs, sa, (1, SCALE_BLOCK) if sa_block else None).astype(bf16)
     dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
                                          lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     d_rhs = ragged_dot_general(ct.astype(bf16), x, gs, dims, preferred_element_type=bf16)

@@ -31,7 +31,7 @@ from jax_tma._core.aval import result_aval
 from jax_tma._core.primitive import bind_local, define_primitive, kernel_ffi_call, planned_call
 from jax_tma.ops.fp8.config import OUT_DTYPES, SCALE_BLOCK, default_ragged_config
 from jax_tma.ops.fp8.primitive import kernel_enabled
-from jax_tma.ops.fp8.quantize import _pad_to
+from jax_tma.ops.fp8.quantize import _pad_to, dequantize_fp8
 from jax_tma.ops.ragged import sharding as ragged_sharding
 from jax_tma.ops.ragged.config import ROWS, clamp_sizes
 from jax_tma.ops.ragged.primitive import (_INT32_MAX, RaggedPlan, _pad_axis, call_attrs,
@@ -55,15 +55,11 @@ def _abstract_eval(x, w, gs, sa, sb, *, sa_block, sb_block, out_dtype, config, l
 
 
 def dequantised(x, w, sa, sb, sa_block: bool, sb_block: bool):
-    """x and w in fp32 times their block scales (expanded over each block); one-value scales
-    are left to the product."""
-    k, n = x.shape[2], w.shape[2]
-    x32, w32 = x.astype(jnp.float32), w.astype(jnp.float32)
-    if sa_block:  # [B, Kb, M] -> [B, M, K]
-        x32 = x32 * jnp.repeat(jnp.swapaxes(sa, 1, 2), SCALE_BLOCK, axis=2)[..., :k]
-    if sb_block:  # [Bw, G, Kb, Nb] -> [Bw, G, N, K]
-        s = jnp.repeat(jnp.swapaxes(sb, 2, 3), SCALE_BLOCK, axis=2)[:, :, :n]
-        w32 = w32 * jnp.repeat(s, SCALE_BLOCK, axis=3)[..., :k]
+    """x and w in fp32 times their block scales (dequantize_fp8's expansion, batch dims
+    leading); one-value scales are left to the product."""
+    f32 = jnp.float32
+    x32 = dequantize_fp8(x, sa, (1, SCALE_BLOCK)) if sa_block else x.astype(f32)
+    w32 = dequantize_fp8(w, sb, (SCALE_BLOCK, SCALE_BLOCK)) if sb_block else w.astype(f32)
     return x32, w32
 
 
