@@ -66,20 +66,6 @@ inline constexpr int kConsumerRegs = 232;
 inline constexpr int kEpilogueWarpsProducerRegs = 56;
 inline constexpr int kEpilogueWarpsConsumerRegs = 224;
 
-// The split a mainloop asks for (its kProducerRegs and kConsumerRegs, where it has them), else
-// 40 / 232.
-template <class Mainloop, class = void>
-struct MainloopRegs {
-  static constexpr int kProducer = kProducerRegs;
-  static constexpr int kConsumer = kConsumerRegs;
-};
-template <class Mainloop>
-struct MainloopRegs<Mainloop, std::void_t<decltype(Mainloop::kConsumerRegs)>> {
-  static constexpr int kProducer = Mainloop::kProducerRegs;
-  static constexpr int kConsumer = Mainloop::kConsumerRegs;
-  static_assert(kProducer + 2 * kConsumer <= 504 && kProducer % 8 == 0 && kConsumer % 8 == 0);
-};
-
 // Shared memory a mainloop's stages take beyond the tile's budget, and whether its consumers read
 // the tile's first row (kExtraSmemBytes and kAnyRowScales, where it has them: the FP8 mainloop's A
 // scales from any row); else none and no.
@@ -165,9 +151,9 @@ struct Kernel {
   }
   static constexpr bool kStoreReadsAux = Fusion::kMayReadAux && !kOffloadAlways;
   static constexpr int kProducerRegs =
-      kOffload ? kEpilogueWarpsProducerRegs : MainloopRegs<Mainloop>::kProducer;
+      kOffload ? kEpilogueWarpsProducerRegs : jax_tma::sm90_gemm::kProducerRegs;
   static constexpr int kConsumerRegs =
-      kOffload ? kEpilogueWarpsConsumerRegs : MainloopRegs<Mainloop>::kConsumer;
+      kOffload ? kEpilogueWarpsConsumerRegs : jax_tma::sm90_gemm::kConsumerRegs;
 
   struct Empty {};
   struct SharedStorage {
@@ -233,7 +219,13 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
   auto& smem = *reinterpret_cast<typename K::SharedStorage*>(
       (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t{1023});
 
-  const auto role = static_cast<WarpGroupRole>(threadIdx.x / 128);
+  // With Mainloop::kUniformRole, lane 0's warpgroup index (the compiler cannot prove
+  // threadIdx.x / 128 uniform): the role branches are then uniform, and what the consumers
+  // compute from it per K slice (the FP8 mainloop's descriptors) stays on the uniform datapath.
+  // (The 16-bit kernels spill with it on 128 x 256 tiles: ptxas 13.0.)
+  const int warpgroup_index = static_cast<int>(threadIdx.x / 128);
+  const auto role = static_cast<WarpGroupRole>(
+      K::Mainloop::kUniformRole ? __shfl_sync(0xffffffffu, warpgroup_index, 0) : warpgroup_index);
   if (threadIdx.x == 32) {  // not thread 0: the barriers' initialisation need not wait on these
     ptx::prefetch_tensormap(&tmap_a);
     ptx::prefetch_tensormap(&tmap_b);

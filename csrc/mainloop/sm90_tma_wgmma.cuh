@@ -110,6 +110,8 @@ struct MainloopSm90TmaWgmma {
   // The consumer warpgroups of a cooperative tile run apart: one may skip() a tile whose rows
   // it does not reach while the other runs mma() on it.
   static constexpr bool kWarpgroupsIndependent = true;
+  // The kernel's role branches need not be provably warp-uniform (see the FP8 mainloop's).
+  static constexpr bool kUniformRole = false;
 
   // The tensor maps a mainloop reads besides A's and B's (kernel parameter): none here.
   struct Params {};

@@ -25,11 +25,11 @@
 // sums, so long contractions accumulated inside it lose accuracy; promoted every 128 K they
 // lose none that fp32 keeps. The schedule follows the tile's width (kParts groups of kPartN
 // columns per slice and warpgroup, kSets sets of partial-sum registers):
-//   N <= 144 (kSets 2): slice kb + 1's group runs while slice kb is promoted (overlapped). At
-//      144 the promoted sums and the two sets take 72 + 2 x 72 = 216 registers per thread.
-//   144 < N <= 192 (one group, kSets 1): the group retires before it is promoted, and the
-//      other warpgroup's group keeps the tensor core busy meanwhile (cross). Its partial sums
-//      and the promoted ones take N registers of the consumer's 232.
+//   N <= 128 (kSets 2): slice kb + 1's group runs while slice kb is promoted (overlapped).
+//   128 < N <= 192 (one group, kSets 1): the group retires before it is promoted, and the
+//      other warpgroup's group keeps the tensor core busy meanwhile (cross, cuBLAS's schedule
+//      for its promoting FP8 kernel). Its partial sums and the promoted ones take N registers
+//      of the consumer's 232.
 //   N = 256 (two groups of 128): as the cross schedule, a part at a time (in parts).
 // A tile whose width neither divides nor is a multiple of 128 (144, 192) may span two of B's scale
 // blocks (a width whose tiles can span three, such as 176, is rejected at compile time): its
@@ -73,17 +73,10 @@ struct MainloopSm90Fp8 {
   static constexpr int kMidwaySlice = Operands::kMidwaySlice;  // (the hook runs at the end)
   // NOTE: a promoted group spans at most 192 columns, so that its partial sums and the tile's
   // promoted sums fit a consumer's 232 registers together (128 x 256 tiles: two parts of 128,
-  // 64 + 128 registers); 144 columns or fewer keep two sets of partial sums (3 x 72 registers
-  // at 144, of the 240 such tiles' consumers get: kConsumerRegs).
+  // 64 + 128 registers); 128 columns or fewer keep two sets of partial sums (3 x 64 registers).
   static constexpr int kPartN = !kPromote || kBlockN <= 192 ? kBlockN : 128;
   static constexpr int kParts = kBlockN / kPartN;
-  static constexpr int kSets = kPromote && kBlockN <= 144 ? 2 : 1;
-  // NOTE: two sets wider than 128 columns leave too few of 232 registers for the kernel's
-  // per-tile state (ptxas 13.0, 128 x 144: 32-40 bytes of stack and spills); these tiles'
-  // consumers take 240 and their producer 24 (no epilogue warps; it needs 17).
-  static constexpr bool kWideSets = kSets == 2 && kBlockN > 128;
-  static constexpr int kConsumerRegs = kWideSets ? 240 : 232;
-  static constexpr int kProducerRegs = kWideSets ? 24 : 40;
+  static constexpr int kSets = kPromote && kBlockN <= 128 ? 2 : 1;
   static constexpr int kAccRegs = kBlockN / 2;
   static constexpr int kPartRegs = kPartN / 2;
   static constexpr int kPartQuads = kPartN / 8;  // register quads: 8 columns each
@@ -127,6 +120,10 @@ struct MainloopSm90Fp8 {
   // The consumer warpgroups of a cooperative tile run apart: one may skip() a tile whose rows
   // it does not reach while the other runs mma() on it.
   static constexpr bool kWarpgroupsIndependent = true;
+  // The kernel's role branches warp-uniform, so that the cross schedule's per-slice descriptor
+  // arithmetic runs on the uniform datapath (kernels/sm90_gemm_kernel.cuh). Not for the other
+  // schedules: 128 x 256 tiles then spill (ptxas 13.0).
+  static constexpr bool kUniformRole = kPromote && kParts == 1 && kSets == 1;
   struct SharedStorage {
     typename Operands::SharedStorage operands;
     StageScales scales[kStages];
@@ -310,6 +307,8 @@ struct MainloopSm90Fp8 {
     for (int i = 0; i < kAccRegs; ++i) acc[i] = 0.0f;
     if constexpr (kSets == 2) {
       promoted_overlapped(pipeline, read, smem, a_block, at, split, k_blocks, acc, waited);
+    } else if constexpr (kParts == 1) {
+      promoted_cross(pipeline, read, smem, a_block, at, split, k_blocks, acc, waited);
     } else {
       promoted_in_parts(pipeline, read, smem, a_block, at, split, k_blocks, acc, waited);
     }
@@ -321,11 +320,6 @@ struct MainloopSm90Fp8 {
   // block-scaled on 128 x 128 tiles: 1008 TFLOP/s with one set, which waits for every group
   // to retire before the next is issued; 1386 without promotion.) The loop is unrolled by two
   // so that each set is a fixed register array.
-  // NOTE: 128 x 144 tiles read a slice's scales when its group has retired, not when it is
-  // issued: held across the other group they cost 8 registers (ptxas 13.0 at 232 per consumer:
-  // 56 bytes of stack, 32 after the move; none at 240). Choosing the split once per tile, with
-  // the loop unrolled for each, made ptxas call the loop as a function (C7510) or, inlined by
-  // force, spill more.
   template <class Waited>
   __device__ static void promoted_overlapped(Pipeline& pipeline, State& read,
                                              const SharedStorage& smem, int a_block,
@@ -338,7 +332,7 @@ struct MainloopSm90Fp8 {
     const auto start = [&](float (&d)[kPartRegs], SliceScales& s, int kb) {
       pipeline.consumer_wait(read);
       if (kb == k_blocks - 1) waited();
-      if constexpr (!kWideSets) s = slice_scales(smem.scales[read.index], at);
+      s = slice_scales(smem.scales[read.index], at);
       ptx::wgmma_fence();
       issue(smem, read.index, a_block, 0, d, false);
       ptx::wgmma_commit_group();
@@ -354,7 +348,6 @@ struct MainloopSm90Fp8 {
         ptx::wgmma_wait_group<0>();
       }
       ptx::wgmma_fence_operands(d);
-      if constexpr (kWideSets) s = slice_scales(smem.scales[oldest.index], at);
       Operands::release(pipeline, oldest);
       ++oldest;
       promote(acc, 0, d, s, split);
@@ -380,15 +373,70 @@ struct MainloopSm90Fp8 {
     }
   }
 
-  // Wider tiles (one group of up to 192 columns, or two of 128 for 256: the partial sums and
-  // the promoted ones leave room for one set): each group retires before it is promoted; the
-  // other consumer warpgroup's groups keep the tensor core busy meanwhile.
-  // NOTE: the consumers issue freely. Taking turns at issuing (warpgroup 0's group, then 1's,
-  // ...) ran slower on an H200 (8192^3, per-tensor: 128 x 256 pairs 1183 against 1250 TFLOP/s
-  // without turns, 128 x 192 pairs 1137 against 1174): concurrent groups of the two warpgroups
-  // share the tensor core whatever their issue order. What the promotion costs is its FFMA:
-  // with them left out (wrong sums, timing only) the same kernels ran at 1422 and 1454, the
-  // unpromoted 128 x 256 kernel at 1425 (docs/fp8.md).
+  // Descriptors of the cross schedule, built once per tile: the low word (start address / 16)
+  // of stage 0's rows, made warp-uniform (lane 0's) so that per slice only a uniform add runs;
+  // the high word (8-row groups 1024 bytes apart, 128-byte swizzle) is a constant.
+  static constexpr uint64_t kDescHigh =
+      (uint64_t{1024 >> 4} << 32) | (static_cast<uint64_t>(ptx::WgmmaSwizzle::k128B) << 62);
+  static constexpr uint32_t kAStageUnits = Tile::kTileABytes / 16;
+  static constexpr uint32_t kBStageUnits = Tile::kTileBBytes / 16;
+  __device__ static uint32_t desc_low(const uint8_t* tile) {
+    return __shfl_sync(0xffffffffu, (ptx::smem_u32(tile) & 0x3FFFF) >> 4, 0);
+  }
+
+  // Tiles of one group of up to 192 columns (cuBLAS's promoting FP8 kernel has this shape: one
+  // group of 64 x 144 per warpgroup and slice, retired before it is promoted). Per slice: wait
+  // for the next stage and read its scales while the group in flight runs, retire that group,
+  // release its stage, promote it, issue the next. What lies between a group's retirement and
+  // the next issue (the promotion and nothing else) is what the other warpgroup's group must
+  // cover for the tensor core to stay busy.
+  template <class Waited>
+  __device__ static void promoted_cross(Pipeline& pipeline, State& read, SharedStorage& smem,
+                                        int a_block, const SliceReads& at, int split,
+                                        int k_blocks, float (&acc)[kAccRegs], Waited&& waited) {
+    const uint32_t a_low = desc_low(smem.operands.a[0] + a_block * kAWarpgroupBytes);
+    const uint32_t b_low = desc_low(smem.operands.b[0]);
+    float d[kPartRegs];
+    const auto issue_slice = [&](int stage) {
+      const uint32_t a = a_low + stage * kAStageUnits, b = b_low + stage * kBStageUnits;
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockK / kWgmmaK; ++kk) {
+        Mma::mma(d, kDescHigh | (a + kk * (kWgmmaK / 16)), kDescHigh | (b + kk * (kWgmmaK / 16)),
+                 kk > 0 ? 1 : 0);
+      }
+      ptx::wgmma_commit_group();
+    };
+    pipeline.consumer_wait(read);
+    if (k_blocks == 1) waited();
+    SliceScales s = slice_scales(smem.scales[read.index], at);
+    issue_slice(read.index);
+    State in_flight = read;
+    ++read;
+#pragma unroll 1
+    for (int kb = 1; kb < k_blocks; ++kb) {
+      pipeline.consumer_wait(read);
+      if (kb == k_blocks - 1) waited();
+      const SliceScales next = slice_scales(smem.scales[read.index], at);
+      ptx::wgmma_wait_group<0>();
+      ptx::wgmma_fence_operands(d);
+      Operands::release(pipeline, in_flight);
+      promote(acc, 0, d, s, split);
+      s = next;
+      issue_slice(read.index);
+      in_flight = read;
+      ++read;
+    }
+    ptx::wgmma_wait_group<0>();
+    ptx::wgmma_fence_operands(d);
+    Operands::release(pipeline, in_flight);
+    promote(acc, 0, d, s, split);
+  }
+
+  // 256-wide tiles (two groups of 128: the partial sums of one and the promoted ones leave room
+  // for no more): each group retires before it is promoted, a part at a time; the other
+  // consumer warpgroup's groups keep the tensor core busy meanwhile. The consumers issue freely:
+  // taking turns ran slower (docs/fp8.md).
   template <class Waited>
   __device__ static void promoted_in_parts(Pipeline& pipeline, State& read, SharedStorage& smem,
                                            int a_block, const SliceReads& at, int split,

@@ -348,11 +348,9 @@ def test_fp8_kernels(kernels):
         width = _tile(name)[1]
         part = 128 if name in promoted and width == 256 else width
         _check_fp8_body(name, body, kind, part)
-        # The register split: consumers 240 and producer 24 where a promoted tile keeps two
-        # sets wider than 128 columns (the 144-wide ones), else 232 and 40.
-        wide = name in promoted and 128 < width <= 144
+        # The register split: consumers 232, producer 40.
         assert set(re.findall(r"\bUSETMAXREG\.(?:TRY_ALLOC|DEALLOC)\S* (?:UP0, )?(0x[0-9a-f]+)",
-                              body)) == ({"0xf0", "0x18"} if wide else {"0xe8", "0x28"}), name
+                              body)) == {"0xe8", "0x28"}, name
         assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"
         if _tile(name)[3] > 1:
             assert re.search(r"\bUTMALDG\.3D\.MULTICAST\b", body), name
@@ -360,12 +358,17 @@ def test_fp8_kernels(kernels):
         # accumulators: at least one FFMA per partial-sum register of a group.
         if name in promoted:
             assert len(re.findall(r"\bFFMA\b", body)) >= part // 2, name
-    # Tiles up to 144 columns wide keep the next slice's group in flight while promoting
-    # (wait_group 1: the overlapped schedule, two sets of partial sums).
-    narrow = {n: b for n, b in found.items() if n in promoted and _tile(n)[1] <= 144}
-    assert {_tile(n)[1] for n in narrow} == {128, 144}
+    # Tiles up to 128 columns wide keep the next slice's group in flight while promoting
+    # (wait_group 1: the overlapped schedule, two sets of partial sums); wider ones of one group
+    # (144, 192) retire it first (wait_group 0: the cross schedule).
+    narrow = {n: b for n, b in found.items() if n in promoted and _tile(n)[1] <= 128}
+    assert {_tile(n)[1] for n in narrow} == {128}
     for name, body in narrow.items():
         assert re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", body), name
+    cross = {n: b for n, b in found.items() if n in promoted and 128 < _tile(n)[1] <= 192}
+    assert {_tile(n)[1] for n in cross} == {144, 192}
+    for name, body in cross.items():
+        assert not re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", body), name
 
 
 def test_fp8_ragged_kernels(kernels):
