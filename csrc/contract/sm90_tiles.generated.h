@@ -47,24 +47,23 @@ using Tile64x64Direct = TileConfig<64, 64, 12, 1, EpilogueKind::kDirect>;
 using Fp8Tile128x256C2 = Fp8Tile<128, 256, 3, 2>;
 using Fp8Tile128x256 = Fp8Tile<128, 256, 3, 1>;
 using Fp8Tile128x192C2 = Fp8Tile<128, 192, 4, 2>;
-// NOTE: 144 is the widest tile whose promoted sums and two sets of partial sums fit a consumer's
-// registers (72 + 2 x 72), so it promotes in the overlapped schedule; cuBLAS's FP8 kernel at
-// precision=HIGHEST on an H200 uses this geometry (1 x 2 cluster, 64 x 144 per consumer warpgroup,
-// 6 stages). B arrives in three blocks of 48 rows, and one staging chunk (fp32 blocks are 4.5
-// chunks wide; the epilogue stores whole batches) leaves room for 6 stages. Not yet measured.
+// NOTE: cuBLAS's promoting FP8 kernel (precision=HIGHEST) on an H200 has this geometry: 1 x 2
+// cluster, one 64 x 144 group per consumer warpgroup and slice, 6 stages. B arrives in three blocks
+// of 48 rows, and one staging chunk (fp32 blocks are 4.5 chunks wide; the epilogue stores whole
+// batches) leaves room for 6 stages.
 using Fp8Tile128x144C2 = Fp8Tile<128, 144, 6, 2, 1>;
 using Fp8Tile128x128C2 = Fp8Tile<128, 128, 5, 2>;
 using Fp8Tile128x128 = Fp8Tile<128, 128, 5, 1>;
 using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
 // NOTE (FP8 tiles): the stage counts are the most that fit 227 KB beside a whole block's output
 // staging (128 x 144: beside one chunk of it, as its fp32 block is not whole chunks, and with B in
-// blocks of 48 rows). Promotion (mainloop/sm90_tma_wgmma_fp8.cuh): tiles up to 144 wide keep two
-// sets of partial sums (overlapped); 192 one group per slice, retired before it is promoted; 256
-// two parts of 128 (64 registers of partial sums beside 128 promoted ones); 64-row tiles are ping-
-// pong. A 144-wide tile spans two of B's scale blocks, at 8 offsets into the first. Dropped after
-// one sweep on an H200: 64 x 256 (never the fastest), 128 x 112 and 128 x 176 pairs (wave count;
-// slower than 128 x 128 and 128 x 192 where they fit the grid better, and a 176-wide tile spans
-// three of B's scale blocks).
+// blocks of 48 rows). Promotion (mainloop/sm90_tma_wgmma_fp8.cuh): tiles up to 128 wide keep two
+// sets of partial sums (overlapped); 144 and 192 one group per slice, retired before it is promoted
+// while the other warpgroup's group runs (cross); 256 two parts of 128 (64 registers of partial
+// sums beside 128 promoted ones); 64-row tiles are ping-pong. A 144- or 192-wide tile spans two of
+// B's scale blocks. Dropped after one sweep on an H200: 64 x 256 (never the fastest), 128 x 112 and
+// 128 x 176 pairs (wave count; slower than 128 x 128 and 128 x 192 where they fit the grid better,
+// and a 176-wide tile spans three of B's scale blocks).
 
 }  // namespace jax_tma::sm90_gemm
 
@@ -216,10 +215,10 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
   JAX_TMA_SM90_DENSE_GATED_KERNELS(X)
 
 // FP8 tiles (jax_tma.FP8_CONFIGS):
-//   Fp8Tile128x256C2  large products (8192^3, 16384 x 7168 x 2048)
+//   Fp8Tile128x256C2  two 128-wide parts per slice; the fast (precision=DEFAULT) geometry
 //   Fp8Tile128x256    wide N at few rows (64 x 28672 x 4096)
-//   Fp8Tile128x192C2  wave count: 4096 x 2112 x 7168 (11 x 192 = 2112 columns) 1.25x 128 x 256
-//   Fp8Tile128x144C2  overlapped promotion at cuBLAS's width; unmeasured: not in the heuristic
+//   Fp8Tile128x192C2  large products: one 192-wide group per slice (cross schedule); the wave count of 4096 x 2112 x 7168 (11 x 192 = 2112 columns)
+//   Fp8Tile128x144C2  cuBLAS's promoting geometry, cross schedule
 //   Fp8Tile128x128C2  medium products
 //   Fp8Tile128x128    few rows, medium N (256 x 7168 x 2048)
 //   Fp8Tile64x128     small and decode products (128 x 7168 x 16384)
@@ -238,11 +237,13 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
   X(ARG, Fp8Tile128x256C2)                  \
   X(ARG, Fp8Tile128x128)
 // FP8 ragged tiles (fp8_ragged_dot's configs):
-//   Fp8Tile128x256C2  large groups: the FP8 heuristic's most picked tile (8192^3 and MoE)
+//   Fp8Tile128x256C2  large groups: two 128-wide parts per slice
+//   Fp8Tile128x192C2  large groups, cross schedule; not picked until measured grouped
 //   Fp8Tile64x128     small groups and few rows (ping-pong, as the dense FP8 decode tile)
 // NOTE: tiles the dense FP8 product compiles already, so the promotion schedules and register
 // splits are the measured ones; e5m2 operands run XLA's reference (not compiled: each kernel costs
 // CI a minute of nvcc on 2 cores).
 #define JAX_TMA_SM90_FP8_RAGGED_TILES(X, ARG) \
   X(ARG, Fp8Tile128x256C2)                    \
+  X(ARG, Fp8Tile128x192C2)                    \
   X(ARG, Fp8Tile64x128)

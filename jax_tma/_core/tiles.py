@@ -241,20 +241,19 @@ F128x256 = Tile("Fp8Tile128x256", 128, 256, 3, 1, element_bytes=1)
 F128x192C2 = Tile("Fp8Tile128x192C2", 128, 192, 4, 2, element_bytes=1)
 F128x144C2 = Tile(
     "Fp8Tile128x144C2", 128, 144, 6, 2, epilogue_buffers=1, element_bytes=1,
-    note="144 is the widest tile whose promoted sums and two sets of partial sums fit a "
-         "consumer's registers (72 + 2 x 72), so it promotes in the overlapped schedule; cuBLAS's "
-         "FP8 kernel at precision=HIGHEST on an H200 uses this geometry (1 x 2 cluster, 64 x 144 "
-         "per consumer warpgroup, 6 stages). B arrives in three blocks of 48 rows, and one "
-         "staging chunk (fp32 blocks are 4.5 chunks wide; the epilogue stores whole batches) "
-         "leaves room for 6 stages. Not yet measured.")
+    note="cuBLAS's promoting FP8 kernel (precision=HIGHEST) on an H200 has this geometry: 1 x 2 "
+         "cluster, one 64 x 144 group per consumer warpgroup and slice, 6 stages. B arrives in "
+         "three blocks of 48 rows, and one staging chunk (fp32 blocks are 4.5 chunks wide; the "
+         "epilogue stores whole batches) leaves room for 6 stages.")
 F128x128C2 = Tile("Fp8Tile128x128C2", 128, 128, 5, 2, element_bytes=1)
 F128x128 = Tile("Fp8Tile128x128", 128, 128, 5, 1, element_bytes=1)
 F64x128 = Tile("Fp8Tile64x128", 64, 128, 7, 1, element_bytes=1)
 FP8_TILES = (
-    Entry(F128x256C2, "large products (8192^3, 16384 x 7168 x 2048)"),
+    Entry(F128x256C2, "two 128-wide parts per slice; the fast (precision=DEFAULT) geometry"),
     Entry(F128x256, "wide N at few rows (64 x 28672 x 4096)"),
-    Entry(F128x192C2, "wave count: 4096 x 2112 x 7168 (11 x 192 = 2112 columns) 1.25x 128 x 256"),
-    Entry(F128x144C2, "overlapped promotion at cuBLAS's width; unmeasured: not in the heuristic"),
+    Entry(F128x192C2, "large products: one 192-wide group per slice (cross schedule); the wave "
+          "count of 4096 x 2112 x 7168 (11 x 192 = 2112 columns)"),
+    Entry(F128x144C2, "cuBLAS's promoting geometry, cross schedule"),
     Entry(F128x128C2, "medium products"),
     Entry(F128x128, "few rows, medium N (256 x 7168 x 2048)"),
     Entry(F64x128, "small and decode products (128 x 7168 x 16384)"),
@@ -263,13 +262,13 @@ FP8_TILES_NOTE = (
     "the stage counts are the most that fit 227 KB beside a whole block's output staging (128 x "
     "144: beside one chunk of it, as its fp32 block is not whole chunks, and with B in blocks of "
     "48 rows). Promotion "
-    "(mainloop/sm90_tma_wgmma_fp8.cuh): tiles up to 144 wide keep two sets of partial sums "
-    "(overlapped); 192 one group per slice, retired before it is promoted; 256 two parts of 128 "
-    "(64 registers of partial sums beside 128 promoted ones); 64-row tiles are ping-pong. A "
-    "144-wide tile spans two of B's scale blocks, at 8 offsets into the first. Dropped after one "
-    "sweep on an H200: 64 x 256 (never the fastest), 128 x 112 and 128 x 176 pairs (wave "
-    "count; slower than 128 x 128 and 128 x 192 where they fit the grid better, and a 176-wide "
-    "tile spans three of B's scale blocks).")
+    "(mainloop/sm90_tma_wgmma_fp8.cuh): tiles up to 128 wide keep two sets of partial sums "
+    "(overlapped); 144 and 192 one group per slice, retired before it is promoted while the other "
+    "warpgroup's group runs (cross); 256 two parts of 128 (64 registers of partial sums beside "
+    "128 promoted ones); 64-row tiles are ping-pong. A 144- or 192-wide tile spans two of B's "
+    "scale blocks. Dropped after one sweep on an H200: 64 x 256 (never the fastest), 128 x 112 "
+    "and 128 x 176 pairs (wave count; slower than 128 x 128 and 128 x 192 where they fit the grid "
+    "better, and a 176-wide tile spans three of B's scale blocks).")
 # Fast accumulation (precision=DEFAULT, per-tensor / row / column scales): the whole K range
 # in the tensor core, one group of the tile's width per slice.
 FP8_FAST_TILES = (
@@ -282,7 +281,8 @@ FP8_OUT_TYPES = ("bf16", "f32")
 # --- FP8 ragged (fp8_ragged_dot): ragged rows mode with the FP8 mainloop, promoted -------------
 # Block-scaled e4m3 rows [M, K] times K-major weights [G, N, K]; one file, both output types.
 FP8_RAGGED_TILES = (
-    Entry(F128x256C2, "large groups: the FP8 heuristic's most picked tile (8192^3 and MoE)"),
+    Entry(F128x256C2, "large groups: two 128-wide parts per slice"),
+    Entry(F128x192C2, "large groups, cross schedule; not picked until measured grouped"),
     Entry(F64x128, "small groups and few rows (ping-pong, as the dense FP8 decode tile)"),
 )
 FP8_RAGGED_NOTE = (

@@ -17,7 +17,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from jax_tma._core import device, tiles
-from jax_tma._core.config import Tile, TileConfig, fastest, require_among
+from jax_tma._core.config import Tile, TileConfig, fastest, ranked, require_among
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -53,13 +53,11 @@ FP8_CONFIGS: tuple[Fp8Config, ...] = tuple(Fp8Config(*t) for t in _FP8_TILES)
 FP8_FAST_CONFIGS: tuple[Fp8Config, ...] = tuple(Fp8Config(*t) for t in _FAST_TILES)
 
 # Cost model: each tile's sustained share of the chip's FP8 rate on products of many waves,
-# promoted and fast (H200, bench_fp8.py --sweep at 8192^3 and 6144^3, per-tensor:
-# 128 x 256 pairs 1232 TFLOP/s, 128 x 192 pairs 1200, 128 x 128 1160, 64 x 128 1010; fast
-# 128 x 256 pairs 1436).
-# A compiled tile without an entry is selectable with config= and swept by bench_fp8.py, but not a
-# heuristic candidate until it is measured: 128 x 144 pairs (overlapped promotion) await theirs.
-_TILE_EFFICIENCY = {(128, 256): 0.62, (128, 192): 0.61, (128, 128): 0.585, (64, 128): 0.51}
-_FAST_EFFICIENCY = {(128, 256): 0.73, (128, 128): 0.62}
+# promoted (per-tensor and block-scaled alike) and fast: the time of one wave of full tiles at
+# 8192^3 on an H200 (bench_fp8.py --sweep, per-tensor; docs/notebook/2026-11-29-fp8-cross.md).
+_TILE_EFFICIENCY = {(128, 256): 0.66, (128, 192): 0.725, (128, 144): 0.61, (128, 128): 0.61,
+                    (64, 128): 0.52}
+_FAST_EFFICIENCY = {(128, 256): 0.80, (128, 128): 0.75}
 _PEAK_FLOPS = 1.979e15
 
 
@@ -86,12 +84,11 @@ def cluster_fits(block_m: int, cluster_m: int, m: int) -> bool:
     return cluster_m == 1 or -(-m // block_m) >= 2
 
 
-def default_config(m: int, n: int, k: int, num_sms: int | None = None,
-                   fast: bool = False) -> Fp8Config:
-    """The compiled tile and split with the least estimated time (ties: no split, the larger
-    tile), among the tiles compiled with promotion or, `fast`, for the tensor core's
-    accumulation, that have a measured rate. Split-K is considered only where the tiles fill less
-    than one wave."""
+def ranked_configs(m: int, n: int, k: int, num_sms: int | None = None,
+                   fast: bool = False) -> list[Fp8Config]:
+    """The compiled tiles with promotion (or, `fast`, for the tensor core's accumulation) that
+    fit the product, with the split-K factors worth trying (only where the tiles fill less than
+    one wave), by estimated time, fastest first (ties: no split, the larger tile)."""
     num_sms = device.num_sms() if num_sms is None else num_sms
     efficiency = _FAST_EFFICIENCY if fast else _TILE_EFFICIENCY
 
@@ -105,11 +102,17 @@ def default_config(m: int, n: int, k: int, num_sms: int | None = None,
                 if cfg.splits_for(k) == split:
                     yield cfg
 
-    return fastest(candidates(),
-                   lambda cfg: estimate_seconds(cfg, m, n, k, num_sms,
-                                                device.dram_bytes_per_s(), fast),
-                   lambda cfg: (cfg.split_k, -cfg.block_m * cfg.block_n, -cfg.cluster_m),
-                   digits=8)
+    return ranked(candidates(),
+                  lambda cfg: estimate_seconds(cfg, m, n, k, num_sms,
+                                               device.dram_bytes_per_s(), fast),
+                  lambda cfg: (cfg.split_k, -cfg.block_m * cfg.block_n, -cfg.cluster_m),
+                  digits=8)
+
+
+def default_config(m: int, n: int, k: int, num_sms: int | None = None,
+                   fast: bool = False) -> Fp8Config:
+    """The heuristic's configuration: the first of ranked_configs."""
+    return ranked_configs(m, n, k, num_sms, fast)[0]
 
 
 # The grouped (ragged) FP8 product (fp8_ragged_dot): its compiled tiles, promoted, no split-K.
@@ -124,11 +127,17 @@ def check_ragged_config(config: Fp8Config) -> Fp8Config:
                          split_k=1)
 
 
+# Compiled FP8 ragged tiles the ragged heuristic leaves out until they are measured grouped
+# (config= selects them).
+_RAGGED_UNMEASURED = {(128, 192)}
+
+
 def default_ragged_config(rows: int, n: int, k: int, groups: int,
                           num_sms: int | None = None) -> Fp8Config:
     """The compiled FP8 ragged tile with the least estimated time, groups assumed of equal size:
     the dense FP8 model (estimate_seconds) over the row blocks the groups round up to (each
-    group's last block is whole work for a partial one); ties go to the larger tile."""
+    group's last block is whole work for a partial one); ties go to the larger tile. Tiles in
+    _RAGGED_UNMEASURED are not candidates."""
     num_sms = device.num_sms() if num_sms is None else num_sms
     per_group = max(1, -(-rows // groups))
 
@@ -137,5 +146,6 @@ def default_ragged_config(rows: int, n: int, k: int, groups: int,
         return estimate_seconds(cfg, blocks * cfg.block_m, n, k, num_sms,
                                 device.dram_bytes_per_s())
 
-    return fastest((c for c in FP8_RAGGED_CONFIGS if cluster_fits(c.block_m, c.cluster_m, rows)),
+    return fastest((c for c in FP8_RAGGED_CONFIGS if cluster_fits(c.block_m, c.cluster_m, rows)
+                    and c.tile[:2] not in _RAGGED_UNMEASURED),
                    seconds, lambda cfg: (-cfg.block_m * cfg.block_n, -cfg.cluster_m), digits=8)

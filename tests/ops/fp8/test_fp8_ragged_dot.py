@@ -549,9 +549,10 @@ def test_cuda_lowering_of_a_config(rng):
     for cfg in fp8_config.FP8_RAGGED_CONFIGS:
         hlo = cuda_hlo(functools.partial(jax_tma.fp8_ragged_dot, config=cfg), *_lowering_args())
         assert f"block_m = {cfg.block_m} : i64" in hlo and f"block_n = {cfg.block_n} : i64" in hlo
-    for rows, groups in ((64, 8), (8192, 8), (16384, 128)):
+    for rows, groups in ((64, 8), (8192, 8), (16384, 128), (32768, 4)):
         cfg = fp8_config.default_ragged_config(rows, 2048, 7168, groups, num_sms=132)
         assert cfg in fp8_config.FP8_RAGGED_CONFIGS
+        assert cfg.tile[:2] not in fp8_config._RAGGED_UNMEASURED  # compiled, not yet picked
     del rng
 
 
