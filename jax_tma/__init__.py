@@ -34,6 +34,7 @@ Public API:
   kernel_status(): whether the kernels run on the default backend, and why not.
   autotune(lhs, rhs, dimension_numbers): times every configuration of a product on the device
     and caches the fastest for the kernel's later lowerings (JAX_TMA_AUTOTUNE=1: at trace time).
+  fp8_autotune(lhs, rhs, lhs_scale, rhs_scale, dimension_numbers): the same for the FP8 kernel.
   export_disabled_checks(): what ``jax.export`` needs to serialize the kernels' custom calls.
   flax: Flax layers on the fused kernels (``jax_tma.flax``, imported on first use; needs flax).
 
@@ -47,6 +48,7 @@ from jax_tma._ext import KernelStatus, kernel_status
 from jax_tma.ops.dense.api import dense, gated_dense, gated_mlp, mlp
 from jax_tma.ops.dense.config import DENSE_CONFIGS
 from jax_tma.ops.fp8.api import fp8_dot_general, fp8_matmul
+from jax_tma.ops.fp8.autotune import fp8_autotune
 from jax_tma.ops.fp8.config import FP8_CONFIGS, FP8_FAST_CONFIGS, FP8_RAGGED_CONFIGS, Fp8Config
 from jax_tma.ops.fp8.quantize import quantize_fp8
 from jax_tma.ops.fp8.ragged import fp8_ragged_dot
@@ -77,6 +79,7 @@ __all__ = [
     "dense",
     "dot_general",
     "export_disabled_checks",
+    "fp8_autotune",
     "fp8_dot_general",
     "fp8_matmul",
     "fp8_ragged_dot",

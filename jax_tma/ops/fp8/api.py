@@ -60,7 +60,9 @@ from jax_tma._core import aval as _aval
 from jax_tma._core.keywords import preferred_type
 from jax_tma.ops.fp8.config import (FP8_DTYPES, FP8_FAST_CONFIGS, OUT_DTYPES, SCALE_BLOCK,
                                     Fp8Config)
+from jax_tma.ops.fp8 import autotune as fp8_tuning
 from jax_tma.ops.fp8.primitive import NONE, fp8_dot_p
+from jax_tma.ops.fp8.quantize import widen_fp8
 from jax_tma.ops.gemm.api import dot_general as _bf16_dot_general
 
 
@@ -169,8 +171,8 @@ def _forward(lhs, rhs, lhs_scale, rhs_scale, bias, dims, out_dtype, config, has_
     a_view = _canonical_scale(lhs_scale, lform, lhs.shape, lc, "a")
     b_view = _canonical_scale(rhs_scale, rform, rhs.shape, rc, "b")
     if a_view is None or b_view is None:  # scales the kernel cannot take: XLA
-        a32 = lhs.astype(jnp.float32) * _expand_reference(lhs_scale, lform, lhs.shape, lc)
-        b32 = rhs.astype(jnp.float32) * _expand_reference(rhs_scale, rform, rhs.shape, rc)
+        a32 = widen_fp8(lhs) * _expand_reference(lhs_scale, lform, lhs.shape, lc)
+        b32 = widen_fp8(rhs) * _expand_reference(rhs_scale, rform, rhs.shape, rc)
         out = lax.dot_general(a32, b32, (((lc,), (rc,)), ((), ())),
                               precision=lax.Precision.HIGHEST,
                               preferred_element_type=jnp.float32)
@@ -192,11 +194,12 @@ def _forward(lhs, rhs, lhs_scale, rhs_scale, bias, dims, out_dtype, config, has_
         ordered.append(b_view[1])
     if has_bias:
         ordered.append(bias)
-    return fp8_dot_p.bind(
-        *ordered, has_sa=kinds["a"] == "block", has_sb=kinds["b"] == "block",
-        row_scale=NONE if kinds["a"] == "block" else kinds["a"],
-        col_scale=NONE if kinds["b"] == "block" else kinds["b"], has_bias=has_bias,
-        out_dtype=jnp.dtype(out_dtype), config=config, local=False, promote=promote)
+    params = dict(has_sa=kinds["a"] == "block", has_sb=kinds["b"] == "block",
+                  row_scale=NONE if kinds["a"] == "block" else kinds["a"],
+                  col_scale=NONE if kinds["b"] == "block" else kinds["b"], has_bias=has_bias,
+                  out_dtype=jnp.dtype(out_dtype), config=config, local=False, promote=promote)
+    fp8_tuning.tune_missing(ordered, params)
+    return fp8_dot_p.bind(*ordered, **params)
 
 
 def _fp8_dot_fwd(lhs, rhs, lhs_scale, rhs_scale, bias, dims, out_dtype, config, has_bias,
@@ -215,8 +218,8 @@ def _fp8_dot_bwd(dims, out_dtype, config, has_bias, promote, saved, ct):
     bf16 = jnp.bfloat16
     lform = _classify(jnp.shape(lhs_scale), lhs.shape, lc, "lhs")
     rform = _classify(jnp.shape(rhs_scale), rhs.shape, rc, "rhs")
-    lhs_deq = lhs.astype(jnp.float32) * _expand_reference(lhs_scale, lform, lhs.shape, lc)
-    rhs_deq = rhs.astype(jnp.float32) * _expand_reference(rhs_scale, rform, rhs.shape, rc)
+    lhs_deq = widen_fp8(lhs) * _expand_reference(lhs_scale, lform, lhs.shape, lc)
+    rhs_deq = widen_fp8(rhs) * _expand_reference(rhs_scale, rform, rhs.shape, rc)
     lhs_deq, rhs_deq = lhs_deq.astype(bf16), rhs_deq.astype(bf16)
     g = ct.astype(bf16)  # [M, N]
     # d lhs[.., K..]: g [M, N] with rhs over N; laid out as lhs is stored.

@@ -19,8 +19,9 @@ from jax_tma._core.aval import result_aval
 from jax_tma._core.primitive import (bind_local, define_primitive, kernel_ffi_call,
                                      sum_split_partials)
 from jax_tma.ops.fp8 import sharding as fp8_sharding
-from jax_tma.ops.fp8.config import FP8_DTYPES, OUT_DTYPES, SCALE_BLOCK, default_config
-from jax_tma.ops.fp8.quantize import _pad_to
+from jax_tma.ops.fp8 import tuned
+from jax_tma.ops.fp8.config import FP8_DTYPES, OUT_DTYPES, SCALE_BLOCK
+from jax_tma.ops.fp8.quantize import _pad_to, widen_fp8
 
 KERNEL_TARGET = "jax_tma_fp8_gemm_sm90"
 # Kernel limits: operand rows of 16 bytes (K), output rows of 16 bytes (N, bf16), scale rows of
@@ -53,7 +54,7 @@ def _reference(a, b, *rest, has_sa, has_sb, row_scale, col_scale, has_bias, out_
     epilogue's scales and bias, one rounding."""
     del config, local, promote
     sa, sb, rs, cs, bias = _split(rest, has_sa, has_sb, row_scale, col_scale, has_bias)
-    a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+    a32, b32 = widen_fp8(a), widen_fp8(b)
     k = a.shape[1]
     if sa is not None:  # [Kb, M] -> [M, K]
         a32 = a32 * jnp.repeat(sa.T, SCALE_BLOCK, axis=1)[:, :k]
@@ -100,7 +101,8 @@ def _kernel_call(a, b, *rest, has_sa, has_sb, row_scale, col_scale, has_bias, ou
     m, k = a.shape
     n = b.shape[0]
     out_dtype = jnp.dtype(out_dtype)
-    cfg = config if config is not None else default_config(m, n, k, fast=not promote)
+    cfg = config if config is not None else tuned.config_for(tuned.Product.of(
+        (a, b), dict(out_dtype=out_dtype, promote=promote, has_sa=has_sa, has_sb=has_sb)))
     a = _pad_to(a, 1, _K_MULTIPLE)
     b = _pad_to(_pad_to(b, 1, _K_MULTIPLE), 0, _N_MULTIPLE)
     n_pad = b.shape[0]

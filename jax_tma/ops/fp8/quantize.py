@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jax_tma._core import aval as _aval
 from jax_tma.ops.fp8.config import FP8_DTYPES, SCALE_BLOCK
@@ -24,6 +25,14 @@ def _block_scales(amax, dtype):
     """fp32 scales for block maxima: amax / max finite, 1 where the block is all zeros."""
     amax = amax.astype(jnp.float32)
     return jnp.where(amax > 0, amax / _fp8_max(dtype), 1.0).astype(jnp.float32)
+
+
+def widen_fp8(values: Any) -> jax.Array:
+    """FP8 values as fp32, exactly. The barrier keeps XLA from folding a quantisation just before
+    (quantize_fp8 in the same computation) into this conversion: with excess precision allowed
+    (its default) the GPU compiler drops the f32 -> FP8 -> f32 round trip and would compute with
+    the values before they were rounded to FP8."""
+    return lax.optimization_barrier(jnp.asarray(values)).astype(jnp.float32)
 
 
 def _pad_to(x, axis: int, multiple: int):
@@ -119,7 +128,7 @@ def quantize_fp8(x: Any, block: tuple | None = None,
 def dequantize_fp8(values: Any, scale: Any, block: tuple | None = None) -> jax.Array:
     """``values * scale`` in fp32, the scales expanded as ``quantize_fp8(..., block)`` wrote
     them (the inverse of quantize_fp8 up to rounding)."""
-    values = jnp.asarray(values).astype(jnp.float32)
+    values = widen_fp8(values)
     scale = jnp.asarray(scale, jnp.float32)
     if block is not None and tuple(block) in ((1, SCALE_BLOCK), (SCALE_BLOCK, SCALE_BLOCK)):
         rows, cols = values.shape[-2:]

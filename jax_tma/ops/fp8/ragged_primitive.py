@@ -31,7 +31,7 @@ from jax_tma._core.aval import result_aval
 from jax_tma._core.primitive import bind_local, define_primitive, kernel_ffi_call, planned_call
 from jax_tma.ops.fp8.config import OUT_DTYPES, SCALE_BLOCK, default_ragged_config
 from jax_tma.ops.fp8.primitive import kernel_enabled
-from jax_tma.ops.fp8.quantize import _pad_to, dequantize_fp8
+from jax_tma.ops.fp8.quantize import _pad_to, dequantize_fp8, widen_fp8
 from jax_tma.ops.ragged import sharding as ragged_sharding
 from jax_tma.ops.ragged.config import ROWS, clamp_sizes
 from jax_tma.ops.ragged.primitive import (_INT32_MAX, RaggedPlan, _pad_axis, call_attrs,
@@ -57,9 +57,8 @@ def _abstract_eval(x, w, gs, sa, sb, *, sa_block, sb_block, out_dtype, config, l
 def dequantised(x, w, sa, sb, sa_block: bool, sb_block: bool):
     """x and w in fp32 times their block scales (dequantize_fp8's expansion, batch dims
     leading); one-value scales are left to the product."""
-    f32 = jnp.float32
-    x32 = dequantize_fp8(x, sa, (1, SCALE_BLOCK)) if sa_block else x.astype(f32)
-    w32 = dequantize_fp8(w, sb, (SCALE_BLOCK, SCALE_BLOCK)) if sb_block else w.astype(f32)
+    x32 = dequantize_fp8(x, sa, (1, SCALE_BLOCK)) if sa_block else widen_fp8(x)
+    w32 = dequantize_fp8(w, sb, (SCALE_BLOCK, SCALE_BLOCK)) if sb_block else widen_fp8(w)
     return x32, w32
 
 

@@ -526,7 +526,14 @@ def test_fp8_gradients_match_dense_form(gated, rng):
 def test_fp8_expert_parallel_matches_one_device(rng):
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 128, 256, 8, 128, top_k=2)
     kw = dict(top_k=2, dtype=jnp.float32, implementation="jax_tma_fp8")
-    want, _ = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, **kw)
+    # One CPU device against the CPU mesh: the same XLA products on either side (on a GPU the
+    # one-device layer would run the FP8 kernels, whose fp32 sums in another order can flip
+    # the FP8 rounding of the hidden activations).
+    def one():
+        return jax.default_device(jax.devices("cpu")[0])
+
+    with one():
+        want, _ = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, **kw)
     with jax.set_mesh(_cpu_mesh((4,), ("ep",))):
         got, _ = jax.jit(lambda *a: jax_tma.moe_mlp(*a, expert_axis="ep", **kw))(
             x, router, w_up, w_down, w_gate)
@@ -538,7 +545,8 @@ def test_fp8_expert_parallel_matches_one_device(rng):
     def loss(*a, **more):
         return jnp.sum(jax_tma.moe_mlp(*a, **kw, **more)[0] * ct)
 
-    want_grads = jax.jit(jax.grad(loss, range(5)))(*args)
+    with one():
+        want_grads = jax.jit(jax.grad(loss, range(5)))(*args)
     with jax.set_mesh(_cpu_mesh((4,), ("ep",))):
         got_grads = jax.jit(jax.grad(functools.partial(loss, expert_axis="ep"), range(5)))(*args)
     for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), got_grads, want_grads):
