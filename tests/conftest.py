@@ -127,3 +127,12 @@ def on_cpu():
     which the GPU tests check)."""
     with jax.default_device(jax.devices("cpu")[0]):
         yield
+
+
+@pytest.fixture
+def autotune_cache(tmp_path, monkeypatch):
+    """An autotuning cache file of the test's own, and no JAX_TMA_AUTOTUNE from the caller."""
+    path = tmp_path / "cache" / "autotune.json"
+    monkeypatch.setenv("JAX_TMA_AUTOTUNE_CACHE", str(path))
+    monkeypatch.delenv("JAX_TMA_AUTOTUNE", raising=False)
+    return path

@@ -4,6 +4,7 @@ float64 references. Imported after conftest.py has set the environment jax reads
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import pathlib
 
@@ -172,3 +173,28 @@ def equations(jaxpr, primitive):
             if hasattr(inner, "eqns"):
                 found += equations(inner, primitive)
     return found
+
+
+class FakeTuningDevice(list):
+    """What fake_tuning_device's stand-in timer was asked: one list of configurations a call.
+    `xla_s`: the time it gives XLA's dot (None: the tuner times no XLA contender)."""
+    xla_s: float | None = None
+
+
+def fake_tuning_device(monkeypatch, tuner, winner, xla_s=None) -> FakeTuningDevice:
+    """Kernels 'available' and a stand-in for `tuner._time`: the configuration whose
+    (tile, split_k) is `winner` takes 1 ms, the others 2 ms and up."""
+    status = _ext.kernel_status()
+    monkeypatch.setattr(_ext, "kernel_status",
+                        lambda: dataclasses.replace(status, available=True, reason=None))
+    timed = FakeTuningDevice()
+    timed.xla_s = xla_s
+
+    def fake_time(configs, *args):
+        timed.append(list(configs))
+        seconds = {c.describe(): 1e-3 if (c.tile, c.split_k) == winner else 2e-3 + 1e-6 * i
+                   for i, c in enumerate(configs)}
+        return seconds if timed.xla_s is None else (seconds, timed.xla_s)
+
+    monkeypatch.setattr(tuner, "_time", fake_time)
+    return timed

@@ -18,7 +18,7 @@ from jax_tma._core import tuning_cache
 from jax_tma.ops.fp8 import autotune as tuner
 from jax_tma.ops.fp8 import config as fp8_config
 from jax_tma.ops.fp8 import tuned
-from support import cuda_hlo, needs_extension, rel_error
+from support import cuda_hlo, fake_tuning_device, needs_extension, rel_error
 
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -41,12 +41,9 @@ def product(m, n, k, promote=True, block=True, out=BF16):
 
 
 @pytest.fixture(autouse=True)
-def cache_file(tmp_path, monkeypatch):
-    """Every test gets its own cache file and no JAX_TMA_AUTOTUNE from the caller."""
-    path = tmp_path / "cache" / "autotune.json"
-    monkeypatch.setenv("JAX_TMA_AUTOTUNE_CACHE", str(path))
-    monkeypatch.delenv("JAX_TMA_AUTOTUNE", raising=False)
-    return path
+def cache_file(autotune_cache):
+    """Every test gets its own cache file (conftest's autotune_cache)."""
+    return autotune_cache
 
 
 def test_key_names_device_types_accumulation_scales_and_shape():
@@ -65,27 +62,11 @@ def test_autotune_needs_the_kernels(monkeypatch):
         jax_tma.fp8_autotune(*block_specs(256, 256, 256), max_candidates=0)
 
 
-class FakeDevice(list):
-    """The candidate lists timed so far."""
-
-
 @pytest.fixture
 def fake_device(monkeypatch):
-    """Kernels 'available' and a timer that makes the 128 x 128 tile without a cluster the
-    fastest configuration (1 ms; the others 2 ms and up): not the heuristic's pick for the
-    products below."""
-    status = _ext.kernel_status()
-    monkeypatch.setattr(_ext, "kernel_status",
-                        lambda: dataclasses.replace(status, available=True, reason=None))
-    timed = FakeDevice()
-
-    def fake_time(configs, *args):
-        timed.append(list(configs))
-        return {c.describe(): 1e-3 if (c.tile, c.split_k) == ((128, 128, 5, 1), 1) else
-                2e-3 + 1e-6 * i for i, c in enumerate(configs)}
-
-    monkeypatch.setattr(tuner, "_time", fake_time)
-    return timed
+    """A stand-in timer that makes the 128 x 128 tile without a cluster the fastest
+    configuration: not the heuristic's pick for the products below."""
+    return fake_tuning_device(monkeypatch, tuner, ((128, 128, 5, 1), 1))
 
 
 def test_autotune_stores_the_winner_and_reuses_it(fake_device, cache_file):

@@ -26,7 +26,7 @@ from jax_tma.ops.gemm import autotune as tuner
 from jax_tma.ops.gemm import config as gemm_config
 from jax_tma.ops.gemm import primitive as gemm
 from jax_tma.ops.gemm import tuned
-from support import REPO, cuda_hlo, needs_extension, rel_error
+from support import REPO, cuda_hlo, fake_tuning_device, needs_extension, rel_error
 BF16 = np.dtype(ml_dtypes.bfloat16)
 MATMUL = (((1,), (0,)), ((), ()))
 
@@ -36,12 +36,9 @@ def spec(shape, dtype=BF16):
 
 
 @pytest.fixture(autouse=True)
-def cache_file(tmp_path, monkeypatch):
-    """Every test gets its own cache file and no JAX_TMA_AUTOTUNE from the caller."""
-    path = tmp_path / "cache" / "autotune.json"
-    monkeypatch.setenv("JAX_TMA_AUTOTUNE_CACHE", str(path))
-    monkeypatch.delenv("JAX_TMA_AUTOTUNE", raising=False)
-    return path
+def cache_file(autotune_cache):
+    """Every test gets its own cache file (conftest's autotune_cache)."""
+    return autotune_cache
 
 
 def _plan(m, n, k):
@@ -139,27 +136,11 @@ def test_autotune_needs_the_kernels(monkeypatch):
         jax_tma.autotune(spec((2, 256, 256)), spec((256, 256)))
 
 
-class FakeDevice(list):
-    """The candidate lists timed so far; `xla_s`: the time the stand-in gives XLA's dot."""
-    xla_s = 5e-3
-
-
 @pytest.fixture
 def fake_device(monkeypatch):
-    """Kernels 'available' and a timer that makes 128 x 128, 6 stages, split 2 the fastest
-    configuration (1 ms; the others 2 ms and up) and gives XLA's dot FakeDevice.xla_s."""
-    status = _ext.kernel_status()
-    monkeypatch.setattr(_ext, "kernel_status",
-                        lambda: dataclasses.replace(status, available=True, reason=None))
-    timed = FakeDevice()
-
-    def fake_time(configs, *args):
-        timed.append(list(configs))
-        return ({c.describe(): 1e-3 if (c.tile, c.split_k) == ((128, 128, 6, 1), 2) else
-                 2e-3 + 1e-6 * i for i, c in enumerate(configs)}, timed.xla_s)
-
-    monkeypatch.setattr(tuner, "_time", fake_time)
-    return timed
+    """A stand-in timer that makes 128 x 128, 6 stages, split 2 the fastest configuration and
+    gives XLA's dot 5 ms (settable: fake_device.xla_s)."""
+    return fake_tuning_device(monkeypatch, tuner, ((128, 128, 6, 1), 2), xla_s=5e-3)
 
 
 def test_autotune_stores_the_winner_and_reuses_it(fake_device, cache_file):
