@@ -232,9 +232,11 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
   X(ARG, Fp8Tile64x128)
 // FP8 tiles with fast accumulation (the tensor core's, no promotion):
 //   Fp8Tile128x256C2  large products: the 16-bit kernel's geometry
+//   Fp8Tile128x192C2  wave count (4096 x 2112 x 7168: 11 x 192 columns); not picked until measured
 //   Fp8Tile128x128    few rows and small products
 #define JAX_TMA_SM90_FP8_FAST_TILES(X, ARG) \
   X(ARG, Fp8Tile128x256C2)                  \
+  X(ARG, Fp8Tile128x192C2)                  \
   X(ARG, Fp8Tile128x128)
 // FP8 ragged tiles (fp8_ragged_dot's configs):
 //   Fp8Tile128x256C2  large groups: two 128-wide parts per slice

@@ -273,6 +273,8 @@ FP8_TILES_NOTE = (
 # in the tensor core, one group of the tile's width per slice.
 FP8_FAST_TILES = (
     Entry(F128x256C2, "large products: the 16-bit kernel's geometry"),
+    Entry(F128x192C2, "wave count (4096 x 2112 x 7168: 11 x 192 columns); not picked until "
+          "measured"),
     Entry(F128x128, "few rows and small products"),
 )
 FP8_TYPES = ("e4m3", "e5m2")

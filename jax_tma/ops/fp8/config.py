@@ -58,6 +58,8 @@ FP8_FAST_CONFIGS: tuple[Fp8Config, ...] = tuple(Fp8Config(*t) for t in _FAST_TIL
 _TILE_EFFICIENCY = {(128, 256): 0.66, (128, 192): 0.725, (128, 144): 0.61, (128, 128): 0.61,
                     (64, 128): 0.52}
 _FAST_EFFICIENCY = {(128, 256): 0.80, (128, 128): 0.75}
+# A compiled tile without a rate is selectable with config=, timed by bench_fp8.py --sweep and
+# fp8_autotune, but not a heuristic candidate until it is measured: the fast 128 x 192 pairs.
 _PEAK_FLOPS = 1.979e15
 
 
@@ -84,17 +86,20 @@ def cluster_fits(block_m: int, cluster_m: int, m: int) -> bool:
     return cluster_m == 1 or -(-m // block_m) >= 2
 
 
-def ranked_configs(m: int, n: int, k: int, num_sms: int | None = None,
-                   fast: bool = False) -> list[Fp8Config]:
+def ranked_configs(m: int, n: int, k: int, num_sms: int | None = None, fast: bool = False,
+                   measured_only: bool = True) -> list[Fp8Config]:
     """The compiled tiles with promotion (or, `fast`, for the tensor core's accumulation) that
     fit the product, with the split-K factors worth trying (only where the tiles fill less than
-    one wave), by estimated time, fastest first (ties: no split, the larger tile)."""
+    one wave), by estimated time, fastest first (ties: no split, the larger tile). Tiles without
+    a measured rate are left out, or with `measured_only=False` ranked last (fp8_autotune times
+    them too)."""
     num_sms = device.num_sms() if num_sms is None else num_sms
     efficiency = _FAST_EFFICIENCY if fast else _TILE_EFFICIENCY
 
     def candidates():
         for tile in _FAST_TILES if fast else _FP8_TILES:
-            if tile[:2] not in efficiency or not cluster_fits(tile[0], tile[3], m):
+            if (measured_only and tile[:2] not in efficiency) or not cluster_fits(
+                    tile[0], tile[3], m):
                 continue
             tiles = -(-m // tile[0]) * -(-n // tile[1])
             for split in (1, 2, 4, 8) if tiles < num_sms else (1,):
@@ -104,7 +109,8 @@ def ranked_configs(m: int, n: int, k: int, num_sms: int | None = None,
 
     return ranked(candidates(),
                   lambda cfg: estimate_seconds(cfg, m, n, k, num_sms,
-                                               device.dram_bytes_per_s(), fast),
+                                               device.dram_bytes_per_s(), fast)
+                  if cfg.tile[:2] in efficiency else float("inf"),
                   lambda cfg: (cfg.split_k, -cfg.block_m * cfg.block_n, -cfg.cluster_m),
                   digits=8)
 

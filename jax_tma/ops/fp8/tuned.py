@@ -45,8 +45,10 @@ class Product:
                          "block" if self.block else "tensor", f"m{self.m}n{self.n}k{self.k}"])
 
     def candidates(self) -> list[Fp8Config]:
-        """The configurations autotune times: the heuristic's ranking, best first."""
-        return ranked_configs(self.m, self.n, self.k, fast=not self.promote)
+        """The configurations autotune times: the heuristic's ranking, best first, then the
+        compiled tiles it has no rate for."""
+        return ranked_configs(self.m, self.n, self.k, fast=not self.promote,
+                              measured_only=False)
 
 
 def config_or_none(fields) -> Fp8Config | None:
@@ -73,4 +75,6 @@ def config_for(product: Product) -> Fp8Config:
     """The configuration the kernel runs `product` with when no config= is given: the cached
     one, else the heuristic's (the first candidate)."""
     cached = lookup(product)
-    return cached if cached is not None else product.candidates()[0]
+    if cached is not None:
+        return cached
+    return ranked_configs(product.m, product.n, product.k, fast=not product.promote)[0]

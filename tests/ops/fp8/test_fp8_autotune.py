@@ -93,6 +93,13 @@ def test_autotune_stores_the_winner_and_reuses_it(fake_device, cache_file):
     assert tuned.lookup(product(m, n, k, block=False)) is not None
 
 
+def test_candidates_include_tiles_the_heuristic_has_no_rate_for():
+    fast = product(4096, 2112, 7168, promote=False, block=False).candidates()
+    assert fast[0] == fp8_config.default_config(4096, 2112, 7168, fast=True)
+    assert fast[-1].tile == (128, 192, 4, 2)  # compiled, no measured rate: timed last
+    assert [c.tile for c in fast].count((128, 192, 4, 2)) == 1
+
+
 def test_calls_the_kernel_does_not_compute_are_refused(fake_device):
     # rhs with (1, 128) scales (one per column and K block): the kernel takes 128 x 128 only.
     with pytest.raises(ValueError, match=r"does not compute .* \(it runs on XLA\)"):
