@@ -48,7 +48,7 @@ from jax_tma import _timing
 from jax_tma.ops.dense import config as ep_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _lib.harness import harness_arguments, parse_shapes, sweep_label  # noqa: E402
+from _lib.harness import chosen_shapes, harness_arguments, sweep_label  # noqa: E402
 from _lib.patterns import NT, PATTERNS, fused, pattern_forms, pattern_operands  # noqa: E402
 from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
 
@@ -244,12 +244,7 @@ def main(argv=None) -> int:
                    help="also time XLA reading the weights once (a sum over them)")
     harness_arguments(p)
     args = p.parse_args(argv)
-    if args.dry_run:
-        shapes, args.rounds, args.iterations = DRY_RUN, 1, 1
-    elif args.shapes:
-        shapes = parse_shapes(p, args.shapes, ("M,N,K",))
-    else:
-        shapes = SHAPES[1:3] if args.quick else SHAPES
+    shapes = chosen_shapes(p, args, SHAPES, SHAPES[1:3], DRY_RUN)
     env = environment(args.commit)
     print(banner(env, "bf16"))
     rows = []

@@ -43,7 +43,7 @@ from jax_tma import _timing
 from jax_tma.ops.fp8 import config as fp8_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _lib.harness import harness_arguments, parse_shapes  # noqa: E402
+from _lib.harness import chosen_shapes, harness_arguments  # noqa: E402
 from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
 
 # DeepGEMM's published block-scaled TFLOP/s (H800 SXM5, 1x128 / 128x128 scales) for M x N x K.
@@ -278,12 +278,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="*", metavar="M,N,K")
     harness_arguments(p)
     args = p.parse_args(argv)
-    if args.dry_run:
-        shapes, args.rounds, args.iterations = DRY_RUN, 1, 1
-    elif args.shapes:
-        shapes = parse_shapes(p, args.shapes, ("M,N,K",))
-    else:
-        shapes = SHAPES[:2] if args.quick else SHAPES
+    shapes = chosen_shapes(p, args, SHAPES, SHAPES[:2], DRY_RUN)
     env = environment(args.commit)
     print(banner(env, "e4m3"))
     rows = []

@@ -33,6 +33,18 @@ def parse_shapes(p: argparse.ArgumentParser, values: list[str], names: tuple[str
     return shapes
 
 
+def chosen_shapes(p: argparse.ArgumentParser, args, suite: list, quick: list,
+                  dry_run: list, names: tuple[str, ...] = ("M,N,K",)) -> list[tuple[int, ...]]:
+    """The shapes a benchmark runs: `dry_run` (with one round of one iteration) under
+    --dry-run, else --shapes (parse_shapes), else `quick` under --quick, else `suite`."""
+    if args.dry_run:
+        args.rounds, args.iterations = 1, 1
+        return dry_run
+    if args.shapes:
+        return parse_shapes(p, args.shapes, names)
+    return quick if args.quick else suite
+
+
 def sweep_label(config) -> str:
     """A forced configuration's contender name in the --sweep tables of bench_ragged_dot and
     bench_epilogues: "jax_tma 128x256x3x2" (block_m, block_n, stages, cluster_m)."""

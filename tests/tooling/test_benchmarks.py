@@ -158,8 +158,9 @@ def test_bench_gemm_rejects_bad_shapes(shapes):
     ("bench_ragged_dot", "M,K,N,G", ["64,32,16,4"], ["64,32,16"]),
 ])
 def test_benchmarks_share_one_shapes_parser(script, forms, good, bad, capsys):
-    """Every benchmark's --shapes goes through benchmarks/_lib/harness.parse_shapes: positive
-    ints in one of the script's forms, else a usage error that names them."""
+    """Every benchmark's --shapes goes through benchmarks/_lib/harness.parse_shapes (directly or
+    through chosen_shapes): positive ints in one of the script's forms, else a usage error that
+    names them."""
     import argparse
 
     bench = _bench_module("_lib.harness")
@@ -174,9 +175,31 @@ def test_benchmarks_share_one_shapes_parser(script, forms, good, bad, capsys):
         assert f"--shapes takes {forms} of positive ints, got {' '.join(values)}" in (
             capsys.readouterr().err)
     source = (REPO / "benchmarks" / f"{script}.py").read_text()
-    assert "parse_shapes(p, " in source
+    assert "parse_shapes(p, " in source or "chosen_shapes(p, " in source
     if script != "bench_gemm":  # which also splits its --splits list
         assert "s.split(\",\")" not in source  # shapes are parsed in _lib/harness.py only
+
+
+def test_chosen_shapes_order():
+    """--dry-run (one round, one iteration), then --shapes, then --quick, then the suite."""
+    import argparse
+
+    bench = _bench_module("_lib.harness")
+    parser = argparse.ArgumentParser(prog="bench")
+
+    def args(**kw):
+        base = dict(dry_run=False, shapes=None, quick=False, rounds=5, iterations=3)
+        return argparse.Namespace(**{**base, **kw})
+
+    suite, quick, dry = [(1, 2, 3), (4, 5, 6)], [(1, 2, 3)], [(7, 8, 9)]
+    a = args(dry_run=True, shapes=["2,2,2"], quick=True)
+    assert bench.chosen_shapes(parser, a, suite, quick, dry) == dry
+    assert (a.rounds, a.iterations) == (1, 1)
+    a = args(shapes=["2,3,4"], quick=True)
+    assert bench.chosen_shapes(parser, a, suite, quick, dry) == [(2, 3, 4)]
+    assert (a.rounds, a.iterations) == (5, 3)
+    assert bench.chosen_shapes(parser, args(quick=True), suite, quick, dry) == quick
+    assert bench.chosen_shapes(parser, args(), suite, quick, dry) == suite
 
 
 def test_no_benchmark_imports_another():
