@@ -7,6 +7,7 @@ import functools
 import inspect
 import os
 import re
+import tempfile
 import zlib
 
 # Eight CPU devices for the sharding tests (meshes of 8, 4x2 and 2x4), set before jax starts;
@@ -25,6 +26,12 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # the kernel and its lowering on small products, so they take the kernel wherever it can run;
 # the tests of that choice pass xla_when_faster=True or set the variable to 0 themselves.
 os.environ.setdefault("JAX_TMA_KERNEL_ALWAYS", "1")
+
+# The kernels' lowerings read the autotuning cache: the suite uses one of its own (per process),
+# never the user's, and tunes nothing at trace time unless a test asks (autotune_cache).
+os.environ["JAX_TMA_AUTOTUNE_CACHE"] = os.path.join(
+    tempfile.mkdtemp(prefix="jax_tma_test_cache_"), "autotune.json")
+os.environ.pop("JAX_TMA_AUTOTUNE", None)
 
 import jax
 import numpy as np

@@ -314,7 +314,7 @@ struct MainloopSm90Fp8 {
     }
   }
 
-  // Tiles of one column part (N <= 144: up to 72 registers of partial sums): two sets of partial
+  // Tiles of one column part (N <= 128: up to 64 registers of partial sums): two sets of partial
   // sums, so that slice kb + 1's wgmma group runs while slice kb is promoted; the tensor core
   // always has a group queued, as in the unpromoted schedule. (Measured on an H100, 8192^3
   // block-scaled on 128 x 128 tiles: 1008 TFLOP/s with one set, which waits for every group
@@ -327,8 +327,7 @@ struct MainloopSm90Fp8 {
                                              float (&acc)[kAccRegs], Waited&& waited) {
     float d0[kPartRegs], d1[kPartRegs];
     SliceScales s0, s1;
-    // Waits for slice kb's stage and issues its group into `d` (reading its scales into `s`,
-    // except on wide sets).
+    // Waits for slice kb's stage and issues its group into `d` (reading its scales into `s`).
     const auto start = [&](float (&d)[kPartRegs], SliceScales& s, int kb) {
       pipeline.consumer_wait(read);
       if (kb == k_blocks - 1) waited();

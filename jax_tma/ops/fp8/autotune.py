@@ -3,13 +3,19 @@
 As ``jax_tma.autotune`` does for the 16-bit product (jax_tma/ops/gemm/autotune.py):
 ``fp8_autotune(lhs, rhs, lhs_scale, rhs_scale, dimension_numbers)`` finds the product the FP8
 kernel computes for that call (its operands as the kernel reads them, the scale forms, promoted
-or fast accumulation), times every configuration the heuristic ranks for it (config.
-ranked_configs: the compiled tiles, split-K where the tiles fill less than one wave) over
-random operands of those shapes in one harness run (CUPTI kernel time), and stores the fastest
+or fast accumulation), times every compiled configuration for it (config.ranked_configs: the
+heuristic's ranking, then the tiles it has no rate for; split-K where the tiles fill less than
+one wave) over random operands of those shapes in one harness run (CUPTI kernel time), and
+stores the fastest
 in the autotuning cache (jax_tma/_core/tuning_cache.py), keyed by device kind, FP8 type,
 output type, accumulation, whether block scales are read, and M, N, K. The kernel's lowering
 reads the cache before the heuristic. With ``JAX_TMA_AUTOTUNE=1`` fp8_dot_general and
 fp8_matmul tune a product whose key is missing when they are traced (as dot_general does).
+
+The key is the product each device's kernel runs: a vmapped call runs its batch folded into M,
+a sharded one its local blocks; tune those shapes with fp8_autotune (trace-time tuning tunes
+the call's own product, and skips vmapped calls). The epilogue's operands (row or column
+scales, bias) are not in the key.
 
 XLA's FP8 dot is not a contender: it takes per-tensor scales only, and where the kernel runs
 it computes the op's own definition. Results do not depend on the configuration beyond
@@ -18,12 +24,14 @@ floating-point summation order (split-K sums fp32 partial products).
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 from typing import Any
 
 import jax
 import jax.extend.core
 import jax.numpy as jnp
+from jax._src.interpreters.batching import BatchTracer  # (not public in jax 0.10)
 
 from jax_tma import _ext, _timing
 from jax_tma._core.tuning_cache import entries, store
@@ -31,6 +39,11 @@ from jax_tma.ops.fp8 import primitive as fp8
 from jax_tma.ops.fp8.primitive import fp8_dot_p
 from jax_tma.ops.fp8.tuned import Product, config_or_none, lookup
 from jax_tma.ops.gemm.autotune import TuneResult, enabled
+
+
+# Set while fp8_autotune traces the user's call to find the kernel's product: its own settings
+# (rounds, candidates, force) decide, not trace-time tuning (JAX_TMA_AUTOTUNE=1).
+_FINDING_PRODUCT = contextvars.ContextVar("jax_tma_fp8_finding_product", default=False)
 
 
 def _kernel_equation(jaxpr):
@@ -73,17 +86,24 @@ def fp8_autotune(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any, dimension_n
     dims = (((1,), (1,)), ((), ())) if dimension_numbers is None else dimension_numbers
     specs = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
              for x in (lhs, rhs, lhs_scale, rhs_scale)]
-    closed = jax.make_jaxpr(lambda a, b, sa, sb: fp8_dot_general(
-        a, b, sa, sb, dims, precision=precision,
-        preferred_element_type=preferred_element_type))(*specs)
+    token = _FINDING_PRODUCT.set(True)
+    try:
+        closed = jax.make_jaxpr(lambda a, b, sa, sb: fp8_dot_general(
+            a, b, sa, sb, dims, precision=precision,
+            preferred_element_type=preferred_element_type))(*specs)
+    finally:
+        _FINDING_PRODUCT.reset(token)
     eqn = _kernel_equation(closed.jaxpr)
-    if eqn is None:
+    avals = None if eqn is None else [v.aval for v in eqn.invars]
+    if eqn is None or not (fp8.kernel_enabled() and fp8.kernel_applies(
+            avals[0], avals[1], eqn.params["out_dtype"])):
         raise ValueError(
-            f"jax_tma.fp8_autotune: the FP8 kernel does not compute {tuple(specs[0].shape)} x "
-            f"{tuple(specs[1].shape)} {jnp.dtype(specs[0].dtype).name} with scales "
-            f"{tuple(specs[2].shape)} and {tuple(specs[3].shape)} (it runs on XLA)")
-    return tune_product([v.aval for v in eqn.invars], eqn.params, rounds=rounds, sets=sets,
-                        force=force, max_candidates=max_candidates)
+            f"jax_tma.fp8_autotune: the FP8 kernel does not compute {tuple(specs[0].shape)} "
+            f"{jnp.dtype(specs[0].dtype).name} x {tuple(specs[1].shape)} "
+            f"{jnp.dtype(specs[1].dtype).name} with scales {tuple(specs[2].shape)} and "
+            f"{tuple(specs[3].shape)} (it runs on XLA)")
+    return tune_product(avals, eqn.params, rounds=rounds, sets=sets, force=force,
+                        max_candidates=max_candidates)
 
 
 def tune_product(avals, params, *, rounds: int = 3, sets: int = 2, force: bool = False,
@@ -114,7 +134,7 @@ def _time(configs, avals, params, rounds, sets) -> dict[str, float]:
         a, b = avals[0], avals[1]
         pairs = _timing.random_operands(jax.random.key(0), [a.shape, b.shape], a.dtype, sets)
         rest = tuple(jnp.ones(x.shape, x.dtype) for x in avals[2:])
-        operand_sets = [(*pair, *rest) for pair in pairs]
+        operand_sets = [(x, y.astype(b.dtype), *rest) for x, y in pairs]
         contenders = {
             cfg.describe(): (lambda *ops, cfg=cfg: fp8_dot_p.bind(*ops, **{**params,
                                                                         "config": cfg}))
@@ -125,8 +145,11 @@ def _time(configs, avals, params, rounds, sets) -> dict[str, float]:
 
 def tune_missing(operands, params) -> None:
     """Tunes a product being traced (JAX_TMA_AUTOTUNE=1) unless its key is cached, a config= is
-    given, or the kernel would not run it."""
-    if not enabled() or params.get("config") is not None:
+    given, the kernel would not run it, or the call is vmapped (the batch folds into M: the
+    kernel runs another product; tune that one with fp8_autotune)."""
+    if not enabled() or params.get("config") is not None or _FINDING_PRODUCT.get():
+        return
+    if any(isinstance(x, BatchTracer) for x in operands):
         return
     avals = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in operands]
     if not (_ext.kernel_status().available and fp8.kernel_enabled()

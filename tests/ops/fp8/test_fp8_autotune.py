@@ -108,6 +108,34 @@ def test_calls_the_kernel_does_not_compute_are_refused(fake_device):
     assert not fake_device
 
 
+def test_calls_on_xla_are_refused(fake_device, monkeypatch):
+    """Mixed FP8 types (XLA's reference runs them), and the kernel switched off."""
+    m, n, k = 256, 384, 512
+    a, b, sa, sb = block_specs(m, n, k)
+    with pytest.raises(ValueError, match=r"float8_e4m3fn x \(384, 512\) float8_e5m2"):
+        jax_tma.fp8_autotune(a, spec((n, k), np.dtype(ml_dtypes.float8_e5m2)), sa, sb)
+    monkeypatch.setenv("JAX_TMA_FP8_KERNEL", "0")
+    with pytest.raises(ValueError, match="it runs on XLA"):
+        jax_tma.fp8_autotune(a, b, sa, sb)
+    assert not fake_device
+
+
+def test_autotune_keeps_its_own_settings_under_the_env(fake_device, monkeypatch):
+    """With JAX_TMA_AUTOTUNE=1, finding the product (a trace) does not tune it first."""
+    monkeypatch.setenv("JAX_TMA_AUTOTUNE", "1")
+    jax_tma.fp8_autotune(*block_specs(2048, 2048, 2048), max_candidates=2)
+    assert [len(c) for c in fake_device] == [2]
+
+
+def test_env_does_not_tune_vmapped_calls(fake_device, monkeypatch):
+    monkeypatch.setenv("JAX_TMA_AUTOTUNE", "1")
+    a, b, sa, sb = block_specs(512, 1024, 1024)
+    batched = (spec((4, 512, 1024)), b, spec((4, *sa.shape), F32), sb)
+    jax.jit(jax.vmap(lambda *o: jax_tma.fp8_dot_general(*o, NT),
+                     in_axes=(0, None, 0, None))).trace(*batched)
+    assert not fake_device
+
+
 def test_stale_or_foreign_entries_are_ignored():
     p = product(8192, 8192, 8192)
     for config in ({"block_m": 128, "block_n": 176, "stages": 4, "cluster_m": 2, "split_k": 1},
