@@ -283,3 +283,12 @@ def test_runtime_jax_is_bounded_to_the_tested_releases():
     config = tomllib.loads((REPO / "pyproject.toml").read_text())
     jax_pin = next(d for d in config["project"]["dependencies"] if d.startswith("jax"))
     assert "<0.12" in jax_pin, jax_pin
+
+
+def test_ci_runs_the_readme_test_command():
+    """.ci/run runs the test command README.md gives (CI checks what users are told to run)."""
+    readme = (REPO / "README.md").read_text()
+    commands = re.findall(r"^python3 -m pytest .*$", readme, flags=re.M)
+    assert len(commands) == 1, commands
+    ci = (REPO / ".ci" / "run").read_text()
+    assert re.search(rf"^timeout \d+ {re.escape(commands[0])}$", ci, flags=re.M), commands[0]
