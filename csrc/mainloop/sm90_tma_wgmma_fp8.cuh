@@ -375,12 +375,11 @@ struct MainloopSm90Fp8 {
   // Descriptors of the cross schedule, built once per tile: the low word (start address / 16)
   // of stage 0's rows, made warp-uniform (lane 0's) so that per slice only a uniform add runs;
   // the high word (8-row groups 1024 bytes apart, 128-byte swizzle) is a constant.
-  static constexpr uint64_t kDescHigh =
-      (uint64_t{1024 >> 4} << 32) | (static_cast<uint64_t>(ptx::WgmmaSwizzle::k128B) << 62);
+  static constexpr uint64_t kDescHigh = ptx::smem_desc_layout(0, 1024, ptx::WgmmaSwizzle::k128B);
   static constexpr uint32_t kAStageUnits = Tile::kTileABytes / 16;
   static constexpr uint32_t kBStageUnits = Tile::kTileBBytes / 16;
   __device__ static uint32_t desc_low(const uint8_t* tile) {
-    return __shfl_sync(0xffffffffu, (ptx::smem_u32(tile) & 0x3FFFF) >> 4, 0);
+    return __shfl_sync(0xffffffffu, ptx::smem_desc_address(tile), 0);
   }
 
   // Tiles of one group of up to 192 columns (cuBLAS's promoting FP8 kernel has this shape: one

@@ -16,6 +16,22 @@ namespace jax_tma::ptx {
 // Swizzle modes as encoded in bits 62-63 of the descriptor.
 enum class WgmmaSwizzle : uint64_t { kNone = 0, k128B = 1, k64B = 2, k32B = 3 };
 
+// A descriptor's layout fields (leading and stride offsets, swizzle): a constant per operand
+// layout, so a mainloop may build them once and advance the address field alone.
+__host__ __device__ constexpr uint64_t smem_desc_layout(uint32_t leading_bytes,
+                                                        uint32_t stride_bytes,
+                                                        WgmmaSwizzle swizzle) {
+  return (static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16) |
+         (static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32) |
+         (static_cast<uint64_t>(swizzle) << 62);
+}
+
+// A descriptor's start address field: the shared-memory address / 16, 14 bits (a tile `n`
+// bytes further starts `n / 16` higher, within shared memory's 256 KB).
+__device__ __forceinline__ uint32_t smem_desc_address(const void* smem) {
+  return (smem_u32(smem) & 0x3FFFF) >> 4;
+}
+
 // Matrix descriptor for an operand tile in shared memory. Offsets are in bytes:
 //  K-major, swizzled: `stride_bytes` is the distance between 8-row groups along M/N
 //                     (leading offset unused).
@@ -23,12 +39,7 @@ enum class WgmmaSwizzle : uint64_t { kNone = 0, k128B = 1, k64B = 2, k32B = 3 };
 //                      along M/N, `stride_bytes` the distance between 8-row groups along K.
 __device__ __forceinline__ uint64_t make_smem_desc(const void* smem, uint32_t leading_bytes,
                                                    uint32_t stride_bytes, WgmmaSwizzle swizzle) {
-  const uint64_t addr = smem_u32(smem);
-  uint64_t desc = (addr & 0x3FFFF) >> 4;
-  desc |= static_cast<uint64_t>((leading_bytes >> 4) & 0x3FFF) << 16;
-  desc |= static_cast<uint64_t>((stride_bytes >> 4) & 0x3FFF) << 32;
-  desc |= static_cast<uint64_t>(swizzle) << 62;
-  return desc;
+  return smem_desc_address(smem) | smem_desc_layout(leading_bytes, stride_bytes, swizzle);
 }
 
 // wgmma.fence: orders register accesses to the accumulators before the next wgmma.
