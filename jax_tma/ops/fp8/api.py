@@ -117,19 +117,21 @@ def _canonical_scale(scale, form: _Form, shape, contracting: int, side: str):
     return "block", s
 
 
-def _expand_reference(scale, form: _Form, shape, contracting: int):
-    """The scale expanded to broadcast against the operand (the XLA path), in fp32."""
+def _dequantised(values, scale, form: _Form, contracting: int):
+    """``values * scale`` in fp32 (the XLA path and the gradients), the scale expanded to
+    broadcast against the operand as stored."""
     scale = jnp.asarray(scale, jnp.float32)
-    rows, cols = shape
+    rows, cols = values.shape
     if form.kind == "scalar":
-        return scale.reshape(())
-    if form.kind == "vector":
-        return scale.reshape((rows, 1) if contracting == 1 else (1, cols))
-    s = jnp.swapaxes(scale, 0, 1)                               # [R or Rb, Cb]
-    s = jnp.repeat(s, SCALE_BLOCK, axis=1)[:, :cols]
-    if form.kind == "block":
-        s = jnp.repeat(s, SCALE_BLOCK, axis=0)[:rows]
-    return s
+        s = scale.reshape(())
+    elif form.kind == "vector":
+        s = scale.reshape((rows, 1) if contracting == 1 else (1, cols))
+    else:
+        s = jnp.swapaxes(scale, 0, 1)                           # [R or Rb, Cb]
+        s = jnp.repeat(s, SCALE_BLOCK, axis=1)[:, :cols]
+        if form.kind == "block":
+            s = jnp.repeat(s, SCALE_BLOCK, axis=0)[:rows]
+    return widen_fp8(values) * s
 
 
 # --------------------------------------------------------------------------------------
@@ -171,8 +173,8 @@ def _forward(lhs, rhs, lhs_scale, rhs_scale, bias, dims, out_dtype, config, has_
     a_view = _canonical_scale(lhs_scale, lform, lhs.shape, lc, "a")
     b_view = _canonical_scale(rhs_scale, rform, rhs.shape, rc, "b")
     if a_view is None or b_view is None:  # scales the kernel cannot take: XLA
-        a32 = widen_fp8(lhs) * _expand_reference(lhs_scale, lform, lhs.shape, lc)
-        b32 = widen_fp8(rhs) * _expand_reference(rhs_scale, rform, rhs.shape, rc)
+        a32 = _dequantised(lhs, lhs_scale, lform, lc)
+        b32 = _dequantised(rhs, rhs_scale, rform, rc)
         out = lax.dot_general(a32, b32, (((lc,), (rc,)), ((), ())),
                               precision=lax.Precision.HIGHEST,
                               preferred_element_type=jnp.float32)
@@ -218,8 +220,8 @@ def _fp8_dot_bwd(dims, out_dtype, config, has_bias, promote, saved, ct):
     bf16 = jnp.bfloat16
     lform = _classify(jnp.shape(lhs_scale), lhs.shape, lc, "lhs")
     rform = _classify(jnp.shape(rhs_scale), rhs.shape, rc, "rhs")
-    lhs_deq = widen_fp8(lhs) * _expand_reference(lhs_scale, lform, lhs.shape, lc)
-    rhs_deq = widen_fp8(rhs) * _expand_reference(rhs_scale, rform, rhs.shape, rc)
+    lhs_deq = _dequantised(lhs, lhs_scale, lform, lc)
+    rhs_deq = _dequantised(rhs, rhs_scale, rform, rc)
     lhs_deq, rhs_deq = lhs_deq.astype(bf16), rhs_deq.astype(bf16)
     g = ct.astype(bf16)  # [M, N]
     # d lhs[.., K..]: g [M, N] with rhs over N; laid out as lhs is stored.

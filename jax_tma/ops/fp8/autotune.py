@@ -38,7 +38,7 @@ from jax_tma._core.tuning_cache import entries, store
 from jax_tma.ops.fp8 import primitive as fp8
 from jax_tma.ops.fp8.primitive import fp8_dot_p
 from jax_tma.ops.fp8.tuned import Product, config_or_none, lookup
-from jax_tma.ops.gemm.autotune import TuneResult, enabled
+from jax_tma.ops.gemm.autotune import TuneResult, check_max_candidates, enabled
 
 
 # Set while fp8_autotune traces the user's call to find the kernel's product: its own settings
@@ -73,11 +73,7 @@ def fp8_autotune(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any, dimension_n
     values). ``max_candidates`` times only the heuristic's first ones (None: all). A key already
     cached is returned without timing unless ``force``. Raises RuntimeError where the kernels
     cannot run here and ValueError for a call the kernel does not compute (it runs on XLA)."""
-    if max_candidates is not None and (isinstance(max_candidates, bool)
-                                       or not isinstance(max_candidates, int)
-                                       or max_candidates < 1):
-        raise ValueError(f"jax_tma.fp8_autotune: max_candidates must be a positive int or None, "
-                         f"got {max_candidates!r}")
+    check_max_candidates(max_candidates, "jax_tma.fp8_autotune")
     status = _ext.kernel_status()
     if not status.available:
         raise RuntimeError(f"jax_tma.fp8_autotune: the kernels cannot run here ({status.reason})")

@@ -101,8 +101,8 @@ def _kernel_call(a, b, *rest, has_sa, has_sb, row_scale, col_scale, has_bias, ou
     m, k = a.shape
     n = b.shape[0]
     out_dtype = jnp.dtype(out_dtype)
-    cfg = config if config is not None else tuned.config_for(tuned.Product.of(
-        (a, b), dict(out_dtype=out_dtype, promote=promote, has_sa=has_sa, has_sb=has_sb)))
+    cfg = config if config is not None else tuned.config_for(
+        tuned.Product(m, n, k, a.dtype, out_dtype, promote, has_sa or has_sb))
     a = _pad_to(a, 1, _K_MULTIPLE)
     b = _pad_to(_pad_to(b, 1, _K_MULTIPLE), 0, _N_MULTIPLE)
     n_pad = b.shape[0]

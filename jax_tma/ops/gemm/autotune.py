@@ -56,6 +56,13 @@ def candidates(plan: GemmPlan, out_dtype, limit: int | None = None) -> list[Gemm
     return ranked_for(plan, out_dtype)[:limit]
 
 
+def check_max_candidates(value, op: str) -> None:
+    """A tuner's max_candidates: a positive int or None, else a ValueError naming `op`."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or value < 1):
+        raise ValueError(f"{op}: max_candidates must be a positive int or None, got {value!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class TuneResult:
     key: str
@@ -91,11 +98,7 @@ def autotune(lhs: Any, rhs: Any, dimension_numbers=None, *, preferred_element_ty
     already cached is returned without timing unless ``force``. Raises RuntimeError where the
     kernels cannot run here and ValueError for a product the kernel does not compute (it runs on
     XLA: nothing to tune)."""
-    if max_candidates is not None and (isinstance(max_candidates, bool)
-                                       or not isinstance(max_candidates, int)
-                                       or max_candidates < 1):
-        raise ValueError(f"jax_tma.autotune: max_candidates must be a positive int or None, got "
-                         f"{max_candidates!r}")
+    check_max_candidates(max_candidates, "jax_tma.autotune")
     if dimension_numbers is None:
         if len(lhs.shape) != 2 or len(rhs.shape) != 2:
             raise ValueError(f"jax_tma.autotune: without dimension_numbers lhs and rhs must be "
