@@ -44,15 +44,20 @@ def _macro(head: str, rows: list[str]) -> list[str]:
     return [line.ljust(width) + "\\" for line in lines[:-1]] + [lines[-1]]
 
 
-def _kernel_family(name: str, title: str, entries, note: str | None, inner: str,
-                   rows: list[str]) -> list[str]:
-    """A family's why-table, its NOTE, JAX_TMA_SM90_<name>_TILES(X, ARG) over the tiles,
-    JAX_TMA_SM90_<name>_<inner>(X, TILE) over `rows` and JAX_TMA_SM90_<name>_KERNELS(X), the
-    two crossed."""
+def _tile_list(name: str, title: str, entries, note: str | None = None) -> list[str]:
+    """A tile list's why-table, its NOTE and JAX_TMA_SM90_<name>_TILES(X, ARG) over the tiles."""
     out = _why_table(title, entries)
     if note is not None:
         out += _comment(note, first="NOTE: ")
-    out += _macro(f"JAX_TMA_SM90_{name}_TILES(X, ARG)", [f"X(ARG, {e.tile.cxx})" for e in entries])
+    return out + _macro(f"JAX_TMA_SM90_{name}_TILES(X, ARG)",
+                        [f"X(ARG, {e.tile.cxx})" for e in entries])
+
+
+def _kernel_family(name: str, title: str, entries, note: str | None, inner: str,
+                   rows: list[str]) -> list[str]:
+    """A family's tile list (_tile_list), JAX_TMA_SM90_<name>_<inner>(X, TILE) over `rows` and
+    JAX_TMA_SM90_<name>_KERNELS(X), the two crossed."""
+    out = _tile_list(name, title, entries, note)
     out += _macro(f"JAX_TMA_SM90_{name}_{inner}(X, TILE)", rows)
     return out + [f"#define JAX_TMA_SM90_{name}_KERNELS(X) "
                   f"JAX_TMA_SM90_{name}_TILES(JAX_TMA_SM90_{name}_{inner}, X)", ""]
@@ -105,14 +110,9 @@ def header() -> str:
     out += ["", "}  // namespace jax_tma::sm90_gemm", ""]
 
     # GEMM: X(tile, layout) for every pair.
-    out += _why_table("GEMM tiles (jax_tma.COMPILED_CONFIGS and the direct-store variants):",
-                      tiles.GEMM_TILES)
-    out += _macro("JAX_TMA_SM90_GEMM_TILES(X, ARG)",
-                  [f"X(ARG, {e.tile.cxx})" for e in tiles.GEMM_TILES])
-    out += _macro("JAX_TMA_SM90_GEMM_LAYOUTS(X, TILE)",
-                  [f"X(TILE, {layout})" for layout in tiles.GEMM_LAYOUTS])
-    out += ["#define JAX_TMA_SM90_GEMM_KERNELS(X) "
-            "JAX_TMA_SM90_GEMM_TILES(JAX_TMA_SM90_GEMM_LAYOUTS, X)", ""]
+    out += _kernel_family(
+        "GEMM", "GEMM tiles (jax_tma.COMPILED_CONFIGS and the direct-store variants):",
+        tiles.GEMM_TILES, None, "LAYOUTS", [f"X(TILE, {layout})" for layout in tiles.GEMM_LAYOUTS])
 
     # Ragged: X(tile, layout, mode); gated ragged: X(tile, LayoutNN, fusion); gated ragged
     # gradient: X(tile, LayoutNT, fusion).
@@ -162,19 +162,13 @@ def header() -> str:
     out.append("")
 
     # FP8: X(ARG, tile), promoted and fast; the instantiation files fix the types.
-    out += _why_table("FP8 tiles (jax_tma.FP8_CONFIGS):", tiles.FP8_TILES)
-    out += _macro("JAX_TMA_SM90_FP8_TILES(X, ARG)",
-                  [f"X(ARG, {e.tile.cxx})" for e in tiles.FP8_TILES])
-    out += _why_table("FP8 tiles with fast accumulation (the tensor core's, no promotion):",
-                      tiles.FP8_FAST_TILES)
-    out += _macro("JAX_TMA_SM90_FP8_FAST_TILES(X, ARG)",
-                  [f"X(ARG, {e.tile.cxx})" for e in tiles.FP8_FAST_TILES])
+    out += _tile_list("FP8", "FP8 tiles (jax_tma.FP8_CONFIGS):", tiles.FP8_TILES)
+    out += _tile_list("FP8_FAST", "FP8 tiles with fast accumulation (the tensor core's, no "
+                      "promotion):", tiles.FP8_FAST_TILES)
 
     # FP8 ragged: X(ARG, tile), promoted; the instantiation file fixes the types.
-    out += _why_table("FP8 ragged tiles (fp8_ragged_dot's configs):", tiles.FP8_RAGGED_TILES)
-    out += _comment(tiles.FP8_RAGGED_NOTE, first="NOTE: ")
-    out += _macro("JAX_TMA_SM90_FP8_RAGGED_TILES(X, ARG)",
-                  [f"X(ARG, {e.tile.cxx})" for e in tiles.FP8_RAGGED_TILES])
+    out += _tile_list("FP8_RAGGED", "FP8 ragged tiles (fp8_ragged_dot's configs):",
+                      tiles.FP8_RAGGED_TILES, tiles.FP8_RAGGED_NOTE)
     return "\n".join(out).rstrip("\n") + "\n"
 
 
