@@ -230,6 +230,15 @@ struct MainloopSm90TmaWgmma {
     ptx::wgmma_commit_group();
   }
 
+  // Consumer: wait until slice `kb` of `k_blocks` is in its stage; once the tile's last is,
+  // run the caller's `waited` hook (the epilogue's: the tile's stages are all full).
+  template <class Waited>
+  __device__ static void wait_slice(Pipeline& pipeline, const State& s, int kb, int k_blocks,
+                                    Waited& waited) {
+    pipeline.consumer_wait(s);
+    if (kb == k_blocks - 1) waited();
+  }
+
   // Every lane of a consumer warp: this warp is done reading the stage.
   __device__ static void release(Pipeline& pipeline, const State& s) {
     if constexpr (kClusterM == 1) {
@@ -254,16 +263,14 @@ struct MainloopSm90TmaWgmma {
                              int a_block, const TileOrigin& /*at*/, int k_blocks,
                              float (&acc)[kAccRegs], Waited&& waited, Midway&& midway,
                              const Params& = {}) {
-    pipeline.consumer_wait(read);
-    if (k_blocks == 1) waited();
+    wait_slice(pipeline, read, 0, k_blocks, waited);
     ptx::wgmma_fence_operands(acc);
     issue(smem, read.index, a_block, acc, true);
     State in_flight = read;
     ++read;
 #pragma unroll 1
     for (int kb = 1; kb < k_blocks; ++kb) {
-      pipeline.consumer_wait(read);
-      if (kb == k_blocks - 1) waited();
+      wait_slice(pipeline, read, kb, k_blocks, waited);
       issue(smem, read.index, a_block, acc, false);
       if (kb >= kMidwaySlice) midway(kb);
       ptx::wgmma_wait_group<1>();
@@ -283,8 +290,7 @@ struct MainloopSm90TmaWgmma {
     if (k_blocks == 0) waited();
 #pragma unroll 1
     for (int kb = 0; kb < k_blocks; ++kb) {
-      pipeline.consumer_wait(read);
-      if (kb == k_blocks - 1) waited();
+      wait_slice(pipeline, read, kb, k_blocks, waited);
       release(pipeline, read);
       ++read;
     }

@@ -329,8 +329,7 @@ struct MainloopSm90Fp8 {
     SliceScales s0, s1;
     // Waits for slice kb's stage and issues its group into `d` (reading its scales into `s`).
     const auto start = [&](float (&d)[kPartRegs], SliceScales& s, int kb) {
-      pipeline.consumer_wait(read);
-      if (kb == k_blocks - 1) waited();
+      Operands::wait_slice(pipeline, read, kb, k_blocks, waited);
       s = slice_scales(smem.scales[read.index], at);
       ptx::wgmma_fence();
       issue(smem, read.index, a_block, 0, d, false);
@@ -405,16 +404,14 @@ struct MainloopSm90Fp8 {
       }
       ptx::wgmma_commit_group();
     };
-    pipeline.consumer_wait(read);
-    if (k_blocks == 1) waited();
+    Operands::wait_slice(pipeline, read, 0, k_blocks, waited);
     SliceScales s = slice_scales(smem.scales[read.index], at);
     issue_slice(read.index);
     State in_flight = read;
     ++read;
 #pragma unroll 1
     for (int kb = 1; kb < k_blocks; ++kb) {
-      pipeline.consumer_wait(read);
-      if (kb == k_blocks - 1) waited();
+      Operands::wait_slice(pipeline, read, kb, k_blocks, waited);
       const SliceScales next = slice_scales(smem.scales[read.index], at);
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(d);
@@ -442,8 +439,7 @@ struct MainloopSm90Fp8 {
                                            Waited&& waited) {
 #pragma unroll 1
     for (int kb = 0; kb < k_blocks; ++kb) {
-      pipeline.consumer_wait(read);
-      if (kb == k_blocks - 1) waited();
+      Operands::wait_slice(pipeline, read, kb, k_blocks, waited);
       const SliceScales s = slice_scales(smem.scales[read.index], at);
 #pragma unroll
       for (int p = 0; p < kParts; ++p) {
@@ -470,8 +466,7 @@ struct MainloopSm90Fp8 {
     State in_flight = read;
 #pragma unroll 1
     for (int kb = 0; kb < k_blocks; ++kb) {
-      pipeline.consumer_wait(read);
-      if (kb == k_blocks - 1) waited();
+      Operands::wait_slice(pipeline, read, kb, k_blocks, waited);
       ptx::wgmma_fence();
 #pragma unroll
       for (int p = 0; p < kParts; ++p) issue(smem, read.index, a_block, p, part(acc, p), kb > 0);
