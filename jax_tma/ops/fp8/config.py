@@ -57,9 +57,9 @@ FP8_FAST_CONFIGS: tuple[Fp8Config, ...] = tuple(Fp8Config(*t) for t in _FAST_TIL
 # 8192^3 on an H200 (bench_fp8.py --sweep, per-tensor; docs/notebook/2026-11-29-fp8-cross.md).
 _TILE_EFFICIENCY = {(128, 256): 0.66, (128, 192): 0.725, (128, 144): 0.61, (128, 128): 0.61,
                     (64, 128): 0.52}
-_FAST_EFFICIENCY = {(128, 256): 0.80, (128, 128): 0.75}
+_FAST_EFFICIENCY = {(128, 256): 0.80, (128, 192): 0.775, (128, 128): 0.75}
 # A compiled tile without a rate is selectable with config=, timed by bench_fp8.py --sweep and
-# fp8_autotune, but not a heuristic candidate until it is measured: the fast 128 x 192 pairs.
+# fp8_autotune, but not a heuristic candidate until it is measured.
 _PEAK_FLOPS = 1.979e15
 
 
@@ -133,17 +133,11 @@ def check_ragged_config(config: Fp8Config) -> Fp8Config:
                          split_k=1)
 
 
-# Compiled FP8 ragged tiles the ragged heuristic leaves out until they are measured grouped
-# (config= selects them).
-_RAGGED_UNMEASURED = {(128, 192)}
-
-
 def default_ragged_config(rows: int, n: int, k: int, groups: int,
                           num_sms: int | None = None) -> Fp8Config:
     """The compiled FP8 ragged tile with the least estimated time, groups assumed of equal size:
     the dense FP8 model (estimate_seconds) over the row blocks the groups round up to (each
-    group's last block is whole work for a partial one); ties go to the larger tile. Tiles in
-    _RAGGED_UNMEASURED are not candidates."""
+    group's last block is whole work for a partial one); ties go to the larger tile."""
     num_sms = device.num_sms() if num_sms is None else num_sms
     per_group = max(1, -(-rows // groups))
 
@@ -152,6 +146,5 @@ def default_ragged_config(rows: int, n: int, k: int, groups: int,
         return estimate_seconds(cfg, blocks * cfg.block_m, n, k, num_sms,
                                 device.dram_bytes_per_s())
 
-    return fastest((c for c in FP8_RAGGED_CONFIGS if cluster_fits(c.block_m, c.cluster_m, rows)
-                    and c.tile[:2] not in _RAGGED_UNMEASURED),
+    return fastest((c for c in FP8_RAGGED_CONFIGS if cluster_fits(c.block_m, c.cluster_m, rows)),
                    seconds, lambda cfg: (-cfg.block_m * cfg.block_n, -cfg.cluster_m), digits=8)

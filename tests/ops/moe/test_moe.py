@@ -476,6 +476,7 @@ def test_gpu_bf16_step_runs_kernel(rng):
 # leaves room for that, not for a misplaced block or scale (errors of order 1) nor for a
 # gradient off by a fifth.
 FP8_TOL = 0.1
+EP_FP8_TOL = 3e-3
 
 
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
@@ -527,8 +528,10 @@ def test_fp8_expert_parallel_matches_one_device(rng):
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 128, 256, 8, 128, top_k=2)
     kw = dict(top_k=2, dtype=jnp.float32, implementation="jax_tma_fp8")
     # One CPU device against the CPU mesh: the same XLA products on either side (on a GPU the
-    # one-device layer would run the FP8 kernels, whose fp32 sums in another order can flip
-    # the FP8 rounding of the hidden activations).
+    # one-device layer would run the FP8 kernels). Each side quantises the hidden activations
+    # after fp32 sums in its own order, so a few land on the other side of an e4m3 rounding
+    # step (1.3e-4 in the output with jax 0.11.2's CPU backend): EP_FP8_TOL is a thirtieth of
+    # FP8_TOL, the bound on the FP8 products' own error, and far under a misrouted row.
     def one():
         return jax.default_device(jax.devices("cpu")[0])
 
@@ -537,8 +540,7 @@ def test_fp8_expert_parallel_matches_one_device(rng):
     with jax.set_mesh(_cpu_mesh((4,), ("ep",))):
         got, _ = jax.jit(lambda *a: jax_tma.moe_mlp(*a, expert_axis="ep", **kw))(
             x, router, w_up, w_down, w_gate)
-    # The same rows quantised alike on either side: only summation order differs.
-    assert rel_error(_host(got)[0], want) <= 1e-5
+    assert rel_error(_host(got)[0], want) <= EP_FP8_TOL
     args = (x, router, w_up, w_down, w_gate)
     ct = rng.standard_normal(x.shape).astype(F32)
 
@@ -550,7 +552,7 @@ def test_fp8_expert_parallel_matches_one_device(rng):
     with jax.set_mesh(_cpu_mesh((4,), ("ep",))):
         got_grads = jax.jit(jax.grad(functools.partial(loss, expert_axis="ep"), range(5)))(*args)
     for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), got_grads, want_grads):
-        assert rel_error(_host(g)[0], w) <= 1e-4, name
+        assert rel_error(_host(g)[0], w) <= EP_FP8_TOL, name
 
 
 @needs_extension
