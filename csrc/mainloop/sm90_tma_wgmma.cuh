@@ -230,12 +230,13 @@ struct MainloopSm90TmaWgmma {
     ptx::wgmma_commit_group();
   }
 
-  // Consumer: wait until slice `kb` of `k_blocks` is in its stage; once the tile's last is,
-  // run the caller's `waited` hook (the epilogue's: the tile's stages are all full).
+  // Consumer: wait until slice `kb` of `k_blocks` is in its stage (unless an earlier
+  // consumer_probe found it `full`); once the tile's last is, run the caller's `waited` hook
+  // (the epilogue's: the tile's stages are all full).
   template <class Waited>
   __device__ static void wait_slice(Pipeline& pipeline, const State& s, int kb, int k_blocks,
-                                    Waited& waited) {
-    pipeline.consumer_wait(s);
+                                    Waited& waited, bool full = false) {
+    if (!full) pipeline.consumer_wait(s);
     if (kb == k_blocks - 1) waited();
   }
 

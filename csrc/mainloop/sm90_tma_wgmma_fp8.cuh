@@ -382,11 +382,14 @@ struct MainloopSm90Fp8 {
   }
 
   // Tiles of one group of up to 192 columns (cuBLAS's promoting FP8 kernel has this shape: one
-  // group of 64 x 144 per warpgroup and slice, retired before it is promoted). Per slice: wait
-  // for the next stage and read its scales while the group in flight runs, retire that group,
-  // release its stage, promote it, issue the next. What lies between a group's retirement and
-  // the next issue (the promotion and nothing else) is what the other warpgroup's group must
-  // cover for the tensor core to stay busy.
+  // group of 64 x 144 per warpgroup and slice, retired before it is promoted). Per slice: look
+  // whether the next stage is full (consumer_probe) while the group in flight runs, retire that
+  // group, release its stage, promote it, wait for the next stage only if the look found it
+  // empty, read its scales, issue its group. What lies between a group's retirement and the
+  // next issue is what the other warpgroup's group must cover for the tensor core to stay
+  // busy. NOTE: waiting for the next stage before the retire (a blocking wait there) held each
+  // stage's release and promotion back until the next stage arrived: under ncu (8192^3, H200)
+  // that wait took 17 % of the consumers' stall samples against 2 % for cuBLAS's probe.
   template <class Waited>
   __device__ static void promoted_cross(Pipeline& pipeline, State& read, SharedStorage& smem,
                                         int a_block, const SliceReads& at, int split,
@@ -411,13 +414,13 @@ struct MainloopSm90Fp8 {
     ++read;
 #pragma unroll 1
     for (int kb = 1; kb < k_blocks; ++kb) {
-      Operands::wait_slice(pipeline, read, kb, k_blocks, waited);
-      const SliceScales next = slice_scales(smem.scales[read.index], at);
+      const bool full = pipeline.consumer_probe(read);
       ptx::wgmma_wait_group<0>();
       ptx::wgmma_fence_operands(d);
       Operands::release(pipeline, in_flight);
       promote(acc, 0, d, s, split);
-      s = next;
+      Operands::wait_slice(pipeline, read, kb, k_blocks, waited, full);
+      s = slice_scales(smem.scales[read.index], at);
       issue_slice(read.index);
       in_flight = read;
       ++read;

@@ -70,6 +70,12 @@ struct BarrierRing {
     wait_parity(&storage.full[s.index], s.phase, "full barrier (consumer_wait)",
                 static_cast<int>(s.index));
   }
+  // Consumer: one look at whether the stage holds its data (acquiring it if so). Issued early
+  // and its answer used late (consumer_wait only where it was false), the look's latency runs
+  // alongside the work in between.
+  __device__ bool consumer_probe(const State& s) {
+    return ptx::mbarrier_try_wait_parity(&storage.full[s.index], s.phase);
+  }
   __device__ bool consumer_wait_bounded(const State& s, uint64_t max_cycles) {
     return wait_parity_bounded(&storage.full[s.index], s.phase, max_cycles);
   }

@@ -369,6 +369,26 @@ def test_fp8_kernels(kernels):
     assert {_tile(n)[1] for n in cross} == {144, 192}
     for name, body in cross.items():
         assert not re.search(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x1", body), name
+        assert _probes_before_retire(body), name
+
+
+def _probes_before_retire(body: str) -> bool:
+    """Whether a stage-full probe (TRYWAIT into a predicate) is issued before a retire
+    (WARPGROUP.DEPBAR) and its predicate first read after it: the cross schedule looks at the
+    next stage early and waits for it only after the retire and promotion
+    (mainloop/sm90_tma_wgmma_fp8.cuh)."""
+    lines = body.splitlines()
+    for i, line in enumerate(lines):
+        probe = re.search(r"SYNCS\.PHASECHK\.TRANS64\.TRYWAIT (P\d),", line)
+        if not probe:
+            continue
+        read = re.compile(rf"@!?{probe.group(1)}\b|\b{probe.group(1)}\b.*\bBRA\b")
+        for later in lines[i + 1:]:
+            if re.search(r"WARPGROUP\.DEPBAR\.LE", later):
+                return True
+            if read.search(later):
+                break
+    return False
 
 
 def test_fp8_ragged_kernels(kernels):
@@ -388,3 +408,5 @@ def test_fp8_ragged_kernels(kernels):
         assert re.search(r"\bUTMACCTL\.IV\b", body), f"no tensormap acquire in {name}"
         assert len(re.findall(r"\bFFMA\b", body)) >= part // 2, name
         assert not re.search(r"\b(LDL|STL)\b", body), f"local memory traffic in {name}"
+        if 128 < width <= 192:
+            assert _probes_before_retire(body), name
