@@ -22,13 +22,17 @@ apart, in GB/s. DeepGEMM's published block-scaled figures (H800 SXM5) stand besi
     python benchmarks/bench_fp8.py --sweep --shapes 8192,8192,8192   # every compiled tile
 
 Before timing, jax_tma's block-scaled result is compared with XLA's dequantised product.
-Writes bench_fp8.json, .md and .png under benchmarks/results/<device>/.
+Writes bench_fp8.json, .md and .png under benchmarks/results/<device>/ after every shape (a run
+cut short keeps what it measured; its JSON's "complete" is false). --resume FILE.json continues
+such a run: the shapes it holds are taken from it, the rest are timed, and the report covers
+both; it must come from the same device, driver, jax, commit and options.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
 import pathlib
 import sys
@@ -44,7 +48,8 @@ from jax_tma.ops.fp8 import config as fp8_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _lib.harness import chosen_shapes, harness_arguments  # noqa: E402
-from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
+from _lib.report import (banner, environment, pyplot, save_figure, write_progress,  # noqa: E402
+                         write_report)
 
 # DeepGEMM's published block-scaled TFLOP/s (H800 SXM5, 1x128 / 128x128 scales) for M x N x K.
 DEEPGEMM_NK = ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168),
@@ -276,15 +281,36 @@ def main(argv=None) -> int:
                    help="time per-tensor and block-scaled products on every compiled tile instead")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--shapes", nargs="*", metavar="M,N,K")
+    p.add_argument("--resume", type=pathlib.Path, metavar="FILE.json",
+                   help="continue the unfinished run whose report this is")
     harness_arguments(p)
     args = p.parse_args(argv)
+    if args.resume is not None and args.sweep:
+        p.error("--resume continues a bench_fp8 report, not a --sweep")
     shapes = chosen_shapes(p, args, SHAPES, SHAPES[:2], DRY_RUN)
     env = environment(args.commit)
     print(banner(env, "e4m3"))
     rows = []
+    if args.resume is not None:
+        try:
+            rows = resumed_rows(json.loads(args.resume.read_text()), env, args, shapes)
+        except (OSError, ValueError) as err:
+            p.error(f"--resume {args.resume}: {err}")
+    done = {r.shape for r in rows}
     for i, shape in enumerate(shapes):
+        if shape in done:
+            continue
         print(f"[{i + 1}/{len(shapes)}] {'x'.join(map(str, shape))}", file=sys.stderr, flush=True)
-        rows += sweep(shape, args) if args.sweep else bench(shape, args)
+        if args.sweep:
+            rows += sweep(shape, args)
+            continue
+        rows += bench(shape, args)
+        done.add(shape)
+        if not args.dry_run or args.out is not None:
+            rows = sorted(rows, key=lambda r: shapes.index(r.shape))
+            write_progress(args.out, env, "bench_fp8", _payload(rows, env, args),
+                           _table(rows, env), lambda path: _plot(rows, path, _title(env)),
+                           len(done), len(shapes), "shapes")
     if args.sweep:
         if args.out is not None:
             payload = {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]}
@@ -292,15 +318,45 @@ def main(argv=None) -> int:
                 f"{'x'.join(map(str, r.shape))} {r.contender}: {r.seconds * 1e6:.1f} us, "
                 f"{r.tflops():.1f} TFLOP/s" for r in rows), lambda path: False)
         return 0
-    table = _table(rows, env)
-    print(table)
-    if args.dry_run and args.out is None:
-        return 0
-    payload = {"environment": env, "dry_run": args.dry_run,
-               "rows": [dict(dataclasses.asdict(r), tflops=r.tflops()) for r in rows]}
-    write_report(args.out, env, "bench_fp8", payload, table,
-                 lambda path: _plot(rows, path, f"FP8 GEMM (e4m3, bf16 out), {env['device']}"))
+    print(_table(rows, env))
     return 0
+
+
+# What a resumed run must share with the run it continues.
+_SAME_RUN = ("device", "driver", "jax", "jaxlib", "commit", "timing", "jax_tma_kernel")
+
+
+def _payload(rows: list[Row], env: dict, args) -> dict:
+    return {"environment": env, "dry_run": args.dry_run,
+            "options": {"sets": args.sets, "rounds": args.rounds,
+                        "iterations": args.iterations, "seed": args.seed},
+            "rows": [dict(dataclasses.asdict(r), tflops=r.tflops()) for r in rows]}
+
+
+def _title(env: dict) -> str:
+    return f"FP8 GEMM (e4m3, bf16 out), {env['device']}"
+
+
+def resumed_rows(report: dict, env: dict, args, shapes: list) -> list[Row]:
+    """The rows of `report` (an unfinished bench_fp8 report) that this run takes over: a
+    ValueError where the report comes from another device, driver, jax or commit, other timing
+    options, or holds shapes this run does not time."""
+    if not {"environment", "rows", "options"} <= report.keys():
+        raise ValueError("not a bench_fp8 report")
+    differ = [key for key in _SAME_RUN if report["environment"].get(key) != env.get(key)]
+    if differ:
+        raise ValueError("another run's report: its " + ", ".join(
+            f"{key} {report['environment'].get(key)!r} (this run: {env.get(key)!r})"
+            for key in differ))
+    options = _payload([], env, args)["options"]
+    if report["options"] != options or report.get("dry_run") != args.dry_run:
+        raise ValueError(f"other options: {report['options']} (this run: {options})")
+    rows = [Row(tuple(r["shape"]), r["contender"], r["seconds"], r["spread_s"], r["note"])
+            for r in report["rows"]]
+    extra = sorted({r.shape for r in rows} - set(shapes))
+    if extra:
+        raise ValueError(f"shapes this run does not time: {extra}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -905,6 +905,35 @@ def test_bench_fp8_dry_run(tmp_path):
     assert all(r["seconds"] > 0 for r in report["rows"])
 
 
+def test_bench_fp8_resume_takes_over_the_measured_shapes(tmp_path):
+    """A run cut short after its first shape, resumed: that shape's rows come from the earlier
+    report (a marked time shows they are not re-measured), the second is timed, the report is
+    whole. A report of another commit, or of other options, is refused."""
+    first = tmp_path / "first"
+    assert _run("bench_fp8.py", "--out", str(first), "--commit", "0123abc").returncode == 0
+    report = _written(first, "bench_fp8")
+    assert report["complete"]
+    kept = [r for r in report["rows"] if r["shape"] == [64, 256, 256]]
+    for r in kept:
+        r["seconds"] = 123.0
+    cut = tmp_path / "cut.json"
+    cut.write_text(json.dumps({**report, "rows": kept, "complete": False}))
+    second = tmp_path / "second"
+    result = _run("bench_fp8.py", "--out", str(second), "--commit", "0123abc", "--resume",
+                  str(cut))
+    assert result.returncode == 0, result.stderr
+    resumed = _written(second, "bench_fp8")
+    assert resumed["complete"] and len(resumed["rows"]) == len(report["rows"])
+    assert {r["seconds"] for r in resumed["rows"] if r["shape"] == [64, 256, 256]} == {123.0}
+    assert all(r["seconds"] < 1.0 for r in resumed["rows"] if r["shape"] == [8, 136, 200])
+    assert "[1/2]" not in result.stderr and "[2/2]" in result.stderr
+    other = _run("bench_fp8.py", "--commit", "fedcba9", "--resume", str(cut))
+    assert other.returncode == 2 and "another run's report: its commit '0123abc'" in other.stderr
+    sets = _script("bench_fp8.py", "--dry-run", "--commit", "0123abc", "--sets", "3",
+                     "--resume", str(cut))
+    assert sets.returncode == 2 and "other options" in sets.stderr
+
+
 def test_bench_fp8_rejects_bad_shapes():
     result = _script("bench_fp8.py", "--shapes", "4,4")
     assert result.returncode == 2 and "--shapes takes M,N,K of positive ints" in result.stderr
