@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include "contract/sm90_fp8_ragged_dot.h"
+#include "kernels/sm90_fp8.cuh"
 #include "kernels/sm90_ragged_dot.cuh"
 #include "mainloop/sm90_tma_wgmma_fp8.cuh"
 
@@ -34,18 +35,10 @@ cudaError_t launch_fp8_ragged(const LaunchArgs& args, const RaggedArgs& ragged,
   if (err != cudaSuccess) return err;
   const typename K::Problem::Params params{
       K::Scheduler::make_params(ws.table, segments, args.shape.n, args.shape.k), ws.maps};
-  // Per-tensor scales only: a row vector would be indexed by the segment's rows.
+  // Per-tensor scales only (a row vector would be indexed by the segment's rows): promoted, so
+  // the mainloop applies them.
   FusedParams fused{};
-  fused.args.bias_type = VectorType::kF32;
-  fused.args.row_scale = fp8.row_scale;
-  fused.args.col_scale = fp8.col_scale;
-  fused.args.row_scale_scalar = true;
-  fused.args.col_scale_scalar = true;
-  typename K::Mainloop::Params scales{};
-  if (fp8.scale_a != nullptr) scales.sa = *fp8.scale_a;
-  if (fp8.scale_b != nullptr) scales.sb = *fp8.scale_b;
-  scales.has_sa = fp8.scale_a != nullptr;
-  scales.has_sb = fp8.scale_b != nullptr;
+  const auto scales = fp8_scales<typename K::Mainloop>(fp8, true, fused.args);
   // The work is known only on the device: every resident cluster starts (launch_ragged).
   return launcher.launch(launcher.resident(), args, params,
                          typename K::Partials{nullptr, nullptr}, fused, scales);

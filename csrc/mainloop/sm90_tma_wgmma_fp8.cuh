@@ -141,12 +141,16 @@ struct MainloopSm90Fp8 {
   // The scales' tensor maps (kernel parameter), fp32, no swizzle, rank 3 {inner, K slice,
   // batch}: A's {M, K / 128, batch} with a box of {kBlockM, 1, 1}, B's {N / 128, K / 128,
   // batch} with a box of {kBScaleBox, 1, 1}. An operand without block scales (has_sa or has_sb
-  // false: its scales, if any, are the epilogue's) loads none and reads 1.
+  // false) loads none and reads its per-tensor scale instead (tensor_sa, tensor_sb: one fp32
+  // in global memory, read once per tile; promoted only, as the promotion multiplies anyway
+  // and the epilogue is then spared a pass over the block), or 1 (no scale, or the epilogue's).
   struct Params {
     CUtensorMap sa;
     CUtensorMap sb;
     bool has_sa;
     bool has_sb;
+    const float* tensor_sa;
+    const float* tensor_sb;
   };
 
   // One thread, before the kernel's fence_mbarrier_init: barriers of the mainloop's own (none).
@@ -236,10 +240,12 @@ struct MainloopSm90Fp8 {
   }
 
   // Where this thread reads a slice's scales: its first row of A's (the second is row + 8),
-  // the tile's first block in B's box, and which operands have block scales.
+  // the tile's first block in B's box, which operands have block scales, and the scale of
+  // those that have not.
   struct SliceReads {
     int row, sb0;
     bool has_sa, has_sb;
+    float tensor_sa, tensor_sb;
   };
   // One K slice's scales for this thread: A's of its two rows, B's of each block the tile spans.
   struct SliceScales {
@@ -248,11 +254,12 @@ struct MainloopSm90Fp8 {
   };
   __device__ static SliceScales slice_scales(const StageScales& scales, const SliceReads& at) {
     SliceScales s;
-    s.a0 = at.has_sa ? ptx::ld_shared_f32(ptx::smem_u32(scales.a + at.row)) : 1.0f;
-    s.a1 = at.has_sa ? ptx::ld_shared_f32(ptx::smem_u32(scales.a + at.row + 8)) : 1.0f;
+    s.a0 = at.has_sa ? ptx::ld_shared_f32(ptx::smem_u32(scales.a + at.row)) : at.tensor_sa;
+    s.a1 = at.has_sa ? ptx::ld_shared_f32(ptx::smem_u32(scales.a + at.row + 8)) : at.tensor_sa;
 #pragma unroll
     for (int i = 0; i < kScaleBlocks; ++i) {
-      s.b[i] = at.has_sb ? ptx::ld_shared_f32(ptx::smem_u32(scales.b + at.sb0 + i)) : 1.0f;
+      s.b[i] = at.has_sb ? ptx::ld_shared_f32(ptx::smem_u32(scales.b + at.sb0 + i))
+                         : at.tensor_sb;
     }
     return s;
   }
@@ -300,7 +307,9 @@ struct MainloopSm90Fp8 {
     // This thread's rows of the warpgroup's 64 (accumulator layout: ptx/wgmma.cuh): r, r + 8.
     const int row = a_scale_offset(m0) + a_block * 64 + 16 * ((threadIdx.x / 32) % 4) +
                     (threadIdx.x % 32) / 4;
-    const SliceReads at{row, b_scale_offset(n0), params.has_sa, params.has_sb};
+    const SliceReads at{row, b_scale_offset(n0), params.has_sa, params.has_sb,
+                        params.tensor_sa != nullptr ? __ldg(params.tensor_sa) : 1.0f,
+                        params.tensor_sb != nullptr ? __ldg(params.tensor_sb) : 1.0f};
     // Quads of the tile in its first scale block (all of them where it lies in one).
     const int split = min(kPartQuads, (kScaleBlock - n0 % kScaleBlock) / 8);
 #pragma unroll
