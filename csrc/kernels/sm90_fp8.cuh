@@ -9,9 +9,10 @@
 namespace jax_tma::sm90_gemm {
 
 // The launch's scales split between the FP8 mainloop (`Mainloop`: MainloopSm90Fp8) and the
-// scaled epilogue (`args`): block scales to the mainloop; a per-tensor scale to the mainloop too
-// where it promotes (it multiplies every slice's partial sums anyway); per-row or per-column
-// scales, and per-tensor ones without promotion, to the epilogue; the bias to the epilogue.
+// scaled epilogue (`args`): block scales to the mainloop; a per-tensor scale of an operand
+// without block scales to the mainloop too where it promotes (it multiplies every slice's partial
+// sums anyway); other scales (per-row or per-column, or without promotion) and the bias to the
+// epilogue.
 template <class Mainloop>
 typename Mainloop::Params fp8_scales(const Fp8Launch& fp8, bool promote, FusionArgs& args) {
   typename Mainloop::Params scales{};
@@ -19,8 +20,8 @@ typename Mainloop::Params fp8_scales(const Fp8Launch& fp8, bool promote, FusionA
   if (fp8.scale_b != nullptr) scales.sb = *fp8.scale_b;
   scales.has_sa = fp8.scale_a != nullptr;
   scales.has_sb = fp8.scale_b != nullptr;
-  const bool fold_a = promote && fp8.row_scale != nullptr && fp8.row_scale_scalar;
-  const bool fold_b = promote && fp8.col_scale != nullptr && fp8.col_scale_scalar;
+  const bool fold_a = promote && !scales.has_sa && fp8.row_scale != nullptr && fp8.row_scale_scalar;
+  const bool fold_b = promote && !scales.has_sb && fp8.col_scale != nullptr && fp8.col_scale_scalar;
   scales.tensor_sa = fold_a ? fp8.row_scale : nullptr;
   scales.tensor_sb = fold_b ? fp8.col_scale : nullptr;
   args.bias = fp8.bias;
