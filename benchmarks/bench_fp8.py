@@ -290,13 +290,23 @@ def main(argv=None) -> int:
     shapes = chosen_shapes(p, args, SHAPES, SHAPES[:2], DRY_RUN)
     env = environment(args.commit)
     print(banner(env, "e4m3"))
-    rows = []
+    rows: list[Row] = []
+    resumed: list[Row] = []
     if args.resume is not None:
         try:
-            rows = resumed_rows(json.loads(args.resume.read_text()), env, args, shapes)
-        except (OSError, ValueError) as err:
-            p.error(f"--resume {args.resume}: {err}")
+            resumed = resumed_rows(json.loads(args.resume.read_text()), env, args, shapes)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            p.error(f"--resume {args.resume}: not a readable bench_fp8 report ({err!r})")
+        rows += resumed
     done = {r.shape for r in rows}
+
+    def report() -> None:  # the rows so far, in the suite's order
+        rows.sort(key=lambda r: shapes.index(r.shape))
+        if not args.dry_run or args.out is not None:
+            write_progress(args.out, env, "bench_fp8", _payload(rows, env, args),
+                           _table(rows, env), lambda path: _plot(rows, path, _title(env)),
+                           len(done), len(shapes), "shapes")
+
     for i, shape in enumerate(shapes):
         if shape in done:
             continue
@@ -306,11 +316,9 @@ def main(argv=None) -> int:
             continue
         rows += bench(shape, args)
         done.add(shape)
-        if not args.dry_run or args.out is not None:
-            rows = sorted(rows, key=lambda r: shapes.index(r.shape))
-            write_progress(args.out, env, "bench_fp8", _payload(rows, env, args),
-                           _table(rows, env), lambda path: _plot(rows, path, _title(env)),
-                           len(done), len(shapes), "shapes")
+        report()
+    if not args.sweep and done == {r.shape for r in resumed}:
+        report()  # every shape came from the resumed report: written once, whole
     if args.sweep:
         if args.out is not None:
             payload = {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]}

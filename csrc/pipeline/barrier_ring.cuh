@@ -70,9 +70,11 @@ struct BarrierRing {
     wait_parity(&storage.full[s.index], s.phase, "full barrier (consumer_wait)",
                 static_cast<int>(s.index));
   }
-  // Consumer: one look at whether the stage holds its data (acquiring it if so). Issued early
-  // and its answer used late (consumer_wait only where it was false), the look's latency runs
-  // alongside the work in between.
+  // Consumer: one try_wait on whether the stage holds its data (acquiring it if so). Issued
+  // early and its answer used late (consumer_wait only where it was false), its latency runs
+  // alongside the work in between. NOTE: where the stage is not full yet, try_wait may suspend
+  // the thread for a while before answering false (cuBLAS's promoting FP8 loop probes so, with
+  // SYNCS.PHASECHK.TRANS64.TRYWAIT; mbarrier.test_wait would answer at once).
   __device__ bool consumer_probe(const State& s) {
     return ptx::mbarrier_try_wait_parity(&storage.full[s.index], s.phase);
   }

@@ -927,6 +927,19 @@ def test_bench_fp8_resume_takes_over_the_measured_shapes(tmp_path):
     assert {r["seconds"] for r in resumed["rows"] if r["shape"] == [64, 256, 256]} == {123.0}
     assert all(r["seconds"] < 1.0 for r in resumed["rows"] if r["shape"] == [8, 136, 200])
     assert "[1/2]" not in result.stderr and "[2/2]" in result.stderr
+    # Resuming a whole report times nothing and writes it again, whole.
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps(resumed))
+    third = tmp_path / "third"
+    again = _run("bench_fp8.py", "--out", str(third), "--commit", "0123abc", "--resume",
+                 str(whole))
+    assert again.returncode == 0, again.stderr
+    assert not re.search(r"^\[\d+/\d+\]", again.stderr, re.M), again.stderr  # nothing timed
+    assert _written(third, "bench_fp8")["rows"] == resumed["rows"]
+    broken = tmp_path / "broken.json"
+    broken.write_text("[1, 2]")
+    bad = _run("bench_fp8.py", "--commit", "0123abc", "--resume", str(broken))
+    assert bad.returncode == 2 and "not a readable bench_fp8 report" in bad.stderr
     other = _run("bench_fp8.py", "--commit", "fedcba9", "--resume", str(cut))
     assert other.returncode == 2 and "another run's report: its commit '0123abc'" in other.stderr
     sets = _script("bench_fp8.py", "--dry-run", "--commit", "0123abc", "--sets", "3",

@@ -530,8 +530,9 @@ def test_fp8_expert_parallel_matches_one_device(rng):
     # One CPU device against the CPU mesh: the same XLA products on either side (on a GPU the
     # one-device layer would run the FP8 kernels). Each side quantises the hidden activations
     # after fp32 sums in its own order, so a few land on the other side of an e4m3 rounding
-    # step (1.3e-4 in the output with jax 0.11.2's CPU backend): EP_FP8_TOL is a thirtieth of
-    # FP8_TOL, the bound on the FP8 products' own error, and far under a misrouted row.
+    # step (1.3e-4 in the output with jax 0.11.2's CPU backend; the gradients go through the
+    # same quantised activations): EP_FP8_TOL is a thirtieth of FP8_TOL, the bound on the FP8
+    # products' own error, and far under a misrouted row.
     def one():
         return jax.default_device(jax.devices("cpu")[0])
 
