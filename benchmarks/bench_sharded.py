@@ -25,7 +25,9 @@ Timing: wall clock (a sharded call is done when its slowest device is), each tim
 evaluating --products distinct operand sets inside one jit, median over --repeats with half the
 min-max spread. Speedup = one device's time / this one's. `kernel` says whether jax_tma's
 kernel ran (its custom call in the compiled HLO). Writes bench_sharded.json (rows {op, layout,
-devices, seconds, spread_s, speedup, kernel}), .md and .png under benchmarks/results/<device>/.
+devices, seconds, spread_s, speedup, kernel}), .md and .png under benchmarks/results/<device>/,
+after every case (a run cut short keeps what it measured; the JSON's "complete" says whether
+it finished).
 
     python benchmarks/bench_sharded.py                       # every op, 1 / 2 / 4 GPUs
     python benchmarks/bench_sharded.py --ops matmul fp8 --devices 1 4
@@ -51,7 +53,7 @@ import jax_tma
 from jax_tma import _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
+from _lib.report import banner, environment, pyplot, save_figure, write_progress  # noqa: E402
 
 AX = "x"
 BF16 = jnp.bfloat16
@@ -241,23 +243,23 @@ def main(argv=None) -> int:
     if skipped:
         print(f"only {len(present)} devices: leaving out {skipped}", file=sys.stderr)
     rows = []
-    for case in _cases(DRY_SIZES if args.dry_run else SIZES):
-        if case.op not in args.ops:
-            continue
+    cases = [c for c in _cases(DRY_SIZES if args.dry_run else SIZES) if c.op in args.ops]
+    for i, case in enumerate(cases):
         for count in counts:
             print(f"{case.op} {case.layout} on {count} ...", file=sys.stderr, flush=True)
             rows.append(_run_case(case, present[:count], args))
-    base = {(r["op"], r["layout"]): r["seconds"] for r in rows if r["devices"] == 1}
-    for r in rows:
-        r["speedup"] = base[(r["op"], r["layout"])] / r["seconds"]
-    table = _table(rows, env)
-    print(table)
-    if args.dry_run and args.out is None:
-        return 0
-    write_report(args.out, env, "bench_sharded",
-                 {"environment": env, "dry_run": args.dry_run, "sizes": DRY_SIZES
-                  if args.dry_run else SIZES, "rows": rows},
-                 table, lambda path: _plot(rows, path, f"{env['device']} x {len(present)}"))
+        base = {(r["op"], r["layout"]): r["seconds"] for r in rows if r["devices"] == 1}
+        for r in rows:
+            r["speedup"] = base[(r["op"], r["layout"])] / r["seconds"]
+        # After every case, so that a run cut short keeps what it measured.
+        if not args.dry_run or args.out is not None:
+            write_progress(args.out, env, "bench_sharded",
+                           {"environment": env, "dry_run": args.dry_run, "sizes": DRY_SIZES
+                            if args.dry_run else SIZES, "rows": rows},
+                           _table(rows, env),
+                           lambda path: _plot(rows, path, f"{env['device']} x {len(present)}"),
+                           i + 1, len(cases), "cases")
+    print(_table(rows, env))
     return 0
 
 
