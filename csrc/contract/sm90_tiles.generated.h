@@ -217,7 +217,7 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
 // FP8 tiles (jax_tma.FP8_CONFIGS):
 //   Fp8Tile128x256C2  two 128-wide parts per slice; the fast (precision=DEFAULT) geometry
 //   Fp8Tile128x256    wide N at few rows (64 x 28672 x 4096)
-//   Fp8Tile128x192C2  large products: one 192-wide group per slice (cross schedule); the wave count of 4096 x 2112 x 7168 (11 x 192 = 2112 columns)
+//   Fp8Tile128x192C2  large products: one 192-wide group per slice (cross schedule)
 //   Fp8Tile128x144C2  cuBLAS's promoting geometry, cross schedule
 //   Fp8Tile128x128C2  medium products
 //   Fp8Tile128x128    few rows, medium N (256 x 7168 x 2048)
@@ -232,7 +232,7 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
   X(ARG, Fp8Tile64x128)
 // FP8 tiles with fast accumulation (the tensor core's, no promotion):
 //   Fp8Tile128x256C2  large products: the 16-bit kernel's geometry
-//   Fp8Tile128x192C2  wave count (4096 x 2112 x 7168: 11 x 192 columns); not picked until measured
+//   Fp8Tile128x192C2  4096 x 2112 x 7168 (11 x 192 columns): 1333 TFLOP/s, 1174 on 128 x 128
 //   Fp8Tile128x128    few rows and small products
 #define JAX_TMA_SM90_FP8_FAST_TILES(X, ARG) \
   X(ARG, Fp8Tile128x256C2)                  \
@@ -240,7 +240,7 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
   X(ARG, Fp8Tile128x128)
 // FP8 ragged tiles (fp8_ragged_dot's configs):
 //   Fp8Tile128x256C2  large groups: two 128-wide parts per slice
-//   Fp8Tile128x192C2  large groups, cross schedule; not picked until measured grouped
+//   Fp8Tile128x192C2  large groups, cross schedule (32768 rows, G = 4: 1311 against 1259)
 //   Fp8Tile64x128     small groups and few rows (ping-pong, as the dense FP8 decode tile)
 // NOTE: tiles the dense FP8 product compiles already, so the promotion schedules and register
 // splits are the measured ones; e5m2 operands run XLA's reference (not compiled: each kernel costs
