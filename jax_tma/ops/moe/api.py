@@ -50,11 +50,13 @@ comes before any token's second, and so on; within a choice, tokens in order.
 
 Expert parallelism (``expert_axis``): the experts and the tokens are sharded over that axis of
 ``mesh`` (or of the mesh set with ``jax.set_mesh``), the router replicated. Inside
-``jax.shard_map`` each device routes its tokens, sends each pair's row to the device holding
-its expert with ``lax.all_to_all`` (fixed buffers of C rows per device pair; C = T_local *
-top_k without a capacity, so nothing is dropped), runs its own experts on what it receives and
-sends the results back. Without drops the result equals the one-device layer's up to summation
-order; the statistics are the global ones. Other mesh axes are left to the compiler.
+``jax.shard_map`` each device routes its tokens and sorts its pairs by expert; each expert's
+run goes to the device holding it with ``lax.ragged_all_to_all`` (only the routed rows move),
+landing inside that expert's block of the receive buffer, so the device runs its experts on
+what it received in place and sends the results back the same way. The receive buffer holds
+n * C rows, C the rows one device may send another: T_local * top_k without a capacity (so
+nothing is dropped), else the capacity above. Without drops the result equals the one-device
+layer's up to summation order; the statistics are the global ones. Other mesh axes are left to the compiler.
 
 ``implementation="jax_tma_fp8"`` runs every expert product in FP8, DeepSeek-V3's recipe, on
 ``jax_tma.fp8_ragged_dot``: the rows quantised per row and 128 columns (e4m3, one XLA fusion
@@ -424,30 +426,79 @@ def _expert_parallel(x: jax.Array, weights, o: _Options, axis: str,
 
 def _expert_parallel_body(x, router_kernel, w_gate, w_up, w_down, *, o: _Options, axis: str,
                           devices: int, capacity: int) -> tuple[jax.Array, MoeStats]:
-    """One device's share: its tokens x [T / n, d] and its E / n experts' weights."""
+    """One device's share: its tokens x [T / n, d] and its E / n experts' weights.
+
+    The pairs are sorted by expert (at most `capacity` per destination device, in priority
+    order), and each expert's run goes to the device holding it as one ragged slice. There it
+    lands inside that expert's block, after the slices of the devices before the sender, so
+    the received rows are already grouped by expert: only the pairs routed move, and the
+    experts run on them in place. Their results go back the same way, reversed.
+    """
     tokens, d = x.shape
-    local_experts = o.experts // devices
+    local = o.experts // devices
     r = _route(x, router_kernel, o)
     expert, token = _pairs(r)
-    # Each destination device's pairs as one run of at most `capacity`, in fixed slots.
-    p = _place(expert // local_experts, devices, capacity, slotted=True)
-    send = _gather_rows(x, token, p, o.dtype).reshape(devices, capacity, d)
-    ids = jnp.full((p.rows,), local_experts, jnp.int32).at[p.dest].set(
-        expert % local_experts, mode="drop")
-    received = lax.all_to_all(send, axis, 0, 0, tiled=False).reshape(-1, d)
-    received_ids = lax.all_to_all(ids.reshape(devices, capacity), axis, 0, 0,
-                                  tiled=False).reshape(-1)
-    # This device's experts on what it received, sorted by expert (empty slots last).
-    by_expert = jnp.argsort(received_ids, stable=True)
-    group_sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[received_ids].add(1)
-    y_sorted = _experts(received[by_expert], group_sizes[:local_experts],
-                        (None, w_gate, w_up, w_down), o)
-    unsort = jnp.zeros_like(by_expert).at[by_expert].set(
-        jnp.arange(by_expert.shape[0], dtype=by_expert.dtype))
-    y = y_sorted[unsort].reshape(devices, capacity, d)
-    back = lax.all_to_all(y, axis, 0, 0, tiled=False).reshape(-1, d)
-    dropped = tokens * o.top_k - jnp.sum(p.sizes)
+    pairs = expert.shape[0]
+    if capacity < pairs:  # the pairs past `capacity` to one device are dropped (bucket E)
+        capped = _place(expert // local, devices, capacity, slotted=False)
+        expert = jnp.where(capped.dest < capped.rows, expert, o.experts)
+    p = _place(expert, o.experts + 1, None, slotted=False)
+    counts = p.sizes[:o.experts]  # pairs this device sends each expert
+    p = _Placement(jnp.where(expert < o.experts, p.dest, pairs), pairs, counts)
+    send = _gather_rows(x, token, p, o.dtype)  # [pairs, d], by expert, dropped pairs last
+
+    me = lax.axis_index(axis)
+    sent = lax.all_gather(counts, axis)  # [n, E]: pairs device s sends expert e
+    totals = jnp.sum(sent, axis=0).reshape(devices, local)
+    block = (jnp.cumsum(totals, axis=1) - totals).reshape(-1)  # expert e's rows start there
+    before = jnp.cumsum(sent, axis=0) - sent  # rows of e from the devices before s
+    offset = jnp.cumsum(counts) - counts  # expert e's run in `send`
+    mine = lax.dynamic_slice_in_dim(sent, me * local, local, axis=1)  # [n, local] to me
+    received = _ragged_exchange(send, jnp.zeros((devices * capacity, d), send.dtype), offset,
+                                counts, block + before[me], mine.reshape(-1), axis, devices)
+    y = _experts(received, jnp.sum(mine, axis=0), (None, w_gate, w_up, w_down), o)
+
+    # Back: the rows of (sender s, my expert l) to s, at expert l's run in s's `send`.
+    runs = jnp.cumsum(sent, axis=1) - sent
+    back = _ragged_exchange(
+        y, jnp.zeros((pairs, d), y.dtype),
+        (lax.dynamic_slice_in_dim(block, me * local, local)[None, :]
+         + lax.dynamic_slice_in_dim(before, me * local, local, axis=1)).reshape(-1),
+        mine.reshape(-1), lax.dynamic_slice_in_dim(runs, me * local, local, axis=1).reshape(-1),
+        counts, axis, devices)
+    dropped = tokens * o.top_k - jnp.sum(counts)
     summed = _Routing(r.choice, r.weights, lax.psum(r.counts, axis), lax.psum(r.prob_sum, axis),
                       lax.psum(r.z_sum, axis))
     stats = _stats(summed, tokens * devices, lax.psum(dropped, axis), o)
     return _combine(back, p, r, o.dtype), stats
+
+
+def _ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
+                     axis: str, devices: int) -> jax.Array:
+    """``lax.ragged_all_to_all`` (slice i of `operand` to device i // (slices / n), written
+    into that device's `output` at `output_offsets[i]`). XLA:CPU has no ragged all-to-all:
+    there each device sends every row, with its place (or none), in fixed [n, rows] buffers
+    through ``lax.all_to_all``, and the receiver writes them in place; the same result."""
+    def ragged(*args):
+        return lax.ragged_all_to_all(*args, axis_name=axis)
+
+    def fixed(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes):
+        del recv_sizes
+        rows = jnp.arange(operand.shape[0], dtype=jnp.int32)
+        inside = ((rows[None, :] >= input_offsets[:, None])
+                  & (rows[None, :] < (input_offsets + send_sizes)[:, None]))  # [slices, rows]
+        piece = jnp.argmax(inside, axis=0)
+        to = jnp.where(jnp.any(inside, axis=0), piece // (input_offsets.shape[0] // devices),
+                       devices)
+        at = output_offsets[piece] + rows - input_offsets[piece]
+        mask = to[None, :] == jnp.arange(devices, dtype=jnp.int32)[:, None]  # [n, rows]
+        buffers = jnp.where(mask[:, :, None], operand[None], 0)
+        places = jnp.where(mask, at[None, :], output.shape[0])
+        buffers = lax.all_to_all(buffers, axis, 0, 0, tiled=False)
+        places = lax.all_to_all(places, axis, 0, 0, tiled=False)
+        return output.at[places.reshape(-1)].set(
+            buffers.reshape(-1, operand.shape[-1]), mode="drop")
+
+    output = lax.pcast(output, (axis,), to="varying")  # each device's own buffer
+    return lax.platform_dependent(operand, output, input_offsets, send_sizes, output_offsets,
+                                  recv_sizes, cpu=fixed, default=ragged)

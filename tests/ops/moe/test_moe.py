@@ -291,15 +291,21 @@ def test_expert_parallel_capacity(capacity_factor, rng, exact_f32):
 
 
 def test_expert_parallel_exchange_is_capacity_sized(rng):
-    """The all_to_all buffers hold C = ceil(cf * T_local * k / n) rows per device pair."""
+    """Only the routed rows travel: one ragged slice per expert out and back (XLA's ragged
+    all-to-all where the platform has it), into a receive buffer of n * C rows,
+    C = ceil(cf * T_local * k / n) per device pair."""
     mesh = _cpu_mesh((4,), ("ep",))
     args = _host(*_operands(rng, 256, 32, 8, 16))
     f = _moe(top_k=2, capacity_factor=1.25, expert_axis="ep", mesh=mesh)
-    hlo = jax.jit(f).lower(*args).as_text()
     capacity = math.ceil(1.25 * 64 * 2 / 4)  # 40 rows, against T_local * k = 128
-    assert f"tensor<4x{capacity}x32xf32>" in hlo
-    assert "tensor<4x128x32xf32>" not in hlo
-    assert hlo.count("all_to_all") >= 3  # rows and expert ids out, results back
+    cuda = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert f"tensor<{4 * capacity}x32xf32>" in cuda
+    assert "tensor<512x32xf32>" not in cuda  # n * T_local * k: the exact layer's buffer
+    assert cuda.count("@ragged_all_to_all") == 2, "rows out, results back"
+    assert "all_to_all" not in cuda.replace("ragged_all_to_all", "")
+    grad = jax.jit(jax.grad(lambda *a: _loss(f, *a), argnums=(0, 1, 2, 3, 4)))
+    cuda = grad.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert cuda.count("@ragged_all_to_all") == 4, "and both again, transposed"
 
 
 # ---------------------------------------------------------------- errors
@@ -421,11 +427,11 @@ def _kernel_calls(hlo: str, target: str = rd.KERNEL_TARGET) -> int:
     return target_calls(hlo, target)
 
 
-def _step_fn(implementation="jax_tma", gated=True):
+def _step_fn(implementation="jax_tma", gated=True, **kw):
     """Loss and gradients of a bf16 layer (x, router, w_up, w_down[, w_gate])."""
     def loss(x, router, w_up, w_down, w_gate=None):
         y, stats = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=2,
-                                   dtype=jnp.bfloat16, implementation=implementation)
+                                   dtype=jnp.bfloat16, implementation=implementation, **kw)
         return jnp.sum(y.astype(jnp.float32) ** 2) + 1e-2 * stats.load_balancing_loss
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4) if gated else (0, 1, 2, 3))
 
@@ -467,6 +473,28 @@ def test_gpu_bf16_step_runs_kernel(rng):
     (_, xla_grads) = jax.jit(_step_fn("xla"))(*args)
     for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), grads, xla_grads):
         assert rel_error(g, w) <= 3e-2, name
+
+
+@pytest.mark.gpu
+def test_gpu_expert_parallel_matches_one_gpu(rng):
+    """Experts sharded over every GPU (2+): the routed rows cross by XLA's ragged all-to-all,
+    the grouped kernels run on each GPU, and the step equals the one-GPU layer's."""
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(gpus) < 2:
+        pytest.skip("needs two or more GPUs")
+    n = 4 if len(gpus) >= 4 else 2
+    mesh = Mesh(np.array(gpus[:n]), ("ep",))
+    x, router, w_up, w_down, w_gate = _routable_operands(rng, 1024, 256, 8, 384, top_k=2)
+    args = tuple(jnp.asarray(a) for a in (x, router, w_up, w_down, w_gate))
+    one = jax.jit(_step_fn())
+    ep = jax.jit(_step_fn(expert_axis="ep", mesh=mesh))
+    compiled = ep.lower(*args).compile().as_text()
+    assert _kernel_calls(compiled, gp.KERNEL_TARGET) == 1
+    assert "ragged-all-to-all" in compiled or "ragged_all_to_all" in compiled
+    (loss1, grads1), (loss, grads) = one(*args), ep(*args)
+    assert abs(float(loss) - float(loss1)) <= 1e-3 * abs(float(loss1))
+    for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), grads, grads1):
+        assert rel_error(g, w) <= 1e-2, name
 
 
 # ---------------------------------------------------------------- FP8 experts
