@@ -78,10 +78,11 @@ def _normal(key, shape, dtype=BF16, scale=1.0):
 
 
 def _cases(sizes: dict) -> list[Case]:
+    # Each builder takes its sizes as defaults: a closure would read the names' last binding.
     cases = []
     m, n, k = sizes["matmul"]
 
-    def mm(key):
+    def mm(key, m=m, n=n, k=k):
         ka, kb = jax.random.split(key)
         return _normal(ka, (m, k)), _normal(kb, (k, n), scale=k ** -0.5)
     for layout, specs in (("M sharded", (P(AX), P())), ("N sharded", (P(), P(None, AX))),
@@ -90,7 +91,7 @@ def _cases(sizes: dict) -> list[Case]:
 
     m, k, n, g = sizes["ragged_dot"]
 
-    def ragged(key):
+    def ragged(key, m=m, k=k, n=n, g=g):
         kx, kw = jax.random.split(key)
         sizes_ = jnp.full((g,), m // g, jnp.int32)
         return _normal(kx, (m, k)), _normal(kw, (g, k, n), scale=k ** -0.5), sizes_
@@ -100,7 +101,7 @@ def _cases(sizes: dict) -> list[Case]:
 
     m, n, k = sizes["dense"]
 
-    def dense_ops(key):
+    def dense_ops(key, m=m, n=n, k=k):
         kx, kw, kb = jax.random.split(key, 3)
         return _normal(kx, (m, k)), _normal(kw, (k, n), scale=k ** -0.5), _normal(kb, (n,))
     dense = lambda x, w, b: jax_tma.dense(x, w, b, "gelu")  # noqa: E731
@@ -108,7 +109,7 @@ def _cases(sizes: dict) -> list[Case]:
                           ("N sharded", (P(), P(None, AX), P(AX)))):
         cases.append(Case("dense", layout, dense, dense_ops, specs))
 
-    def gated_ops(key):
+    def gated_ops(key, m=m, n=n, k=k):
         kx, kg, ku = jax.random.split(key, 3)
         return (_normal(kx, (m, k)), _normal(kg, (k, n), scale=k ** -0.5),
                 _normal(ku, (k, n), scale=k ** -0.5))
@@ -119,7 +120,7 @@ def _cases(sizes: dict) -> list[Case]:
 
     m, n, k = sizes["fp8"]
 
-    def fp8_ops(key):
+    def fp8_ops(key, m=m, n=n, k=k):
         kx, kw = jax.random.split(key)
         a, sa = jax_tma.quantize_fp8(_normal(kx, (m, k), jnp.float32), (1, 128))
         b, sb = jax_tma.quantize_fp8(_normal(kw, (n, k), jnp.float32), (128, 128))
@@ -131,7 +132,7 @@ def _cases(sizes: dict) -> list[Case]:
 
     tokens, d, experts, hidden, top_k = sizes["moe_layer"]
 
-    def moe_ops(key):
+    def moe_ops(key, tokens=tokens, d=d, experts=experts, hidden=hidden):
         ks = jax.random.split(key, 6)
         return (_normal(ks[0], (tokens, d)), _normal(ks[1], (tokens, d)),
                 _normal(ks[2], (d, experts), jnp.float32, d ** -0.5),

@@ -1024,3 +1024,24 @@ def test_bench_sharded_needs_the_one_device_base(capsys):
     with pytest.raises(SystemExit):
         _bench_module("bench_sharded")._parse(["--devices", "2", "4"])
     assert "--devices must include 1" in capsys.readouterr().err
+
+
+def test_bench_sharded_cases_build_the_sizes_they_report():
+    """Each case's operands have the sizes bench_sharded.json reports (SIZES), not another
+    op's: the builders once read m, n, k after _cases had rebound them to the FP8 sizes."""
+    module = _bench_module("bench_sharded")
+    shapes = {}
+    for case in module._cases(module.SIZES):
+        ops = jax.eval_shape(case.make, jax.random.key(0))
+        shapes.setdefault(case.op, tuple(tuple(o.shape) for o in ops[:3]))
+    m, n, k = module.SIZES["matmul"]
+    assert shapes["matmul"][:2] == ((m, k), (k, n))
+    m, k, n, g = module.SIZES["ragged_dot"]
+    assert shapes["ragged_dot"] == ((m, k), (g, k, n), (g,))
+    m, n, k = module.SIZES["dense"]
+    assert shapes["dense"] == ((m, k), (k, n), (n,))
+    assert shapes["gated_dense"] == ((m, k), (k, n), (k, n))
+    m, n, k = module.SIZES["fp8"]
+    assert shapes["fp8"][:2] == ((m, k), (n, k))
+    tokens, d, experts, hidden, _ = module.SIZES["moe_layer"]
+    assert shapes["moe_layer"] == ((tokens, d), (tokens, d), (d, experts))

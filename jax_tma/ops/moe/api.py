@@ -56,7 +56,8 @@ landing inside that expert's block of the receive buffer, so the device runs its
 what it received in place and sends the results back the same way. The receive buffer holds
 n * C rows, C the rows one device may send another: T_local * top_k without a capacity (so
 nothing is dropped), else the capacity above. Without drops the result equals the one-device
-layer's up to summation order; the statistics are the global ones. Other mesh axes are left to the compiler.
+layer's up to summation order; the statistics are the global ones. Other mesh axes are left
+to the compiler.
 
 ``implementation="jax_tma_fp8"`` runs every expert product in FP8, DeepSeek-V3's recipe, on
 ``jax_tma.fp8_ragged_dot``: the rows quantised per row and 128 columns (e4m3, one XLA fusion
