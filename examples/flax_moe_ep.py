@@ -1,7 +1,7 @@
 """Expert parallelism with ``jax_tma.flax.MoE(expert_axis=...)``: the model of
 examples/flax_moe.py with its experts sharded over the devices of a mesh axis, the tokens too,
 each (token, expert) pair sent to the device holding its expert and back with
-``lax.all_to_all`` inside ``jax.shard_map`` (the layer does this). Trained from the same
+``lax.ragged_all_to_all`` inside ``jax.shard_map`` (the layer does this). Trained from the same
 parameters on the same data as the one-device model, the two loss curves must agree within the
 dtype's tolerance.
 
