@@ -17,15 +17,17 @@ layout:
                N sharded         wg's and wu's columns
   fp8          M sharded         block-scaled e4m3 (1x128 / 128x128 scales): a's rows and scales
                K sharded         a's and b's K with their scales (one all-reduce)
-  moe_layer    expert parallel   forward + backward of jax_tma.moe_mlp (SwiGLU experts, top-k):
-                                 tokens and experts sharded, pairs exchanged by all_to_all;
-                                 one device runs the same layer with every expert
+  moe_layer    expert parallel   forward + backward of jax_tma.moe_mlp (SwiGLU experts, top-k)
+                                 in bench_moe_layer's three configurations: tokens and experts
+                                 sharded, rows exchanged by ragged all-to-all; one device runs
+                                 the same layer with every expert
 
 Timing: wall clock (a sharded call is done when its slowest device is), each timed call
 evaluating --products distinct operand sets inside one jit, median over --repeats with half the
 min-max spread. Speedup = one device's time / this one's. `kernel` says whether jax_tma's
 kernel ran (its custom call in the compiled HLO). Writes bench_sharded.json (rows {op, layout,
-devices, seconds, spread_s, speedup, kernel}), .md and .png under benchmarks/results/<device>/,
+size, devices, seconds, spread_s, speedup, kernel}; `size` as the case built its operands), .md
+and .png under benchmarks/results/<device>/,
 after every case (a run cut short keeps what it measured; the JSON's "complete" says whether
 it finished).
 
@@ -71,6 +73,7 @@ class Case:
     fn: Callable
     make: Callable
     specs: tuple
+    size: str = ""
 
 
 def _normal(key, shape, dtype=BF16, scale=1.0):
@@ -87,7 +90,7 @@ def _cases(sizes: dict) -> list[Case]:
         return _normal(ka, (m, k)), _normal(kb, (k, n), scale=k ** -0.5)
     for layout, specs in (("M sharded", (P(AX), P())), ("N sharded", (P(), P(None, AX))),
                           ("K sharded", (P(None, AX), P(AX)))):
-        cases.append(Case("matmul", layout, jax_tma.matmul, mm, specs))
+        cases.append(Case("matmul", layout, jax_tma.matmul, mm, specs, f"{m}x{n}x{k}"))
 
     m, k, n, g = sizes["ragged_dot"]
 
@@ -97,7 +100,8 @@ def _cases(sizes: dict) -> list[Case]:
         return _normal(kx, (m, k)), _normal(kw, (g, k, n), scale=k ** -0.5), sizes_
     for layout, specs in (("tokens sharded", (P(AX), P(), P())),
                           ("N sharded", (P(), P(None, None, AX), P()))):
-        cases.append(Case("ragged_dot", layout, jax_tma.ragged_dot, ragged, specs))
+        cases.append(Case("ragged_dot", layout, jax_tma.ragged_dot, ragged, specs,
+                          f"{m}x{k}x{n} G={g}"))
 
     m, n, k = sizes["dense"]
 
@@ -107,7 +111,7 @@ def _cases(sizes: dict) -> list[Case]:
     dense = lambda x, w, b: jax_tma.dense(x, w, b, "gelu")  # noqa: E731
     for layout, specs in (("M sharded", (P(AX), P(), P())),
                           ("N sharded", (P(), P(None, AX), P(AX)))):
-        cases.append(Case("dense", layout, dense, dense_ops, specs))
+        cases.append(Case("dense", layout, dense, dense_ops, specs, f"{m}x{n}x{k}"))
 
     def gated_ops(key, m=m, n=n, k=k):
         kx, kg, ku = jax.random.split(key, 3)
@@ -116,7 +120,7 @@ def _cases(sizes: dict) -> list[Case]:
     gated = lambda x, wg, wu: jax_tma.gated_dense(x, wg, wu, "silu")  # noqa: E731
     for layout, specs in (("M sharded", (P(AX), P(), P())),
                           ("N sharded", (P(), P(None, AX), P(None, AX)))):
-        cases.append(Case("gated_dense", layout, gated, gated_ops, specs))
+        cases.append(Case("gated_dense", layout, gated, gated_ops, specs, f"{m}x{n}x{k}"))
 
     m, n, k = sizes["fp8"]
 
@@ -128,19 +132,19 @@ def _cases(sizes: dict) -> list[Case]:
     fp8 = lambda a, b, sa, sb: jax_tma.fp8_dot_general(a, b, sa, sb, NT)  # noqa: E731
     for layout, specs in (("M sharded", (P(AX), P(), P(None, AX), P())),
                           ("K sharded", (P(None, AX), P(None, AX), P(AX), P(AX)))):
-        cases.append(Case("fp8", layout, fp8, fp8_ops, specs))
+        cases.append(Case("fp8", layout, fp8, fp8_ops, specs, f"{m}x{n}x{k}"))
 
-    tokens, d, experts, hidden, top_k = sizes["moe_layer"]
-
-    def moe_ops(key, tokens=tokens, d=d, experts=experts, hidden=hidden):
-        ks = jax.random.split(key, 6)
-        return (_normal(ks[0], (tokens, d)), _normal(ks[1], (tokens, d)),
-                _normal(ks[2], (d, experts), jnp.float32, d ** -0.5),
-                _normal(ks[3], (experts, d, hidden), jnp.float32, d ** -0.5),
-                _normal(ks[4], (experts, hidden, d), jnp.float32, hidden ** -0.5),
-                _normal(ks[5], (experts, d, hidden), jnp.float32, d ** -0.5))
-    cases.append(Case("moe_layer", "expert parallel", _moe_step(top_k), moe_ops,
-                      (P(AX), P(AX), P(), P(AX), P(AX), P(AX))))
+    for name, tokens, d, experts, hidden, top_k in sizes["moe_layer"]:
+        def moe_ops(key, tokens=tokens, d=d, experts=experts, hidden=hidden):
+            ks = jax.random.split(key, 6)
+            return (_normal(ks[0], (tokens, d)), _normal(ks[1], (tokens, d)),
+                    _normal(ks[2], (d, experts), jnp.float32, d ** -0.5),
+                    _normal(ks[3], (experts, d, hidden), jnp.float32, d ** -0.5),
+                    _normal(ks[4], (experts, hidden, d), jnp.float32, hidden ** -0.5),
+                    _normal(ks[5], (experts, d, hidden), jnp.float32, d ** -0.5))
+        cases.append(Case("moe_layer", "expert parallel", _moe_step(top_k), moe_ops,
+                          (P(AX), P(AX), P(), P(AX), P(AX), P(AX)),
+                          f"{name}: {tokens} tokens, d {d}, {experts} x {hidden}, top-{top_k}"))
     return cases
 
 
@@ -161,9 +165,11 @@ def _moe_step(top_k: int) -> Callable:
 
 SIZES = {"matmul": (32768, 8192, 8192), "ragged_dot": (65536, 4096, 4096, 16),
          "dense": (32768, 14336, 4096), "fp8": (16384, 8192, 8192),
-         "moe_layer": (32768, 2048, 128, 768, 8)}
+         # (name, tokens, d, experts, width, top-k): bench_moe_layer's three configurations
+         "moe_layer": [("qwen3", 32768, 2048, 128, 768, 8), ("deepseek", 16384, 7168, 32, 2048, 8),
+                       ("mixtral", 16384, 4096, 8, 14336, 2)]}
 DRY_SIZES = {"matmul": (64, 32, 64), "ragged_dot": (64, 32, 16, 4), "dense": (64, 32, 64),
-             "fp8": (64, 256, 512), "moe_layer": (64, 32, 8, 16, 2)}
+             "fp8": (64, 256, 512), "moe_layer": [("tiny", 64, 32, 8, 16, 2)]}
 
 
 def _run_case(case: Case, devices: list, args) -> dict:
@@ -171,7 +177,7 @@ def _run_case(case: Case, devices: list, args) -> dict:
     fn = case.fn
     if getattr(fn, "moe", False) and len(devices) > 1:
         fn = (lambda f: lambda *a: f(*a, mesh=mesh))(case.fn)
-    seed = zlib.crc32(f"{case.op} {case.layout}".encode())
+    seed = zlib.crc32(f"{case.op} {case.layout} {case.size}".encode())
     keys = jax.random.split(jax.random.key(seed), args.products)
     sets = []
     for key in keys:
@@ -180,18 +186,24 @@ def _run_case(case: Case, devices: list, args) -> dict:
                           for v, s in zip(ops, case.specs)))
     hlo = jax.jit(fn).lower(*sets[0]).compile().as_text()
     t = _timing.time_products(fn, sets, repeats=args.repeats)
-    return {"op": case.op, "layout": case.layout, "devices": len(devices), "seconds": t.median_s,
+    return {"op": case.op, "layout": case.layout, "size": case.size, "devices": len(devices),
+            "seconds": t.median_s,
             "spread_s": t.spread_s, "kernel": 'custom_call_target="jax_tma_' in hlo}
+
+
+def _key(row: dict) -> tuple[str, str, str]:
+    return row["op"], row["layout"], row["size"]
 
 
 def _table(rows: list[dict], env: dict) -> str:
     lines = [f"{env['device']} x {env['device_count']}, driver {env['driver']}, jax {env['jax']}, "
              f"{env['date']}, commit {str(env.get('commit'))[:12]}; wall time per call, median "
              "(± half the spread); speedup over the same work on one device",
-             "", "| op | layout | devices | ms | speedup | jax_tma kernel |",
-             "|---|---|---|---|---|---|"]
+             "", "| op | layout | size | devices | ms | speedup | jax_tma kernel |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['op']} | {r['layout']} | {r['devices']} | {r['seconds'] * 1e3:.3f} "
+        lines.append(f"| {r['op']} | {r['layout']} | {r['size']} | {r['devices']} "
+                     f"| {r['seconds'] * 1e3:.3f} "
                      f"± {r['spread_s'] * 1e3:.3f} | {r['speedup']:.2f}x "
                      f"| {'yes' if r['kernel'] else 'no'} |")
     return "\n".join(lines)
@@ -202,9 +214,11 @@ def _plot(rows: list[dict], path: pathlib.Path, title: str) -> bool:
     if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key in dict.fromkeys((r["op"], r["layout"]) for r in rows):
-        pts = sorted((r["devices"], r["speedup"]) for r in rows if (r["op"], r["layout"]) == key)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=" / ".join(key))
+    for key in dict.fromkeys(_key(r) for r in rows):
+        pts = sorted((r["devices"], r["speedup"]) for r in rows if _key(r) == key)
+        label = " / ".join(key[:2]) + (f" ({key[2].split(':')[0]})" if key[0] == "moe_layer"
+                                        else "")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     most = max(r["devices"] for r in rows)
     ax.plot([1, most], [1, most], color="gray", linestyle=":", label="linear")
     ax.set_xlabel("devices")
@@ -247,11 +261,12 @@ def main(argv=None) -> int:
     cases = [c for c in _cases(DRY_SIZES if args.dry_run else SIZES) if c.op in args.ops]
     for i, case in enumerate(cases):
         for count in counts:
-            print(f"{case.op} {case.layout} on {count} ...", file=sys.stderr, flush=True)
+            print(f"{case.op} {case.layout} {case.size} on {count} ...", file=sys.stderr,
+                  flush=True)
             rows.append(_run_case(case, present[:count], args))
-        base = {(r["op"], r["layout"]): r["seconds"] for r in rows if r["devices"] == 1}
+        base = {_key(r): r["seconds"] for r in rows if r["devices"] == 1}
         for r in rows:
-            r["speedup"] = base[(r["op"], r["layout"])] / r["seconds"]
+            r["speedup"] = base[_key(r)] / r["seconds"]
         # After every case, so that a run cut short keeps what it measured.
         if not args.dry_run or args.out is not None:
             write_progress(args.out, env, "bench_sharded",

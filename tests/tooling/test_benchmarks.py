@@ -1009,15 +1009,16 @@ def test_bench_sharded_dry_run(tmp_path):
                   "--ops", "matmul", "moe_layer", "--devices", "1", "2")
     assert result.returncode == 0, result.stderr
     report = _written(tmp_path, "bench_sharded")
-    rows = {(r["op"], r["layout"], r["devices"]): r for r in report["rows"]}
-    assert set(rows) == {(op, layout, d) for op, layout in (
-        ("matmul", "M sharded"), ("matmul", "N sharded"), ("matmul", "K sharded"),
-        ("moe_layer", "expert parallel")) for d in (1, 2)}
+    rows = {(r["op"], r["layout"], r["size"], r["devices"]): r for r in report["rows"]}
+    assert set(rows) == {(op, layout, size, d) for op, layout, size in (
+        ("matmul", "M sharded", "64x32x64"), ("matmul", "N sharded", "64x32x64"),
+        ("matmul", "K sharded", "64x32x64"),
+        ("moe_layer", "expert parallel", "tiny: 64 tokens, d 32, 8 x 16, top-2")) for d in (1, 2)}
     assert report["environment"]["device_count"] >= 2
-    for (op, layout, d), r in rows.items():
-        assert r["seconds"] > 0 and set(r) >= {"op", "layout", "devices", "seconds", "speedup",
-                                                "kernel"}
-        assert math.isclose(r["speedup"], rows[(op, layout, 1)]["seconds"] / r["seconds"])
+    for (op, layout, size, d), r in rows.items():
+        assert r["seconds"] > 0 and set(r) >= {"op", "layout", "size", "devices", "seconds",
+                                                "speedup", "kernel"}
+        assert math.isclose(r["speedup"], rows[(op, layout, size, 1)]["seconds"] / r["seconds"])
 
 
 def test_bench_sharded_needs_the_one_device_base(capsys):
@@ -1030,12 +1031,14 @@ def test_bench_sharded_cases_build_the_sizes_they_report():
     """Each case's operands have the sizes bench_sharded.json reports (SIZES), not another
     op's: the builders once read m, n, k after _cases had rebound them to the FP8 sizes."""
     module = _bench_module("bench_sharded")
-    shapes = {}
+    shapes, labels = {}, {}
     for case in module._cases(module.SIZES):
         ops = jax.eval_shape(case.make, jax.random.key(0))
-        shapes.setdefault(case.op, tuple(tuple(o.shape) for o in ops[:3]))
+        shapes.setdefault(case.op, []).append(tuple(tuple(o.shape) for o in ops[:3]))
+        labels.setdefault(case.op, set()).add(case.size)
+    shapes = {op: s[0] if op != "moe_layer" else s for op, s in shapes.items()}
     m, n, k = module.SIZES["matmul"]
-    assert shapes["matmul"][:2] == ((m, k), (k, n))
+    assert shapes["matmul"][:2] == ((m, k), (k, n)) and labels["matmul"] == {f"{m}x{n}x{k}"}
     m, k, n, g = module.SIZES["ragged_dot"]
     assert shapes["ragged_dot"] == ((m, k), (g, k, n), (g,))
     m, n, k = module.SIZES["dense"]
@@ -1043,5 +1046,6 @@ def test_bench_sharded_cases_build_the_sizes_they_report():
     assert shapes["gated_dense"] == ((m, k), (k, n), (k, n))
     m, n, k = module.SIZES["fp8"]
     assert shapes["fp8"][:2] == ((m, k), (n, k))
-    tokens, d, experts, hidden, _ = module.SIZES["moe_layer"]
-    assert shapes["moe_layer"] == ((tokens, d), (tokens, d), (d, experts))
+    assert shapes["moe_layer"] == [((tokens, d), (tokens, d), (d, experts))
+                                   for _, tokens, d, experts, _, _ in module.SIZES["moe_layer"]]
+    assert len(labels["moe_layer"]) == len(module.SIZES["moe_layer"])
