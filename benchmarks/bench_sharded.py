@@ -186,9 +186,40 @@ def _run_case(case: Case, devices: list, args) -> dict:
                           for v, s in zip(ops, case.specs)))
     hlo = jax.jit(fn).lower(*sets[0]).compile().as_text()
     t = _timing.time_products(fn, sets, repeats=args.repeats)
-    return {"op": case.op, "layout": case.layout, "size": case.size, "devices": len(devices),
-            "seconds": t.median_s,
-            "spread_s": t.spread_s, "kernel": 'custom_call_target="jax_tma_' in hlo}
+    row = {"op": case.op, "layout": case.layout, "size": case.size, "devices": len(devices),
+           "seconds": t.median_s, "spread_s": t.spread_s,
+           "kernel": 'custom_call_target="jax_tma_' in hlo}
+    if args.breakdown:
+        row.update(_breakdown(fn, sets[0], len(devices), args.breakdown))
+    return row
+
+
+def _breakdown(fn: Callable, operands: tuple, devices: int, most: int) -> dict:
+    """Where one call's time goes: its kernels (CUPTI, every device's) by name, the seconds
+    each name takes per device, the `most` longest; and all kernels' seconds per device (the
+    rest of the wall time is gaps: launches, host syncs, waits between devices)."""
+    runs = _timing.kernel_breakdown(fn, operands, iterations=3)
+    if runs is None:
+        return {}
+    per_name: dict[str, float] = {}
+    for name, seconds in runs:
+        short = _kernel_name(name)
+        per_name[short] = per_name.get(short, 0.0) + seconds / devices
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:most]
+    return {"kernel_s": sum(per_name.values()), "kernels": [[n, s] for n, s in top]}
+
+
+def _kernel_name(name: str) -> str:
+    """A readable key for a kernel's (often mangled) name: jax_tma's kernel templates and
+    NCCL's kernels by their family, XLA's fusions as named."""
+    if "nccl" in name.lower():
+        return "nccl:" + name.split("(")[0][-40:]
+    if "jax_tma" in name:
+        for family in ("ragged_gated_grad", "ragged_gated", "fp8_ragged", "ragged", "fp8",
+                       "dense", "gemm", "prepare"):
+            if family in name:
+                return f"jax_tma:{family}"
+    return name[:60]
 
 
 def _key(row: dict) -> tuple[str, str, str]:
@@ -206,6 +237,14 @@ def _table(rows: list[dict], env: dict) -> str:
                      f"| {r['seconds'] * 1e3:.3f} "
                      f"± {r['spread_s'] * 1e3:.3f} | {r['speedup']:.2f}x "
                      f"| {'yes' if r['kernel'] else 'no'} |")
+    broken_down = [r for r in rows if "kernels" in r]
+    if broken_down:
+        lines += ["", "Kernels per device, one call of one operand set (CUPTI; wall time above "
+                  "is per product of --products):", ""]
+        for r in broken_down:
+            top = ", ".join(f"{name} {sec * 1e3:.3f}" for name, sec in r["kernels"])
+            lines.append(f"- {r['op']}, {r['layout']}, {r['size']}, {r['devices']} devices: "
+                         f"{r['kernel_s'] * 1e3:.3f} ms of kernels; {top}")
     return "\n".join(lines)
 
 
@@ -238,6 +277,8 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--commit", help="commit to record instead of `git rev-parse HEAD`")
     p.add_argument("--dry-run", action="store_true",
                    help="tiny sizes, 1 repeat; files only with --out; runs on CPU devices")
+    p.add_argument("--breakdown", type=int, default=0, metavar="N",
+                   help="also each row's N longest kernels per device (CUPTI; GPU only)")
     args = p.parse_args(argv)
     if min(args.devices) < 1 or 1 not in args.devices:
         p.error(f"--devices must include 1 (the base of every speedup), got {args.devices}")

@@ -1049,3 +1049,26 @@ def test_bench_sharded_cases_build_the_sizes_they_report():
     assert shapes["moe_layer"] == [((tokens, d), (tokens, d), (d, experts))
                                    for _, tokens, d, experts, _, _ in module.SIZES["moe_layer"]]
     assert len(labels["moe_layer"]) == len(module.SIZES["moe_layer"])
+
+
+def test_bench_sharded_breakdown_sums_each_kernel_per_device(monkeypatch):
+    """--breakdown: one call's kernels from every device, summed by name and divided by the
+    device count; jax_tma's and NCCL's mangled names by family; the longest first."""
+    module = _bench_module("bench_sharded")
+    launches = [("_ZN7jax_tma9sm90_gemm16sm90_gemm_kernelIxx", 3e-3),
+                ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 1e-3),
+                ("loop_multiply_fusion", 2e-4)] * 4  # four devices
+    monkeypatch.setattr(module._timing, "kernel_breakdown",
+                        lambda fn, operands, iterations: launches)
+    got = module._breakdown(None, (), 4, most=2)
+    assert [name for name, _ in got["kernels"]] == ["jax_tma:gemm", "nccl:ncclDevKernel_SendRecv"]
+    assert [sec for _, sec in got["kernels"]] == pytest.approx([3e-3, 1e-3])
+    assert got["kernel_s"] == pytest.approx(4.2e-3)
+    monkeypatch.setattr(module._timing, "kernel_breakdown", lambda *a, **k: None)
+    assert module._breakdown(None, (), 4, most=2) == {}
+    row = {"op": "matmul", "layout": "M sharded", "size": "8x8x8", "devices": 4,
+           "seconds": 5e-3, "spread_s": 0.0, "speedup": 1.0, "kernel": True, **got}
+    table = module._table([row], {"device": "GPU", "device_count": 4, "driver": "1",
+                                  "jax": "0", "date": "today", "commit": "abc"})
+    assert "- matmul, M sharded, 8x8x8, 4 devices: 4.200 ms of kernels; jax_tma:gemm 3.000" \
+        in table
