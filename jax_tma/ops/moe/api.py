@@ -284,10 +284,9 @@ class _Placement(NamedTuple):
     sizes: jax.Array  # [buckets] int32: pairs kept per bucket
 
 
-def _place(bucket: jax.Array, buckets: int, capacity: int | None, slotted: bool) -> _Placement:
+def _place(bucket: jax.Array, buckets: int, capacity: int | None) -> _Placement:
     """Where each pair (in priority order) goes in a buffer holding each bucket's pairs as one
-    run of at most `capacity` (None: all of them). Runs are packed one after another, or
-    (`slotted`) each starts at bucket * capacity (the exchange's fixed slots)."""
+    run of at most `capacity` (None: all of them), the runs packed one after another."""
     pairs = bucket.shape[0]
     order = jnp.argsort(bucket, stable=True)
     sorted_bucket = bucket[order]
@@ -298,12 +297,8 @@ def _place(bucket: jax.Array, buckets: int, capacity: int | None, slotted: bool)
     else:
         position = jnp.arange(pairs, dtype=jnp.int32) - (jnp.cumsum(sizes) - sizes)[sorted_bucket]
         kept = jnp.minimum(sizes, capacity)
-        if slotted:
-            rows = buckets * capacity
-            start = sorted_bucket * capacity
-        else:
-            rows = min(pairs, buckets * capacity)
-            start = (jnp.cumsum(kept) - kept)[sorted_bucket]
+        rows = min(pairs, buckets * capacity)
+        start = (jnp.cumsum(kept) - kept)[sorted_bucket]
         dest_sorted = jnp.where(position < capacity, start + position, rows)
     dest = jnp.zeros((pairs,), jnp.int32).at[order].set(dest_sorted)
     return _Placement(dest, rows, kept)
@@ -383,7 +378,7 @@ def _one_device(x: jax.Array, weights, o: _Options) -> tuple[jax.Array, MoeStats
     expert, token = _pairs(r)
     capacity = (None if o.capacity_factor is None
                 else math.ceil(o.capacity_factor * tokens * o.top_k / o.experts))
-    p = _place(expert, o.experts, capacity, slotted=False)
+    p = _place(expert, o.experts, capacity)
     y_rows = _experts(_gather_rows(x, token, p, o.dtype), p.sizes, weights, o)
     dropped = tokens * o.top_k - jnp.sum(p.sizes)
     return _combine(y_rows, p, r, o.dtype), _stats(r, tokens, dropped, o)
@@ -441,9 +436,9 @@ def _expert_parallel_body(x, router_kernel, w_gate, w_up, w_down, *, o: _Options
     expert, token = _pairs(r)
     pairs = expert.shape[0]
     if capacity < pairs:  # the pairs past `capacity` to one device are dropped (bucket E)
-        capped = _place(expert // local, devices, capacity, slotted=False)
+        capped = _place(expert // local, devices, capacity)
         expert = jnp.where(capped.dest < capped.rows, expert, o.experts)
-    p = _place(expert, o.experts + 1, None, slotted=False)
+    p = _place(expert, o.experts + 1, None)
     counts = p.sizes[:o.experts]  # pairs this device sends each expert
     p = _Placement(jnp.where(expert < o.experts, p.dest, pairs), pairs, counts)
     send = _gather_rows(x, token, p, o.dtype)  # [pairs, d], by expert, dropped pairs last
