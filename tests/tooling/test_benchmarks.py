@@ -1051,24 +1051,51 @@ def test_bench_sharded_cases_build_the_sizes_they_report():
     assert len(labels["moe_layer"]) == len(module.SIZES["moe_layer"])
 
 
+def test_bench_sharded_names_jax_tma_kernels_by_problem():
+    """The kernel template's problem class names the family (not a lowercase op name, which
+    mangled names do not hold); FP8 kernels are marked; the prepare kernel is its own."""
+    name = _bench_module("bench_sharded")._kernel_name
+    head = "_ZN7jax_tma9sm90_gemm16sm90_gemm_kernelI"
+    assert name(head + "13__nv_bfloat16S2_NS0_10TileNS_23RaggedGatedGradRowsGemmENS") \
+        == "jax_tma:ragged_gated_grad"
+    assert name(head + "13__nv_bfloat16S2_NS_11RaggedKGemmENS_6Fusion") \
+        == "jax_tma:ragged_weight_grad"
+    assert name(head + "13__nv_fp8_e4m3fNS0_10TileNS_14RaggedRowsGemmENS_6Fus") \
+        == "jax_tma:fp8_ragged_rows"
+    assert name(head + "13__nv_fp8_e4m313__nv_bfloat16NS_9DenseGemmENS_6F") == "jax_tma:fp8_gemm"
+    assert name(head + "13__nv_bfloat16S2_NS_9DenseGemmENS_6F") == "jax_tma:gemm"
+    assert name("_ZN7jax_tma9sm90_gemm55_GLOBAL__N__sm90_ragged_prepare_kernelENS0_15Ragged"
+                "TemplatesENS0_19RaggedPrepareParamsE") == "jax_tma:ragged_prepare"
+    assert name("input_concatenate_fusion") == "input_concatenate_fusion"
+
+
 def test_bench_sharded_breakdown_sums_each_kernel_per_device(monkeypatch):
     """--breakdown: one call's kernels from every device, summed by name and divided by the
     device count; jax_tma's and NCCL's mangled names by family; the longest first."""
     module = _bench_module("bench_sharded")
-    launches = [("_ZN7jax_tma9sm90_gemm16sm90_gemm_kernelIxx", 3e-3),
+    gemm = "_ZN7jax_tma9sm90_gemm16sm90_gemm_kernelI13__nv_bfloat16S2_NS0_10TileConfigILi128E"
+    launches = [(gemm + "NS_19RaggedGatedRowsGemmENS_6Fus", 3e-3),
                 ("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", 1e-3),
                 ("loop_multiply_fusion", 2e-4)] * 4  # four devices
+    seen = []
     monkeypatch.setattr(module._timing, "kernel_breakdown",
-                        lambda fn, operands, iterations: launches)
+                        lambda fn, operands, iterations: seen.append(iterations) or launches)
     got = module._breakdown(None, (), 4, most=2)
-    assert [name for name, _ in got["kernels"]] == ["jax_tma:gemm", "nccl:ncclDevKernel_SendRecv"]
+    assert seen == [1]  # several devices: one call (their records interleave call to call)
+    assert [name for name, _ in got["kernels"]] == ["jax_tma:ragged_gated",
+                                                    "nccl:ncclDevKernel_SendRecv"]
     assert [sec for _, sec in got["kernels"]] == pytest.approx([3e-3, 1e-3])
     assert got["kernel_s"] == pytest.approx(4.2e-3)
     monkeypatch.setattr(module._timing, "kernel_breakdown", lambda *a, **k: None)
     assert module._breakdown(None, (), 4, most=2) == {}
+
+    def misaligned(*args, **kwargs):
+        raise RuntimeError("Kernel names are not consistent across iterations")
+    monkeypatch.setattr(module._timing, "kernel_breakdown", misaligned)
+    assert "not consistent" in module._breakdown(None, (), 4, most=2)["kernels_note"]
     row = {"op": "matmul", "layout": "M sharded", "size": "8x8x8", "devices": 4,
            "seconds": 5e-3, "spread_s": 0.0, "speedup": 1.0, "kernel": True, **got}
     table = module._table([row], {"device": "GPU", "device_count": 4, "driver": "1",
                                   "jax": "0", "date": "today", "commit": "abc"})
-    assert "- matmul, M sharded, 8x8x8, 4 devices: 4.200 ms of kernels; jax_tma:gemm 3.000" \
-        in table
+    assert ("- matmul, M sharded, 8x8x8, 4 devices: 4.200 ms of kernels; jax_tma:ragged_gated "
+            "3.000") in table
