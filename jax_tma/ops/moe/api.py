@@ -450,14 +450,14 @@ def _expert_parallel_body(x, router_kernel, w_gate, w_up, w_down, *, o: _Options
     before = jnp.cumsum(sent, axis=0) - sent  # rows of e from the devices before s
     offset = jnp.cumsum(counts) - counts  # expert e's run in `send`
     mine = lax.dynamic_slice_in_dim(sent, me * local, local, axis=1)  # [n, local] to me
-    received = _ragged_exchange(send, jnp.zeros((devices * capacity, d), send.dtype), offset,
-                                counts, block + before[me], mine.reshape(-1), axis, devices)
+    received = _ragged_exchange(send, devices * capacity, offset, counts, block + before[me],
+                                mine.reshape(-1), axis, devices)
     y = _experts(received, jnp.sum(mine, axis=0), (None, w_gate, w_up, w_down), o)
 
     # Back: the rows of (sender s, my expert l) to s, at expert l's run in s's `send`.
     runs = jnp.cumsum(sent, axis=1) - sent
     back = _ragged_exchange(
-        y, jnp.zeros((pairs, d), y.dtype),
+        y, pairs,
         (lax.dynamic_slice_in_dim(block, me * local, local)[None, :]
          + lax.dynamic_slice_in_dim(before, me * local, local, axis=1)).reshape(-1),
         mine.reshape(-1), lax.dynamic_slice_in_dim(runs, me * local, local, axis=1).reshape(-1),
@@ -469,12 +469,47 @@ def _expert_parallel_body(x, router_kernel, w_gate, w_up, w_down, *, o: _Options
     return _combine(back, p, r, o.dtype), stats
 
 
-def _ragged_exchange(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes,
-                     axis: str, devices: int) -> jax.Array:
-    """``lax.ragged_all_to_all`` (slice i of `operand` to device i // (slices / n), written
-    into that device's `output` at `output_offsets[i]`). XLA:CPU has no ragged all-to-all:
-    there each device sends every row, with its place (or none), in fixed [n, rows] buffers
-    through ``lax.all_to_all``, and the receiver writes them in place; the same result."""
+def _ragged_exchange(operand: jax.Array, rows: int, input_offsets, send_sizes, output_offsets,
+                     recv_sizes, axis: str, devices: int) -> jax.Array:
+    """[rows, d]: ``lax.ragged_all_to_all`` of `operand` into zeros (slice i to device
+    i // (slices / n), written there at `output_offsets[i]`). Its gradient is the same
+    exchange backwards (only the offsets are saved)."""
+    return _exchange(axis, devices, rows, operand, input_offsets, send_sizes, output_offsets,
+                     recv_sizes)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _exchange(axis, devices, rows, operand, input_offsets, send_sizes, output_offsets,
+              recv_sizes):
+    output = jnp.zeros((rows, operand.shape[1]), operand.dtype)
+    return _exchange_once(axis, devices, operand, output, input_offsets, send_sizes,
+                          output_offsets, recv_sizes)
+
+
+def _exchange_fwd(axis, devices, rows, operand, *meta):
+    shape = jnp.zeros((operand.shape[0], 0), operand.dtype)  # operand's rows, as a residual
+    return _exchange(axis, devices, rows, operand, *meta), (meta, shape)
+
+
+def _exchange_bwd(axis, devices, rows, residuals, cotangent):
+    """Each received slice's cotangent back to its sender, at the rows it came from."""
+    (input_offsets, send_sizes, output_offsets, recv_sizes), shape = residuals
+    landed = lax.all_to_all(output_offsets, axis, 0, 0, tiled=True)  # where mine landed here
+    came_from = lax.all_to_all(input_offsets, axis, 0, 0, tiled=True)
+    output = jnp.zeros((shape.shape[0], cotangent.shape[1]), cotangent.dtype)
+    grad = _exchange_once(axis, devices, cotangent, output, landed, recv_sizes, came_from,
+                          send_sizes)
+    return grad, None, None, None, None
+
+
+_exchange.defvjp(_exchange_fwd, _exchange_bwd)
+
+
+def _exchange_once(axis: str, devices: int, operand, output, input_offsets, send_sizes,
+                   output_offsets, recv_sizes) -> jax.Array:
+    """``lax.ragged_all_to_all`` where the platform has it. XLA:CPU has none: there each
+    device sends every row, with its place (or none), in fixed [n, rows] buffers through
+    ``lax.all_to_all``, and the receiver writes them in place; the same result."""
     def ragged(*args):
         return lax.ragged_all_to_all(*args, axis_name=axis)
 

@@ -262,6 +262,23 @@ def test_expert_parallel_matches_one_device(layout, rng, exact_f32):
         assert rel_error(a, b) <= 1e-5
 
 
+def test_expert_parallel_saves_little_for_the_backward(rng):
+    """What the backward pass keeps from the forward (jax.vjp's residuals): the exchange saves
+    its offsets only. Each device's receive buffers (n times its share of rows, for an exact
+    layer) bound the rest at n times the one-device layer's; the CPU exchange's buffers must not
+    ride along (platform_dependent's branches would save them on every platform)."""
+    devices = 4
+    mesh = _cpu_mesh((devices,), ("ep",))
+    args = _host(*_operands(rng, 256, 64, 8, 32))
+
+    def saved(f):
+        res = jax.eval_shape(lambda *a: jax.vjp(f, *a)[1], *args)
+        return sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in jax.tree.leaves(res))
+    with jax.set_mesh(mesh):
+        one, ep = saved(_moe(top_k=2)), saved(_moe(top_k=2, expert_axis="ep", mesh=mesh))
+    assert ep <= devices * one, (ep, one)
+
+
 def test_expert_parallel_deepseek_routing_over_8_devices(rng, exact_f32):
     """DeepSeek-V3's routing shape, 256 experts and top-8 with sigmoid scores, over 8 devices
     (32 experts each, 256 ragged slices per exchange): equals the one-device layer, gradients
