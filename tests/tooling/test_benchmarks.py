@@ -1002,6 +1002,33 @@ def test_bench_moe_layer_times_what_fits_in_memory():
         module._timed({"other": other}, sets, args)
 
 
+def test_bench_moe_layer_times_each_contender_alone_when_together_they_do_not_fit(monkeypatch):
+    """Steps that fit one at a time but not beside each other (XLA's layer needs one 88 GiB
+    buffer at some sizes) are timed in rounds of their own, and the row says so; a run where
+    nothing fits gives no timings instead of failing."""
+    module = _bench_module("bench_moe_layer")
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+    calls = []
+
+    def compare(contenders, sets, rounds, iterations):
+        calls.append((tuple(contenders), iterations))
+        if len(contenders) > 1:
+            raise oom
+        return {name: module._timing.Timing(1e-3, 0.0, rounds) for name in contenders}
+    monkeypatch.setattr(module._timing, "compare", compare)
+    args = module._parse(["--dry-run"])
+    sets = [(jnp.ones((4,)),)]
+    timings, count, notes = module._timed({"a": lambda x: x, "b": lambda x: x}, sets, args)
+    assert set(timings) == {"a", "b"} and count == 1
+    assert "timed alone" in notes["all"]
+    assert calls[-2:] == [(("a",), 1), (("b",), 1)]
+
+    def never(x):
+        raise oom
+    monkeypatch.undo()
+    assert module._timed({"never": never}, sets, args)[:2] == ({}, 0)
+
+
 def test_bench_sharded_dry_run(tmp_path):
     """On the forced host devices (conftest: 8): rows for 1 and 2 devices, speedups relative to
     the one-device row of the same op and layout."""
