@@ -15,24 +15,24 @@ Block scales come transposed (column blocks outermost): the layout the kernel lo
 TMA, one row of scales per K slice, when C is the contracted dimension (activations [M, K] with
 (1, 128): DeepSeek-V3's recipe; weights [N, K] with (128, 128)).
 
-``fp8_dot_general(lhs, rhs, lhs_scale, rhs_scale, dimension_numbers)`` computes
-``dot_general(lhs * lhs_scale, rhs * rhs_scale)`` (the scales broadcast or block-expanded as
-above) for 2-D FP8 operands, in fp32, rounded once to ``out_dtype`` (bf16 or fp32), plus an
-optional fp32 bias over the output's columns. On Hopper it runs the sm90 FP8 kernel
-(csrc/contract/sm90_fp8.h): e4m3 or e5m2 wgmma, the tensor core's partial sums promoted to fp32
-registers every 128 K with the block scales, per-tensor / row / column scales and the bias in the
-epilogue. ``precision`` picks the accumulation as lax spells it: None, HIGH and HIGHEST promote
-every 128 K (the tensor core keeps about 14 bits of its FP8 sums, so a long K accumulated inside
-it loses accuracy: at K = 16384, 1.3e-4 relative error promoted against 3e-3 not); ``DEFAULT``
-and ``DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM`` accumulate the whole K in the tensor core
-(what XLA's default FP8 dot does), faster, for per-tensor, row and column scales; block scales
-always promote. The kernel reads both operands K-major: an operand stored with K first ([K, M] or
-[K, N]) is transposed by XLA first. Scale forms per operand, tried in this order (the first whose
-shape matches wins): per tensor (one element); (1, 128) blocks along K (operands stored with K
-last); (128, 128) blocks; a vector over the operand's free dimension ([R, 1] when K is the
-columns, [1, C] when K is the rows). Scales that vary along K within a block of 128 are not
-accepted. Both operands of one FP8 type run the kernel; other combinations compute the same in
-XLA (dequantise, fp32 dot), as does every other platform.
+``fp8_dot_general(lhs, rhs, lhs_scale, rhs_scale, dimension_numbers)`` computes ``dot_general(lhs *
+lhs_scale, rhs * rhs_scale)`` (the scales broadcast or block-expanded as above) for 2-D FP8
+operands, in fp32, rounded once to ``out_dtype`` (bf16 or fp32), plus an optional fp32 bias over
+the output's columns. On Hopper it runs the sm90 FP8 kernel (csrc/contract/sm90_fp8.h): e4m3 or
+e5m2 wgmma, the tensor core's partial sums promoted to fp32 registers every 128 K with the block
+scales, per-tensor / row / column scales and the bias in the epilogue. ``precision`` picks the
+accumulation as lax spells it: None, HIGH and HIGHEST promote every 128 K (the tensor core keeps
+about 14 bits of its FP8 sums, so a long K accumulated inside it loses accuracy: at K = 16384,
+1.3e-4 relative error promoted against 3e-3 not); ``DEFAULT`` and
+``DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM`` accumulate the whole K in the tensor core (what
+XLA's default FP8 dot does), faster, for per-tensor, row and column scales; block scales always
+promote, and so do products of 128 rows or fewer (faster there). The kernel reads both operands
+K-major: an operand stored with K first ([K, M] or [K, N]) is transposed by XLA first. Scale forms
+per operand, tried in this order (the first whose shape matches wins): per tensor (one element);
+(1, 128) blocks along K (operands stored with K last); (128, 128) blocks; a vector over the
+operand's free dimension ([R, 1] when K is the columns, [1, C] when K is the rows). Scales that
+vary along K within a block of 128 are not accepted. Both operands of one FP8 type run the kernel;
+other combinations compute the same in XLA (dequantise, fp32 dot), as does every other platform.
 
 Gradients (straight-through): quantisation is treated as the identity. ``quantize_fp8`` passes
 its values' cotangent to x unchanged (scales get none), and ``fp8_dot_general``'s cotangents for
@@ -242,6 +242,9 @@ _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
 
 _FAST_PRECISIONS = ((lax.Precision.DEFAULT, lax.Precision.DEFAULT),
                     lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM)
+# Products of fewer rows than this promote even where fast accumulation is allowed: the fast
+# kernels have no 64-row tile, and the promoted ones are the faster there (docs/fp8.md).
+FAST_MIN_ROWS = 129
 
 
 def _fast_accumulation(precision) -> bool:
@@ -279,7 +282,9 @@ def fp8_dot_general(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any,
         (the default because it is the accurate one). ``Precision.DEFAULT`` or
         ``DotAlgorithmPreset.ANY_F8_ANY_F8_F32_FAST_ACCUM``: the tensor core accumulates the
         whole K (XLA's default for FP8; faster, about 14 bits kept), where both scales are per
-        tensor, row or column; with block scales it promotes anyway.
+        tensor, row or column; with block scales it promotes anyway, and with 128 rows or
+        fewer too unless `config` is a fast tile (the promoted kernel's 64-row tiles are
+        faster there).
       preferred_element_type: the output type, bf16 (default) or fp32.
       out_dtype: another name for preferred_element_type (both given: they must agree).
       bias: [N], added in fp32 before the rounding, or None.
@@ -304,7 +309,9 @@ def fp8_dot_general(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any,
     rhs_scale = jnp.asarray(rhs_scale, jnp.float32)
     blocks = {_classify(lhs_scale.shape, lhs.shape, lc, "lhs").kind,
               _classify(rhs_scale.shape, rhs.shape, rc, "rhs").kind} & {"block", "block_row"}
-    fast = fast and not blocks
+    m = lhs.shape[1 - lc]
+    fast = fast and not blocks and (m >= FAST_MIN_ROWS or (
+        config is not None and config.tile in {c.tile for c in FP8_FAST_CONFIGS}))
     if fast and config is not None and config.tile not in {c.tile for c in FP8_FAST_CONFIGS}:
         raise ValueError(
             f"jax_tma.fp8_dot_general: fast accumulation (precision={precision!r}) is compiled "

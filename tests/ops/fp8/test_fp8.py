@@ -21,6 +21,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_tma
+from jax_tma.ops.fp8 import api as fp8_api
 from jax_tma.ops.fp8 import config as fp8_config
 from jax_tma.ops.fp8 import primitive as fp8
 from jax_tma.ops.fp8 import quantize as fp8_quantize
@@ -483,13 +484,14 @@ def test_precision_picks_the_accumulation():
     """None / HIGH / HIGHEST promote; DEFAULT and the FAST_ACCUM preset accumulate in the
     tensor core unless a block scale asks for promotion; a fast product's config must be a
     fast tile."""
-    a, b = _spec((512, 1024), E4M3), _spec((768, 1024), E4M3)
+    b = _spec((768, 1024), E4M3)
     sa, sb = _spec((8, 512), F32), _spec((8, 6), F32)
 
-    def promote(precision, a_scale=2.0, b_scale=0.5, config=None):
+    def promote(precision, a_scale=2.0, b_scale=0.5, config=None, rows=512):
+        lhs = _spec((rows, 1024), E4M3)
         jaxpr = jax.make_jaxpr(lambda a, b, sa, sb: jax_tma.fp8_dot_general(
             a, b, a_scale if a_scale is not None else sa, b_scale if b_scale is not None else sb,
-            precision=precision, config=config))(a, b, sa, sb)
+            precision=precision, config=config))(lhs, b, sa, sb)
         found = re.findall(r"promote=(True|False)", str(jaxpr))
         assert len(found) == 1, str(jaxpr)
         return found[0] == "True"
@@ -505,6 +507,11 @@ def test_precision_picks_the_accumulation():
     with pytest.raises(ValueError, match="fast accumulation .* is compiled for"):
         promote("default", config=slow)
     assert promote(None, config=slow)
+    # 128 rows or fewer: the promoted kernel (its 64-row tiles), unless a fast tile is asked for.
+    few = fp8_api.FAST_MIN_ROWS - 1
+    assert promote("default", rows=few) and promote("default", config=slow, rows=few)
+    assert not promote("default", config=fp8_config.FP8_FAST_CONFIGS[0], rows=few)
+    assert not promote("default", rows=fp8_api.FAST_MIN_ROWS)
 
 
 @needs_extension
