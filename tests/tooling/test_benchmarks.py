@@ -606,6 +606,22 @@ def test_bench_parts_runs_parts_into_one_archive_and_one_cache(tmp_path):
     assert not (tmp_path / "out" / "reports").exists()
 
 
+def test_on_each_gpu_runs_one_command_per_device(tmp_path):
+    """scripts/on_each_gpu.sh: the i-th command sees CUDA_VISIBLE_DEVICES=i, each logs to its
+    own file, the script fails when one command does, and without commands it is a usage
+    error."""
+    script = str(REPO / "scripts" / "on_each_gpu.sh")
+    env = {**os.environ, "OUT": str(tmp_path)}
+    result = subprocess.run(["bash", script, "echo first $CUDA_VISIBLE_DEVICES",
+                             "echo second $CUDA_VISIBLE_DEVICES; exit 3"],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "gpu0 rc=0" in result.stdout and "gpu1 rc=3" in result.stdout
+    assert (tmp_path / "gpu0.log").read_text() == "first 0\n"
+    assert (tmp_path / "gpu1.log").read_text() == "second 1\n"
+    assert subprocess.run(["bash", script], capture_output=True, timeout=60).returncode == 2
+
+
 def test_bench_gemm_merge_takes_no_run_flags(capsys):
     with pytest.raises(SystemExit) as exit_:
         _bench_module("bench_gemm")._parse(["--merge", "a.json", "--dry-run", "--random", "3"])
