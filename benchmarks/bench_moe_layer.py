@@ -165,9 +165,8 @@ def _checks(cfg: LayerConfig, operands: tuple) -> tuple[dict, str]:
             continue
         checks = {}
         for name, tol in (("jax_tma", CHECK_TOLERANCE), ("jax_tma_fp8", FP8_CHECK_TOLERANCE)):
-            implementation = "jax_tma" if name == "jax_tma" else "jax_tma_fp8"
-            try:
-                (ours, _), grads = jax.jit(_step(_layer(implementation, cfg), True))(*ops)
+            try:  # the contenders are named by their implementation
+                (ours, _), grads = jax.jit(_step(_layer(name, cfg), True))(*ops)
             except jax.errors.JaxRuntimeError as err:  # left unchecked (the table says so)
                 if not _out_of_memory(err):
                     raise

@@ -245,6 +245,7 @@ _FAST_PRECISIONS = ((lax.Precision.DEFAULT, lax.Precision.DEFAULT),
 # Products of fewer rows than this promote even where fast accumulation is allowed: the fast
 # kernels have no 64-row tile, and the promoted ones are the faster there (docs/fp8.md).
 FAST_MIN_ROWS = 129
+_FAST_TILES = frozenset(c.tile for c in FP8_FAST_CONFIGS)
 
 
 def _fast_accumulation(precision) -> bool:
@@ -311,8 +312,8 @@ def fp8_dot_general(lhs: Any, rhs: Any, lhs_scale: Any, rhs_scale: Any,
               _classify(rhs_scale.shape, rhs.shape, rc, "rhs").kind} & {"block", "block_row"}
     m = lhs.shape[1 - lc]
     fast = fast and not blocks and (m >= FAST_MIN_ROWS or (
-        config is not None and config.tile in {c.tile for c in FP8_FAST_CONFIGS}))
-    if fast and config is not None and config.tile not in {c.tile for c in FP8_FAST_CONFIGS}:
+        config is not None and config.tile in _FAST_TILES))
+    if fast and config is not None and config.tile not in _FAST_TILES:
         raise ValueError(
             f"jax_tma.fp8_dot_general: fast accumulation (precision={precision!r}) is compiled "
             f"for the tiles of {', '.join(c.describe() for c in FP8_FAST_CONFIGS)} only, got "

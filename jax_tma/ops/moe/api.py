@@ -450,18 +450,18 @@ def _expert_parallel_body(x, router_kernel, w_gate, w_up, w_down, *, o: _Options
     before = jnp.cumsum(sent, axis=0) - sent  # rows of e from the devices before s
     offset = jnp.cumsum(counts) - counts  # expert e's run in `send`
     mine = lax.dynamic_slice_in_dim(sent, me * local, local, axis=1)  # [n, local] to me
-    received = _ragged_exchange(send, devices * capacity, offset, counts, block + before[me],
-                                mine.reshape(-1), axis, devices)
+    received = _ragged_exchange(axis, devices, devices * capacity, send, offset, counts,
+                                block + before[me], mine.reshape(-1))
     y = _experts(received, jnp.sum(mine, axis=0), (None, w_gate, w_up, w_down), o)
 
     # Back: the rows of (sender s, my expert l) to s, at expert l's run in s's `send`.
     runs = jnp.cumsum(sent, axis=1) - sent
     back = _ragged_exchange(
-        y, pairs,
+        axis, devices, pairs, y,
         (lax.dynamic_slice_in_dim(block, me * local, local)[None, :]
          + lax.dynamic_slice_in_dim(before, me * local, local, axis=1)).reshape(-1),
         mine.reshape(-1), lax.dynamic_slice_in_dim(runs, me * local, local, axis=1).reshape(-1),
-        counts, axis, devices)
+        counts)
     dropped = tokens * o.top_k - jnp.sum(counts)
     summed = _Routing(r.choice, r.weights, lax.psum(r.counts, axis), lax.psum(r.prob_sum, axis),
                       lax.psum(r.z_sum, axis))
@@ -469,18 +469,12 @@ def _expert_parallel_body(x, router_kernel, w_gate, w_up, w_down, *, o: _Options
     return _combine(back, p, r, o.dtype), stats
 
 
-def _ragged_exchange(operand: jax.Array, rows: int, input_offsets, send_sizes, output_offsets,
-                     recv_sizes, axis: str, devices: int) -> jax.Array:
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _ragged_exchange(axis: str, devices: int, rows: int, operand, input_offsets, send_sizes,
+                     output_offsets, recv_sizes) -> jax.Array:
     """[rows, d]: ``lax.ragged_all_to_all`` of `operand` into zeros (slice i to device
     i // (slices / n), written there at `output_offsets[i]`). Its gradient is the same
     exchange backwards (only the offsets are saved)."""
-    return _exchange(axis, devices, rows, operand, input_offsets, send_sizes, output_offsets,
-                     recv_sizes)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _exchange(axis, devices, rows, operand, input_offsets, send_sizes, output_offsets,
-              recv_sizes):
     output = jnp.zeros((rows, operand.shape[1]), operand.dtype)
     return _exchange_once(axis, devices, operand, output, input_offsets, send_sizes,
                           output_offsets, recv_sizes)
@@ -488,7 +482,7 @@ def _exchange(axis, devices, rows, operand, input_offsets, send_sizes, output_of
 
 def _exchange_fwd(axis, devices, rows, operand, *meta):
     shape = jnp.zeros((operand.shape[0], 0), operand.dtype)  # operand's rows, as a residual
-    return _exchange(axis, devices, rows, operand, *meta), (meta, shape)
+    return _ragged_exchange(axis, devices, rows, operand, *meta), (meta, shape)
 
 
 def _exchange_bwd(axis, devices, rows, residuals, cotangent):
@@ -502,7 +496,7 @@ def _exchange_bwd(axis, devices, rows, residuals, cotangent):
     return grad, None, None, None, None
 
 
-_exchange.defvjp(_exchange_fwd, _exchange_bwd)
+_ragged_exchange.defvjp(_exchange_fwd, _exchange_bwd)
 
 
 def _exchange_once(axis: str, devices: int, operand, output, input_offsets, send_sizes,
