@@ -5,6 +5,7 @@ never asserted."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import importlib.util
 import io
 import json
@@ -1043,6 +1044,57 @@ def test_bench_moe_layer_times_each_contender_alone_when_together_they_do_not_fi
         raise oom
     monkeypatch.undo()
     assert module._timed({"never": never}, sets, args)[:2] == ({}, 0)
+
+
+def test_bench_moe_layer_parts_merge_in_suite_order(tmp_path):
+    """--part runs' reports merge into the suite's, in its order; reports of another commit or
+    holding a configuration twice are refused."""
+    module = _bench_module("bench_moe_layer")
+    env = {"device": "NVIDIA H200", "driver": "1", "jax": "0.11", "jaxlib": "0.11",
+           "commit": "abc", "timing": "cupti"}
+    last, first = module.SUITE[-1], module.SUITE[0]
+    paths = []
+    for i, cfg in enumerate((last, first)):
+        path = tmp_path / f"p{i}.json"
+        path.write_text(json.dumps({"environment": env, "complete": True, "rows": [
+            {"name": cfg.name, "tokens": cfg.tokens}]}))
+        paths.append(path)
+    got_env, rows, complete = module.merge(paths)
+    assert got_env == env and not complete  # two of the suite's configurations
+    assert [(r["name"], r["tokens"]) for r in rows] == [(first.name, first.tokens),
+                                                      (last.name, last.tokens)]
+    with pytest.raises(ValueError, match="appears twice"):
+        module.merge([paths[0], paths[0]])
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"environment": dict(env, commit="def"), "rows": []}))
+    with pytest.raises(ValueError, match="commit 'def'"):
+        module.merge([paths[0], other])
+    args = module._parse(["--part", "2/2"])
+    assert args.stem == "bench_moe_layer_part2of2"
+    assert args.configs == module.SUITE[len(module.SUITE) // 2:]
+
+
+def test_bench_moe_layer_checks_on_fewer_tokens_when_the_reference_fails_late(monkeypatch):
+    """An allocation that fails only when the reference's result is read (XLA runs
+    asynchronously) still moves the check to the first 1024 tokens, instead of ending the run."""
+    module = _bench_module("bench_moe_layer")
+    oom = jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate")
+    cfg = module.DRY_RUN[0]
+    cfg = dataclasses.replace(cfg, tokens=2048)
+    key = jax.random.key(0)
+    params = module._params(cfg, key)
+    x = jax.random.normal(key, (cfg.tokens, cfg.d_model), jnp.float32).astype(jnp.bfloat16)
+    ready = jax.block_until_ready
+
+    def block(value):  # the full-size reference fails when read
+        leaves = jax.tree_util.tree_leaves(value)
+        if any(getattr(leaf, "shape", ())[:1] == (cfg.tokens,) for leaf in leaves):
+            raise oom
+        return ready(value)
+    monkeypatch.setattr(module.jax, "block_until_ready", block)
+    checks, checked = module._checks(cfg, (x, x.astype(jnp.float32), *params))
+    assert checked == "checked on the first 1024 tokens"
+    assert set(checks) == {"jax_tma", "jax_tma_fp8"} and all(ok for *_, ok in checks.values())
 
 
 def test_bench_sharded_dry_run(tmp_path):
