@@ -44,6 +44,7 @@ from jax import lax
 
 import jax_tma
 from jax_tma import _timing
+from jax_tma._core import device
 from jax_tma.ops.fp8 import config as fp8_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -165,9 +166,17 @@ def bench(shape, args) -> list[Row]:
     return rows
 
 
+def _and_streamed(configs, m: int, n: int, k: int) -> list:
+    """`configs`, then each of them on stream-K where it applies to an M x N x K product."""
+    streamed = [dataclasses.replace(c, stream_k=True) for c in configs if c.takes_stream_k]
+    return list(configs) + [c for c in streamed if c.stream_k_applies(
+        -(-m // c.block_m) * -(-n // c.block_n), k, device.num_sms())]
+
+
 def sweep(shape, args) -> list[Row]:
     """jax_tma's product with per-tensor and with block scales on every compiled tile (no
-    split) and on the heuristic's choice, timed together: the data to tune the heuristic with."""
+    split; whole, and on stream-K where it applies: "sk") and on the heuristic's choice, timed
+    together: the data to tune the heuristic with."""
     sets = _operand_sets(shape, args.sets, args.seed)
     m, n, k = shape
     default = fp8_config.default_config(m, n, k).describe()
@@ -179,8 +188,8 @@ def sweep(shape, args) -> list[Row]:
     def fitting(configs):
         return [c for c in configs if fp8_config.cluster_fits(c.block_m, c.cluster_m, m)]
 
-    for cfg in fitting(fp8_config.FP8_CONFIGS):
-        name = "x".join(map(str, cfg.tile))
+    for cfg in fitting(_and_streamed(fp8_config.FP8_CONFIGS, m, n, k)):
+        name = "x".join(map(str, cfg.tile)) + (" sk" if cfg.stream_k else "")
         contenders["tensor " + name] = (
             lambda a, b, sa, sb, s_a, s_b, *rest, cfg=cfg: jax_tma.fp8_dot_general(
                 a, b, s_a, s_b, NT, config=cfg))
@@ -188,8 +197,8 @@ def sweep(shape, args) -> list[Row]:
             lambda a, b, sa, sb, *rest, cfg=cfg: jax_tma.fp8_dot_general(a, b, sa, sb, NT,
                                                                          config=cfg))
     # The tensor core's own accumulation over the whole K (precision=DEFAULT, per-tensor).
-    for cfg in fitting(fp8_config.FP8_FAST_CONFIGS):
-        contenders["fast " + "x".join(map(str, cfg.tile))] = (
+    for cfg in fitting(_and_streamed(fp8_config.FP8_FAST_CONFIGS, m, n, k)):
+        contenders["fast " + "x".join(map(str, cfg.tile)) + (" sk" if cfg.stream_k else "")] = (
             lambda a, b, sa, sb, s_a, s_b, *rest, cfg=cfg: jax_tma.fp8_dot_general(
                 a, b, s_a, s_b, NT, precision=lax.Precision.DEFAULT, config=cfg))
     # XLA's e4m3 dot as the same run measures it: promoted (HIGHEST) and tensor-core

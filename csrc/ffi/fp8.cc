@@ -12,10 +12,14 @@
 //   col_scale  [n] fp32                 col_scale = 2 ([1]: col_scale = 1, one for all)
 //   bias       [n] fp32                 has_bias
 // -> out [splits, batch, m, n], bf16 or fp32 (fp32 when splits > 1: one partial product per K
-// range, for the caller to sum). k is a multiple of 16, n of 8, sa_ld and sb_ld of 4 (16-byte
+// range, for the caller to sum), workspace (stream_k = 1: sm90_gemm::stream_k_workspace_bytes,
+// flags zeroed by the launch; any size, untouched, when 0). k is a multiple of 16, n of 8, sa_ld and sb_ld of 4 (16-byte
 // rows for TMA). promote = 1 runs a tile of JAX_TMA_SM90_FP8_TILES (partial sums promoted every
 // 128 K), promote = 0 one of JAX_TMA_SM90_FP8_FAST_TILES (the tensor core's accumulation over
-// the whole K range), which reads no block scales (contract/sm90_fp8.h).
+// the whole K range), which reads no block scales (contract/sm90_fp8.h). stream_k = 1 (128-row
+// tiles without a cluster, no split-K) deals the last wave's K slices out to the whole grid
+// (scheduler/tile_scheduler.cuh): the promoted partial sums are already scaled, so the pieces'
+// sums add up as the unsplit tile's would.
 #include "ffi/fp8.h"
 
 #include <cuda.h>
@@ -41,7 +45,7 @@ namespace ffi = xla::ffi;
 namespace jax_tma::ffi_handlers {
 
 struct Fp8Attrs {
-  int64_t block_m, block_n, stages, cluster_m, promote, splits;
+  int64_t block_m, block_n, stages, cluster_m, promote, splits, stream_k;
   int64_t m, n, k, batch, a_batched, b_batched, sa_ld, sb_ld;
   int64_t has_sa, has_sb, row_scale, col_scale, has_bias;
 };
@@ -67,6 +71,7 @@ struct Buffers {
   const ffi::AnyBuffer* col_scale;
   const ffi::AnyBuffer* bias;
   ffi::AnyBuffer* out;
+  ffi::AnyBuffer* workspace;
 };
 
 template <class T, class Tile, bool kPromote>
@@ -77,6 +82,11 @@ cudaError_t launch_out(DType out, const LaunchArgs& args, const Fp8Launch& fp8) 
 
 template <class Tile, bool kPromote>
 ffi::Error run(const Fp8Attrs& p, DType in, DType out, const Buffers& buf, LaunchArgs args) {
+  if (p.stream_k && !Tile::kStreamK) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma fp8: stream_k=1 needs a 128-row tile without a cluster (cluster_m=1), got "
+        "block_m=" + str(p.block_m) + ", cluster_m=" + str(p.cluster_m));
+  }
   using Boxes = sm90_gemm::OperandBoxes<Tile, sm90_gemm::LayoutNT>;
   const int64_t units = (p.m + Tile::kBlockM - 1) / Tile::kBlockM *
                         ((p.n + Tile::kBlockN - 1) / Tile::kBlockN) * p.batch * p.splits;
@@ -211,6 +221,11 @@ ffi::Error fp8_gemm(cudaStream_t stream, int32_t device, const Buffers& buf, con
         "and sb_ld >= ceil(n / 128) of 4, got " + dims + ", sa_ld=" + str(p.sa_ld) +
         ", sb_ld=" + str(p.sb_ld));
   }
+  if (p.stream_k != 0 && (p.stream_k != 1 || p.splits != 1)) {
+    return ffi::Error::InvalidArgument(
+        "jax_tma fp8: stream_k must be 0 or 1, and 1 only without split-K, got stream_k=" +
+        str(p.stream_k) + ", splits=" + str(p.splits));
+  }
   int64_t per_split = 0;
   JAX_TMA_RETURN_IF_ERROR(
       ffi_util::check_splits(kOp, p.splits, kb, kScaleBlock, out == DType::kF32, dims, &per_split));
@@ -234,6 +249,9 @@ ffi::Error fp8_gemm(cudaStream_t stream, int32_t device, const Buffers& buf, con
                                        p.a_batched != 0, p.b_batched != 0);
   args.num_sms = info->num_sms;
   args.stream = stream;
+  args.stream_k = p.stream_k == 1;
+  args.workspace = buf.workspace->untyped_data();
+  args.workspace_bytes = static_cast<int64_t>(buf.workspace->size_bytes());
   return dispatch(p, in, out, buf, args);
 }
 
@@ -246,10 +264,12 @@ ffi::Error fp8_gemm_sm90(cudaStream_t stream, int32_t device,
                          ffi::AnyBuffer row_scale,         // fp32
                          ffi::AnyBuffer col_scale,         // fp32
                          ffi::AnyBuffer bias,              // fp32
-                         ffi::Result<ffi::AnyBuffer> out,  // bf16 or fp32
+                         ffi::Result<ffi::AnyBuffer> out,        // bf16 or fp32
+                         ffi::Result<ffi::AnyBuffer> workspace,  // stream-K workspace
                          Fp8Attrs attrs) {
   return fp8_gemm(stream, device,
-                  Buffers{&a, &b, &sa, &sb, &row_scale, &col_scale, &bias, &*out}, attrs);
+                  Buffers{&a, &b, &sa, &sb, &row_scale, &col_scale, &bias, &*out, &*workspace},
+                  attrs);
 }
 
 }  // namespace
@@ -263,6 +283,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(
     xla::ffi::StructMember<int64_t>("cluster_m"),
     xla::ffi::StructMember<int64_t>("promote"),        // 0: fast accumulation
     xla::ffi::StructMember<int64_t>("splits"),         // split-K ranges (fp32 partial products)
+    xla::ffi::StructMember<int64_t>("stream_k"),       // 1: stream-K last wave
     xla::ffi::StructMember<int64_t>("m"),
     xla::ffi::StructMember<int64_t>("n"),
     xla::ffi::StructMember<int64_t>("k"),

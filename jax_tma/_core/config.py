@@ -91,6 +91,75 @@ class TileConfig:
         raise TypeError(f"{op}: config must be a jax_tma.{cls.__name__} or None, got {config!r}")
 
 
+# Stream-K (scheduler/tile_scheduler.cuh, TileScheduler::make_params): the workspace's flags, one
+# per consumer warpgroup (sm90_gemm::kStreamKSlotsPerCta), and the fewest K slices per CTA.
+STREAM_K_SLOTS_PER_CTA = 2
+STREAM_K_MIN_SLICES = 4
+
+
+def stream_k_share(tiles: int, k_blocks: int, num_sms: int) -> tuple[int, int] | None:
+    """(tiles left after the whole waves, CTAs that share their K slices) when stream-K
+    applies to `tiles` tiles of `k_blocks` K slices on `num_sms` CTAs, else None
+    (TileScheduler::make_params)."""
+    left = tiles % num_sms
+    iterations = left * k_blocks
+    ctas = min(num_sms, iterations // STREAM_K_MIN_SLICES)
+    if left and ctas > left and iterations <= (2**31 - 1) // 2:
+        return left, ctas
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamKConfig(TileConfig):
+    """A tile configuration of a kernel that also runs stream-K (the dense GEMM's and the FP8
+    product's: scheduler/tile_scheduler.cuh).
+
+    Attributes:
+      stream_k: when the tiles do not fill the last wave of the grid, deal that wave's K slices
+        out evenly to every CTA (128-row tiles, cluster_m=1, split_k=1 only). CTAs that compute
+        part of a tile leave fp32 partial sums in a workspace for the CTA that computes the
+        tile's first slices, which adds them in a fixed order (deterministic) before storing.
+        Applies only where each CTA gets at least 4 slices and more CTAs get work than whole
+        tiles would give; otherwise the tiles run whole.
+    """
+
+    stream_k: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stream_k, np.bool_):
+            object.__setattr__(self, "stream_k", bool(self.stream_k))
+        super().__post_init__()
+        if not isinstance(self.stream_k, bool):
+            raise ValueError(f"jax_tma: {type(self).__name__} stream_k must be a bool, got "
+                             f"{self.stream_k!r}")
+        if self.stream_k and not (self.takes_stream_k and self.split_k == 1):
+            raise ValueError(
+                f"jax_tma: {type(self).__name__}({self.describe()}): stream_k needs block_m=128, "
+                "cluster_m=1 and split_k=1")
+
+    @property
+    def takes_stream_k(self) -> bool:
+        """Whether this tile can run stream-K (TileConfig::kStreamK: 128 rows, no cluster)."""
+        return self.block_m == 128 and self.cluster_m == 1
+
+    def describe(self) -> str:
+        return super().describe() + (", stream_k=True" if self.stream_k else "")
+
+    def stream_k_applies(self, tiles: int, k: int, num_sms: int) -> tuple[int, int] | None:
+        """stream_k_share of `tiles` tiles of depth k where this configuration runs stream-K,
+        else None."""
+        return stream_k_share(tiles, -(-k // self.BLOCK_K), num_sms) if self.stream_k else None
+
+    def stream_k_workspace_bytes(self, num_sms: int) -> int:
+        """Bytes of the stream-K workspace for a grid of `num_sms` CTAs (0 without stream-K):
+        a flag per consumer warpgroup padded to 256 bytes, then an fp32 tile per CTA
+        (sm90_gemm::stream_k_workspace_bytes)."""
+        if not self.stream_k:
+            return 0
+        flag_bytes = -(-num_sms * STREAM_K_SLOTS_PER_CTA * 4 // 256) * 256
+        return flag_bytes + num_sms * self.block_m * self.block_n * 4
+
+
 def require_among(config: TileConfig, allowed: Iterable[TileConfig], op: str, what: str,
                   **fixed) -> TileConfig:
     """`config` when its tile is one of `allowed`'s and each field named in `fixed` has that

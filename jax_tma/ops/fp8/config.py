@@ -6,7 +6,10 @@ block_m x block_n makes ceil(M / block_m) * ceil(N / block_n) work tiles, run in
 per SM; every wave costs as much as a full one (the last wave's idle SMs are the loss that
 non-power-of-two widths such as 192 avoid), each tile at its measured share of the chip's FP8
 rate; the result is at least the operands' and the output's bytes at DRAM speed. Split-K is
-considered only where the tiles fill less than one wave.
+considered only where the tiles fill less than one wave; stream-K (128-row tiles without a
+cluster) wherever the tiles leave the last wave part-empty: the whole waves, then that wave's K
+slices dealt out to every SM, plus a fixed cost for the flags' memset and the partial sums' trip
+through the workspace.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from jax_tma._core import device, tiles
-from jax_tma._core.config import Tile, TileConfig, fastest, ranked, require_among
+from jax_tma._core.config import StreamKConfig, Tile, fastest, ranked, require_among
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -32,8 +35,8 @@ MAX_SPLIT_K = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class Fp8Config(TileConfig):
-    """One compiled tile of the FP8 kernel, with a split-K factor.
+class Fp8Config(StreamKConfig):
+    """One compiled tile of the FP8 kernel, with a split-K factor or stream-K.
 
     Attributes:
       block_m, block_n: the CTA tile (128-row tiles: two consumer warpgroups of 64 rows; 64-row
@@ -41,6 +44,9 @@ class Fp8Config(TileConfig):
         vertically adjacent tiles that multicast B.
       split_k: K ranges computed apart as fp32 partial products and summed by XLA (for products
         with few output tiles and a long K).
+      stream_k: the last wave's K slices dealt out to every CTA, the pieces' fp32 partial sums
+        (promoted and scaled) added by the CTA that starts each tile, in a fixed order
+        (128-row tiles with cluster_m=1, split_k=1; see StreamKConfig).
     """
 
     TILES: ClassVar[tuple[Tile, ...]] = _FP8_TILES
@@ -63,23 +69,33 @@ _FAST_EFFICIENCY = {(128, 256): 0.80, (128, 192): 0.775, (128, 128): 0.75}
 # A compiled tile without a rate is selectable with config=, timed by bench_fp8.py --sweep and
 # fp8_autotune, but not a heuristic candidate until it is measured.
 _PEAK_FLOPS = 1.979e15
+# Stream-K's once-per-call cost: the flags' memset before the kernel, and the heads' wait for and
+# sum of the pieces' partial tiles (through L2).
+_STREAM_K_FIXED_S = 2e-6
 
 
 def estimate_seconds(cfg: Fp8Config, m: int, n: int, k: int, num_sms: int,
                      dram_bytes_per_s: float, fast: bool = False) -> float:
     """A rough time of one product on `cfg`: waves of tiles at the tile's rate, or the operand
     and output bytes at DRAM speed, whichever is longer; split-K adds its fp32 partial products'
-    round trip through memory and XLA's sum after the kernel."""
+    round trip through memory and XLA's sum after the kernel; stream-K replaces the last wave by
+    its share of that wave's K slices, plus a fixed cost."""
     m_blocks, n_blocks = -(-m // cfg.block_m), -(-n // cfg.block_n)
     splits = cfg.splits_for(k)
     units = m_blocks * n_blocks * splits
     waves = -(-units // num_sms)
+    share = cfg.stream_k_applies(units, k, num_sms)
+    if share is not None:
+        left, ctas = share
+        waves = units // num_sms + left / ctas
     efficiency = (_FAST_EFFICIENCY if fast else _TILE_EFFICIENCY)[(cfg.block_m, cfg.block_n)]
     per_unit = 2.0 * cfg.block_m * cfg.block_n * -(-k // splits) / (
         _PEAK_FLOPS / num_sms * efficiency)
     seconds = max(waves * per_unit, (m * k + n * k + 2 * m * n) / dram_bytes_per_s)
     if splits > 1:
         seconds += (8 * splits + 2) * m * n / dram_bytes_per_s + 3e-6
+    if share is not None:
+        seconds += _STREAM_K_FIXED_S
     return seconds
 
 
@@ -92,7 +108,8 @@ def ranked_configs(m: int, n: int, k: int, num_sms: int | None = None, fast: boo
                    measured_only: bool = True) -> list[Fp8Config]:
     """The compiled tiles with promotion (or, `fast`, for the tensor core's accumulation) that
     fit the product, with the split-K factors worth trying (only where the tiles fill less than
-    one wave), by estimated time, fastest first (ties: no split, the larger tile). Tiles without
+    one wave) and stream-K where it applies, by estimated time, fastest first (ties: no split,
+    no stream-K, the larger tile). Tiles without
     a measured rate are left out, or with `measured_only=False` ranked last (fp8_autotune times
     them too)."""
     num_sms = device.num_sms() if num_sms is None else num_sms
@@ -108,12 +125,16 @@ def ranked_configs(m: int, n: int, k: int, num_sms: int | None = None, fast: boo
                 cfg = Fp8Config(*tile, split_k=split)
                 if cfg.splits_for(k) == split:
                     yield cfg
+            streamed = Fp8Config(*tile, stream_k=True) if Fp8Config(*tile).takes_stream_k else None
+            if streamed is not None and streamed.stream_k_applies(tiles, k, num_sms):
+                yield streamed
 
     return ranked(candidates(),
                   lambda cfg: estimate_seconds(cfg, m, n, k, num_sms,
                                                device.dram_bytes_per_s(), fast)
                   if cfg.tile[:2] in efficiency else float("inf"),
-                  lambda cfg: (cfg.split_k, -cfg.block_m * cfg.block_n, -cfg.cluster_m),
+                  lambda cfg: (cfg.split_k, cfg.stream_k, -cfg.block_m * cfg.block_n,
+                               -cfg.cluster_m),
                   digits=8)
 
 
@@ -132,7 +153,7 @@ def check_ragged_config(config: Fp8Config) -> Fp8Config:
     """`config` if the FP8 ragged kernel is compiled with it; else a ValueError naming the
     choices."""
     return require_among(config, FP8_RAGGED_CONFIGS, "fp8_ragged_dot", "FP8 ragged products",
-                         split_k=1)
+                         split_k=1, stream_k=False)
 
 
 def default_ragged_config(rows: int, n: int, k: int, groups: int,

@@ -15,6 +15,7 @@ from jax import lax
 from jax.interpreters import batching
 
 from jax_tma import _ext
+from jax_tma._core import device
 from jax_tma._core.aval import result_aval
 from jax_tma._core.primitive import (bind_local, define_primitive, kernel_ffi_call,
                                      sum_split_partials)
@@ -96,7 +97,8 @@ def kernel_applies(a, b, out_dtype) -> bool:
 def _kernel_call(a, b, *rest, has_sa, has_sb, row_scale, col_scale, has_bias, out_dtype,
                  config, promote=True, poison=False):
     """The FFI call: pads K to 16-byte rows, N to 8 and the block scales' rows to 16 bytes,
-    runs the kernel (split-K: fp32 partial products summed here, the bias added after)."""
+    runs the kernel (split-K: fp32 partial products summed here, the bias added after;
+    stream-K: its workspace is the call's second result, unused after it)."""
     sa, sb, rs, cs, bias = _split(rest, has_sa, has_sb, row_scale, col_scale, has_bias)
     m, k = a.shape
     n = b.shape[0]
@@ -124,7 +126,7 @@ def _kernel_call(a, b, *rest, has_sa, has_sb, row_scale, col_scale, has_bias, ou
     attrs = dict(
         block_m=i64(cfg.block_m), block_n=i64(cfg.block_n), stages=i64(cfg.stages),
         cluster_m=i64(cfg.cluster_m), promote=i64(promote), splits=i64(splits),
-        m=i64(m), n=i64(n_pad), k=i64(a.shape[1]), batch=i64(1), a_batched=i64(0),
+        stream_k=i64(cfg.stream_k), m=i64(m), n=i64(n_pad), k=i64(a.shape[1]), batch=i64(1), a_batched=i64(0),
         b_batched=i64(0), sa_ld=i64(sa.shape[1] if has_sa else 4),
         sb_ld=i64(sb.shape[1] if has_sb else 4), has_sa=i64(has_sa), has_sb=i64(has_sb),
         row_scale=i64(_VECTOR_CODE[row_scale]), col_scale=i64(_VECTOR_CODE[col_scale]),
@@ -132,8 +134,9 @@ def _kernel_call(a, b, *rest, has_sa, has_sb, row_scale, col_scale, has_bias, ou
     operands = (a, b, sa, sb, placeholder if rs is None else rs.reshape(-1),
                 placeholder if cs is None else cs.reshape(-1),
                 bias if bias is not None and splits == 1 else placeholder)
-    out_type = jax.ShapeDtypeStruct(d_shape, d_dtype)
-    d, = kernel_ffi_call(KERNEL_TARGET, (out_type,), operands, attrs, poison=poison)
+    out_types = (jax.ShapeDtypeStruct(d_shape, d_dtype),
+                 jax.ShapeDtypeStruct((cfg.stream_k_workspace_bytes(device.num_sms()),), jnp.uint8))
+    d, _ = kernel_ffi_call(KERNEL_TARGET, out_types, operands, attrs, poison=poison)
     if splits > 1:
         d = sum_split_partials(d)
         if bias is not None:

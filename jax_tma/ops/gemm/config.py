@@ -13,10 +13,9 @@ import math
 from typing import ClassVar
 
 import jax.numpy as jnp
-import numpy as np
 
 from jax_tma._core import tiles
-from jax_tma._core.config import Tile, TileConfig, ranked
+from jax_tma._core.config import StreamKConfig, Tile, ranked
 from jax_tma._core.device import (  # noqa: F401 - the heuristics' defaults
     DEFAULT_DRAM_BYTES_PER_S,
     DEFAULT_L2_BYTES,
@@ -36,7 +35,6 @@ BLOCK_K = 64
 _COMPILED_TILES = tiles.gemm_tiles()
 _TILE_KEYS = {t[:4]: t[4] for t in _COMPILED_TILES}
 MAX_SPLIT_K = 16
-_STREAM_K_SLOTS_PER_CTA = 2  # sm90_gemm::kStreamKSlotsPerCta: one per consumer warpgroup
 # EpilogueKind (csrc/contract/sm90_gemm.h).
 _EPILOGUE_TMA_STORE, _EPILOGUE_DIRECT = 0, 1
 
@@ -60,7 +58,7 @@ def kernel_output_dtypes(in_dtype) -> tuple:
 
 
 @dataclasses.dataclass(frozen=True)
-class GemmConfig(TileConfig):
+class GemmConfig(StreamKConfig):
     """One compiled configuration of the sm90 GEMM kernel.
 
     Attributes:
@@ -81,33 +79,14 @@ class GemmConfig(TileConfig):
         tiles would give; otherwise the tiles run whole.
     """
 
-    stream_k: bool = False
-
     TILES: ClassVar[tuple[Tile, ...]] = tuple(t[:4] for t in _COMPILED_TILES)
     MAX_SPLIT_K: ClassVar[int] = MAX_SPLIT_K
     BLOCK_K: ClassVar[int] = BLOCK_K
-
-    def __post_init__(self) -> None:
-        if isinstance(self.stream_k, np.bool_):
-            object.__setattr__(self, "stream_k", bool(self.stream_k))
-        super().__post_init__()
-        if not isinstance(self.stream_k, bool):
-            raise ValueError(f"jax_tma: GemmConfig stream_k must be a bool, got {self.stream_k!r}")
-        if self.stream_k and not (self.takes_stream_k and self.split_k == 1):
-            raise ValueError(
-                f"jax_tma: GemmConfig({self.describe()}): stream_k needs block_m=128, "
-                "cluster_m=1 and split_k=1"
-            )
 
     def multicasts(self, m: int) -> bool:
         """Whether the CTAs of a cluster share B's loads (multicast) on M = m: a cluster row
         whose second M block lies past the matrix loads B alone."""
         return self.cluster_m > 1 and math.ceil(m / self.block_m) >= self.cluster_m
-
-    @property
-    def takes_stream_k(self) -> bool:
-        """Whether this tile can run stream-K (TileConfig::kStreamK: 128 rows, no cluster)."""
-        return self.block_m == 128 and self.cluster_m == 1
 
     @property
     def has_direct_store(self) -> bool:
@@ -120,17 +99,6 @@ class GemmConfig(TileConfig):
         cluster_rows = -(-(-(-m // self.block_m)) // self.cluster_m)
         return cluster_rows * -(-n // self.block_n) * batch * self.splits_for(k)
 
-    def describe(self) -> str:
-        return super().describe() + (", stream_k=True" if self.stream_k else "")
-
-    def stream_k_workspace_bytes(self, num_sms: int) -> int:
-        """Bytes of the stream-K workspace for a grid of `num_sms` CTAs (0 without stream-K):
-        a flag per consumer warpgroup padded to 256 bytes, then an fp32 tile per CTA
-        (sm90_gemm::stream_k_workspace_bytes)."""
-        if not self.stream_k:
-            return 0
-        flag_bytes = -(-num_sms * _STREAM_K_SLOTS_PER_CTA * 4 // 256) * 256
-        return flag_bytes + num_sms * self.block_m * self.block_n * 4
 
 
 COMPILED_CONFIGS: tuple[GemmConfig, ...] = tuple(
@@ -231,7 +199,6 @@ _STREAM_K_EXTRA_TILES = 0.33
 # that (H200, 16384 x 4096 x 14336: 26 us ahead, estimated 0.7), so the charge stops there.
 _STREAM_K_FIXED_S = 4e-6
 _STREAM_K_FIXED_WAVES = 4
-_STREAM_K_MIN_SLICES = 4  # TileScheduler::kMinStreamKSlices
 # The tile order in which stream_k_shared_operand_bytes counts the blocks that stream-K's tiles
 # share: groups of 8 cluster rows sweeping the N blocks, TileScheduler's order when
 # _STREAM_K_REREAD was fitted. Since 79d19c5 the scheduler's groups follow the tile and the grid
@@ -247,18 +214,6 @@ _GROUP_M = 8
 _STREAM_K_REREAD = 1.5
 
 
-def stream_k_share(tiles: int, k: int, num_sms: int) -> tuple[int, int] | None:
-    """(tiles left after the whole waves, CTAs that share their K slices) when stream-K
-    applies to `tiles` tiles of depth k on `num_sms` CTAs, else None
-    (TileScheduler::make_params)."""
-    left = tiles % num_sms
-    iterations = left * math.ceil(k / BLOCK_K)
-    ctas = min(num_sms, iterations // _STREAM_K_MIN_SLICES)
-    if left and ctas > left and iterations <= (2**31 - 1) // 2:
-        return left, ctas
-    return None
-
-
 def stream_k_shared_operand_bytes(config: GemmConfig, m: int, n: int, k: int, batch: int = 1,
                                   num_sms: int = DEFAULT_NUM_SMS, in_bytes: int = 2) -> int:
     """Bytes of the operand blocks that two or more of stream-K's tiles read: the row blocks of
@@ -267,7 +222,7 @@ def stream_k_shared_operand_bytes(config: GemmConfig, m: int, n: int, k: int, ba
     m_blocks, n_blocks = math.ceil(m / config.block_m), math.ceil(n / config.block_n)
     per_batch = m_blocks * n_blocks
     tiles = batch * per_batch
-    if not config.stream_k or stream_k_share(tiles, k, num_sms) is None:
+    if config.stream_k_applies(tiles, k, num_sms) is None:
         return 0
     row_uses: collections.Counter = collections.Counter()  # (batch entry, block) -> tiles
     col_uses: collections.Counter = collections.Counter()
@@ -327,7 +282,7 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
     bandwidth = min(streaming, busy * _MEMORY_BYTES_PER_S_PER_CTA)
     memory_s = batch * (2 * (m * k + k * n) + out_bytes * m * n) / bandwidth
     split_s = 0.0 if splits == 1 else _SPLIT_FIXED_S + 8 * splits * batch * m * n / streaming
-    share = stream_k_share(tiles, k, num_sms) if config.stream_k else None
+    share = config.stream_k_applies(tiles, k, num_sms)
     stream_k_s = 0.0  # stream-K's re-reads of shared operand blocks, and its fixed cost
     if share is not None:
         left, ctas = share

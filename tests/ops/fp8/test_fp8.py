@@ -10,6 +10,7 @@ bf16 output 1e-2 (its rounding alone is ~2e-3); the XLA path (CPU) is an fp32 pr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -512,6 +513,86 @@ def test_precision_picks_the_accumulation():
     assert promote("default", rows=few) and promote("default", config=slow, rows=few)
     assert not promote("default", config=fp8_config.FP8_FAST_CONFIGS[0], rows=few)
     assert not promote("default", rows=fp8_api.FAST_MIN_ROWS)
+
+
+# Stream-K: the tiles that take it, promoted and fast. 1000 x 4000 on 128 x 128 tiles is 256
+# tiles (a whole wave of 132, then 124 tiles' K slices dealt out), on 128 x 256 tiles 128 (one
+# part-empty wave, all dealt out); 200 x 776 x 2080 is 14 or 8 tiles of 17 slices each.
+STREAM_K_CONFIGS = [dataclasses.replace(c, stream_k=True) for c in fp8_config.FP8_CONFIGS
+                    if c.takes_stream_k]
+STREAM_K_FAST_CONFIGS = [dataclasses.replace(c, stream_k=True)
+                         for c in fp8_config.FP8_FAST_CONFIGS if c.takes_stream_k]
+STREAM_K_SHAPES = [(1000, 4000, 1040), (200, 776, 2080)]
+
+
+def _streams(config, m, n, k) -> bool:
+    tiles = -(-m // config.block_m) * -(-n // config.block_n)
+    return config.stream_k_applies(tiles, k, jax_tma._core.device.num_sms()) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", STREAM_K_SHAPES, ids=str)
+@pytest.mark.parametrize("config", STREAM_K_CONFIGS, ids=_config_id)
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
+def test_kernel_stream_k_matches_float64(rng, config, shape, out_dtype):
+    """Promoted stream-K pieces, block-scaled with a bias and per-tensor (the scale folded into
+    the promotion), add up to the whole product; deterministic from call to call."""
+    m, n, k = shape
+    assert _streams(config, m, n, k)
+    a, b, sa, sb, ref = _block_operands(rng, m, n, k)
+    bias = rng.standard_normal(n).astype(np.float32)
+    out = _kernel(a, b, sa, sb, bias, has_sa=True, has_sb=True, has_bias=True,
+                  out_dtype=out_dtype, config=config)
+    assert rel_error(out, ref + bias) <= OUT_TOL[out_dtype]
+    again = _kernel(a, b, sa, sb, bias, has_sa=True, has_sb=True, has_bias=True,
+                    out_dtype=out_dtype, config=config)
+    assert np.array_equal(out, again)
+    x, w = _data(rng, (m, k)), _data(rng, (n, k)) / np.sqrt(k)
+    a, s_a = jax_tma.quantize_fp8(x)
+    b, s_b = jax_tma.quantize_fp8(w)
+    ref = _f64(a, s_a, None) @ _f64(b, s_b, None).T
+    out = _kernel(a, b, s_a.reshape(-1), s_b.reshape(-1), row_scale=fp8.SCALAR,
+                  col_scale=fp8.SCALAR, out_dtype=out_dtype, config=config)
+    assert rel_error(out, ref) <= OUT_TOL[out_dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", STREAM_K_SHAPES, ids=str)
+@pytest.mark.parametrize("config", STREAM_K_FAST_CONFIGS, ids=_config_id)
+def test_kernel_fast_stream_k_matches_float64(rng, config, shape):
+    """The tensor core's accumulation on stream-K, row and column scales in the epilogue."""
+    m, n, k = shape
+    assert _streams(config, m, n, k)
+    x, w = _data(rng, (m, k)), _data(rng, (n, k)) / np.sqrt(k)
+    a, s_a = jax_tma.quantize_fp8(x, (1, None))
+    b, s_b = jax_tma.quantize_fp8(w, (1, None))
+    ref = _f64(a, s_a, (1, None)) @ _f64(b, s_b, (1, None)).T
+    out = _kernel(a, b, s_a.reshape(-1), s_b.reshape(-1), row_scale=fp8.VECTOR,
+                  col_scale=fp8.VECTOR, out_dtype=F32, config=config, promote=False)
+    assert rel_error(out, ref) <= OUT_TOL[F32]
+
+
+def test_stream_k_configs_and_errors():
+    """stream_k=True only on 128-row tiles without a cluster and without split-K; the heuristic
+    offers it where it applies (the last wave part-empty), and the lowering passes it on."""
+    assert STREAM_K_CONFIGS and STREAM_K_FAST_CONFIGS
+    with pytest.raises(ValueError, match="stream_k needs block_m=128, cluster_m=1"):
+        fp8_config.Fp8Config(128, 192, 4, 2, stream_k=True)
+    with pytest.raises(ValueError, match="stream_k needs"):
+        fp8_config.Fp8Config(128, 128, 5, 1, split_k=2, stream_k=True)
+    ranked = fp8_config.ranked_configs(128, 2112, 7168, num_sms=132)
+    assert any(c.stream_k for c in ranked)
+    # 12 x 11 tiles of 128 x 256 fill 132 SMs: no stream-K for that tile.
+    assert not any(c.stream_k and c.block_n == 256
+                   for c in fp8_config.ranked_configs(1536, 2816, 4096, num_sms=132))
+    for c in ranked:
+        if c.stream_k:
+            tiles = -(-128 // c.block_m) * -(-2112 // c.block_n)
+            assert c.stream_k_applies(tiles, 7168, 132) is not None
+    cfg = STREAM_K_CONFIGS[0]
+    a, b = (jax.ShapeDtypeStruct(s, E4M3) for s in ((128, 7168), (2112, 7168)))
+    hlo = cuda_hlo(lambda a, b: jax_tma.fp8_dot_general(a, b, 1.0, 1.0, config=cfg), a, b)
+    assert "stream_k = 1 : i64" in hlo
 
 
 @needs_extension
