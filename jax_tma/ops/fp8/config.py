@@ -6,10 +6,9 @@ block_m x block_n makes ceil(M / block_m) * ceil(N / block_n) work tiles, run in
 per SM; every wave costs as much as a full one (the last wave's idle SMs are the loss that
 non-power-of-two widths such as 192 avoid), each tile at its measured share of the chip's FP8
 rate; the result is at least the operands' and the output's bytes at DRAM speed. Split-K is
-considered only where the tiles fill less than one wave; stream-K (128-row tiles without a
-cluster) wherever the tiles leave the last wave part-empty: the whole waves, then that wave's K
-slices dealt out to every SM, plus a fixed cost for the flags' memset and the partial sums' trip
-through the workspace.
+considered only where the tiles fill less than one wave. Stream-K (128-row tiles without a
+cluster) is never the heuristic's choice: on an H200 it was slower than the best whole-tile or
+split-K configuration on every product of a sweep (docs/fp8.md); fp8_autotune times it last.
 """
 
 from __future__ import annotations
@@ -69,33 +68,23 @@ _FAST_EFFICIENCY = {(128, 256): 0.80, (128, 192): 0.775, (128, 128): 0.75}
 # A compiled tile without a rate is selectable with config=, timed by bench_fp8.py --sweep and
 # fp8_autotune, but not a heuristic candidate until it is measured.
 _PEAK_FLOPS = 1.979e15
-# Stream-K's once-per-call cost: the flags' memset before the kernel, and the heads' wait for and
-# sum of the pieces' partial tiles (through L2).
-_STREAM_K_FIXED_S = 2e-6
 
 
 def estimate_seconds(cfg: Fp8Config, m: int, n: int, k: int, num_sms: int,
                      dram_bytes_per_s: float, fast: bool = False) -> float:
     """A rough time of one product on `cfg`: waves of tiles at the tile's rate, or the operand
     and output bytes at DRAM speed, whichever is longer; split-K adds its fp32 partial products'
-    round trip through memory and XLA's sum after the kernel; stream-K replaces the last wave by
-    its share of that wave's K slices, plus a fixed cost."""
+    round trip through memory and XLA's sum after the kernel."""
     m_blocks, n_blocks = -(-m // cfg.block_m), -(-n // cfg.block_n)
     splits = cfg.splits_for(k)
     units = m_blocks * n_blocks * splits
     waves = -(-units // num_sms)
-    share = cfg.stream_k_applies(units, k, num_sms)
-    if share is not None:
-        left, ctas = share
-        waves = units // num_sms + left / ctas
     efficiency = (_FAST_EFFICIENCY if fast else _TILE_EFFICIENCY)[(cfg.block_m, cfg.block_n)]
     per_unit = 2.0 * cfg.block_m * cfg.block_n * -(-k // splits) / (
         _PEAK_FLOPS / num_sms * efficiency)
     seconds = max(waves * per_unit, (m * k + n * k + 2 * m * n) / dram_bytes_per_s)
     if splits > 1:
         seconds += (8 * splits + 2) * m * n / dram_bytes_per_s + 3e-6
-    if share is not None:
-        seconds += _STREAM_K_FIXED_S
     return seconds
 
 
@@ -108,10 +97,9 @@ def ranked_configs(m: int, n: int, k: int, num_sms: int | None = None, fast: boo
                    measured_only: bool = True) -> list[Fp8Config]:
     """The compiled tiles with promotion (or, `fast`, for the tensor core's accumulation) that
     fit the product, with the split-K factors worth trying (only where the tiles fill less than
-    one wave) and stream-K where it applies, by estimated time, fastest first (ties: no split,
-    no stream-K, the larger tile). Tiles without
-    a measured rate are left out, or with `measured_only=False` ranked last (fp8_autotune times
-    them too)."""
+    one wave), by estimated time, fastest first (ties: no split, the larger tile). Tiles without
+    a measured rate, and stream-K, are left out, or with `measured_only=False` ranked last
+    (fp8_autotune times them too)."""
     num_sms = device.num_sms() if num_sms is None else num_sms
     efficiency = _FAST_EFFICIENCY if fast else _TILE_EFFICIENCY
 
@@ -125,14 +113,16 @@ def ranked_configs(m: int, n: int, k: int, num_sms: int | None = None, fast: boo
                 cfg = Fp8Config(*tile, split_k=split)
                 if cfg.splits_for(k) == split:
                     yield cfg
+            # Stream-K where it applies, for fp8_autotune only (never measured faster).
             streamed = Fp8Config(*tile, stream_k=True) if Fp8Config(*tile).takes_stream_k else None
-            if streamed is not None and streamed.stream_k_applies(tiles, k, num_sms):
+            if (not measured_only and streamed is not None
+                    and streamed.stream_k_applies(tiles, k, num_sms)):
                 yield streamed
 
     return ranked(candidates(),
                   lambda cfg: estimate_seconds(cfg, m, n, k, num_sms,
                                                device.dram_bytes_per_s(), fast)
-                  if cfg.tile[:2] in efficiency else float("inf"),
+                  if cfg.tile[:2] in efficiency and not cfg.stream_k else float("inf"),
                   lambda cfg: (cfg.split_k, cfg.stream_k, -cfg.block_m * cfg.block_n,
                                -cfg.cluster_m),
                   digits=8)

@@ -551,7 +551,7 @@ def test_kernel_stream_k_matches_float64(rng, config, shape, out_dtype):
     a, s_a = jax_tma.quantize_fp8(x)
     b, s_b = jax_tma.quantize_fp8(w)
     ref = _f64(a, s_a, None) @ _f64(b, s_b, None).T
-    out = _kernel(a, b, s_a.reshape(-1), s_b.reshape(-1), row_scale=fp8.SCALAR,
+    out = _kernel(a, b, s_a.reshape(()), s_b.reshape(()), row_scale=fp8.SCALAR,
                   col_scale=fp8.SCALAR, out_dtype=out_dtype, config=config)
     assert rel_error(out, ref) <= OUT_TOL[out_dtype]
 
@@ -574,21 +574,27 @@ def test_kernel_fast_stream_k_matches_float64(rng, config, shape):
 
 def test_stream_k_configs_and_errors():
     """stream_k=True only on 128-row tiles without a cluster and without split-K; the heuristic
-    offers it where it applies (the last wave part-empty), and the lowering passes it on."""
+    never picks it (slower than the best whole-tile or split-K configuration on every product
+    of an H200 sweep), fp8_autotune times it last where it applies, and the lowering passes it
+    on."""
     assert STREAM_K_CONFIGS and STREAM_K_FAST_CONFIGS
     with pytest.raises(ValueError, match="stream_k needs block_m=128, cluster_m=1"):
         fp8_config.Fp8Config(128, 192, 4, 2, stream_k=True)
     with pytest.raises(ValueError, match="stream_k needs"):
         fp8_config.Fp8Config(128, 128, 5, 1, split_k=2, stream_k=True)
-    ranked = fp8_config.ranked_configs(128, 2112, 7168, num_sms=132)
-    assert any(c.stream_k for c in ranked)
-    # 12 x 11 tiles of 128 x 256 fill 132 SMs: no stream-K for that tile.
-    assert not any(c.stream_k and c.block_n == 256
-                   for c in fp8_config.ranked_configs(1536, 2816, 4096, num_sms=132))
-    for c in ranked:
-        if c.stream_k:
+    for fast in (False, True):
+        assert not any(c.stream_k for c in fp8_config.ranked_configs(
+            128, 2112, 7168, num_sms=132, fast=fast))
+        every = fp8_config.ranked_configs(128, 2112, 7168, num_sms=132, fast=fast,
+                                          measured_only=False)
+        streamed = [c for c in every if c.stream_k]
+        assert streamed and every[-len(streamed):] == streamed
+        for c in streamed:
             tiles = -(-128 // c.block_m) * -(-2112 // c.block_n)
             assert c.stream_k_applies(tiles, 7168, 132) is not None
+    # 12 x 11 tiles of 128 x 256 fill 132 SMs: no stream-K for that tile.
+    assert not any(c.stream_k and c.block_n == 256 for c in fp8_config.ranked_configs(
+        1536, 2816, 4096, num_sms=132, measured_only=False))
     cfg = STREAM_K_CONFIGS[0]
     a, b = (jax.ShapeDtypeStruct(s, E4M3) for s in ((128, 7168), (2112, 7168)))
     hlo = cuda_hlo(lambda a, b: jax_tma.fp8_dot_general(a, b, 1.0, 1.0, config=cfg), a, b)
