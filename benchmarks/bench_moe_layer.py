@@ -282,7 +282,8 @@ def bench(cfg: LayerConfig, args) -> dict:
 def _table(rows: list[dict], env: dict) -> str:
     lines = [
         f"{env['device']}, driver {env['driver']}, CUDA {env.get('cuda_runtime')}, "
-        f"jax {env['jax']}, {env['date']}, bf16 experts, fp32 router and parameters, timing: "
+        f"jax {env['jax']}, {env['date']}, commit {str(env.get('commit'))[:10]}, bf16 experts, "
+        f"fp32 router and parameters, timing: "
         f"{env['timing']}; forward + backward of the layer; TFLOP/s counts the expert products "
         f"(6 · T · k · 3 · d · F); einsum drops pairs past C = 1.25 · T · k / E",
         "",
