@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 import pathlib
 import re
@@ -51,7 +50,8 @@ from jax_tma import _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _lib.harness import part  # noqa: E402
-from _lib.report import banner, environment, pyplot, save_figure, write_progress  # noqa: E402
+from _lib.report import (banner, environment, pyplot, read_parts, save_figure,  # noqa: E402
+                         write_progress)
 
 CHECK_TOLERANCE = 2e-2
 # e4m3 rounds each product's operands to 3 mantissa bits: 5-6.5 % from the exact layer at random
@@ -376,27 +376,13 @@ def _parse(argv=None) -> argparse.Namespace:
     return args
 
 
-# What the --part reports of one suite share.
-_SAME_RUN = ("device", "driver", "jax", "jaxlib", "commit", "timing")
-
-
 def merge(paths: list[pathlib.Path]) -> tuple[dict, list[dict], bool]:
     """(environment, rows in the suite's order, whether every part finished) of the --part
-    reports at `paths`: a ValueError where one is not such a report, or they come from different
-    devices, drivers, jax versions, commits or timings, or hold a configuration twice."""
-    env, rows, complete = None, [], True
-    for path in paths:
-        payload = json.loads(path.read_text())
-        if not {"environment", "rows"} <= payload.keys():
-            raise ValueError(f"{path} is no bench_moe_layer report")
-        if env is None:
-            env = payload["environment"]
-        differ = [k for k in _SAME_RUN if payload["environment"].get(k) != env.get(k)]
-        if differ:
-            raise ValueError(f"{path} comes from another run: its " + ", ".join(
-                f"{k} {payload['environment'].get(k)!r} (first: {env.get(k)!r})" for k in differ))
-        rows += payload["rows"]
-        complete = complete and payload.get("complete", False)
+    reports at `paths`: a ValueError where one is not such a report, they come from different
+    runs (read_parts), or hold a configuration twice."""
+    env, payloads = read_parts(paths, "bench_moe_layer")
+    rows = [row for payload in payloads for row in payload["rows"]]
+    complete = all(payload.get("complete", False) for payload in payloads)
     keys = [(r["name"], r["tokens"]) for r in rows]
     if len(set(keys)) != len(keys):
         raise ValueError(f"a configuration appears twice among {keys}")

@@ -21,9 +21,13 @@ and XLA's bf16 ragged_dot of the dequantised operands and the FP8 dense product 
     python benchmarks/bench_ragged_dot.py --only fine gated  # parts: large, fine, gated, fp8
     python benchmarks/bench_ragged_dot.py --sweep     # every compiled jax_tma configuration
     python benchmarks/bench_ragged_dot.py --dry-run   # tiny shapes; runs without a GPU (CI)
+    python benchmarks/bench_ragged_dot.py --only fine --part 1/2   # half the cases (a GPU each),
+    python benchmarks/bench_ragged_dot.py --merge <results>/bench_ragged_dot_fine_part*of2.json
 
 Before timing, every contender's result is compared with jax_tma's (relative error). Writes
-bench_ragged_dot.json, .md and .png under benchmarks/results/<device>/.
+bench_ragged_dot.json, .md and .png under benchmarks/results/<device>/ (a --part run's name ends
+in _partIofN; --merge writes the suite's from its parts, which must share device, driver, jax,
+commit and timing).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import argparse
 import dataclasses
 import functools
 import pathlib
+import re
 import sys
 
 import jax
@@ -44,8 +49,9 @@ from jax_tma import _ext, _timing
 from jax_tma.ops.fp8 import quantize as fp8_quantize
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _lib.harness import harness_arguments, parse_shapes, sweep_label  # noqa: E402
-from _lib.report import banner, environment, pyplot, save_figure, write_progress  # noqa: E402
+from _lib.harness import harness_arguments, parse_shapes, part, sweep_label  # noqa: E402
+from _lib.report import (banner, environment, pyplot, read_parts, save_figure,  # noqa: E402
+                         write_progress)
 
 SUITE = [  # (M, K, N, G, sizes, form)
     # large groups
@@ -441,15 +447,53 @@ def _parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     p.add_argument("--sweep", action="store_true",
                    help="time every compiled configuration of jax_tma instead of the contenders")
+    p.add_argument("--part", metavar="I/N",
+                   help="the I-th of N contiguous chunks of the cases (one process per GPU); the "
+                        "report's name gets a _partIofN suffix")
+    p.add_argument("--merge", nargs="+", type=pathlib.Path, metavar="FILE.json",
+                   help="write a suite's report from its --part reports (no GPU work)")
     harness_arguments(p)
     args = p.parse_args(argv)
     args.shape_list = parse_shapes(p, args.shapes, ("M,K,N,G",)) if args.shapes else []
+    args.part_of = None
+    if args.part is not None:
+        match = re.fullmatch(r"(\d+)/(\d+)", args.part)
+        args.part_of = tuple(int(g) for g in match.groups()) if match else None
+        if args.part_of is None or not 1 <= args.part_of[0] <= args.part_of[1]:
+            p.error(f"--part takes I/N with 1 <= I <= N, got {args.part!r}")
     return args
+
+
+def merge(paths: list[pathlib.Path]) -> tuple[dict, str, list[Row], int]:
+    """(environment, the suite's report name, rows in its case order, the suite's number of
+    cases) of the --part reports at `paths`: a ValueError where they come from different runs
+    (read_parts) or suites, or hold a case twice."""
+    env, payloads = read_parts(paths, "bench_ragged_dot --part")
+    names = {(payload.get("stem"), tuple(payload.get("cases", ()))) for payload in payloads}
+    if len(names) != 1 or None in next(iter(names)):
+        raise ValueError("the reports are not --part runs of one suite: " + ", ".join(
+            f"{path} ({payload.get('stem')!r})" for path, payload in zip(paths, payloads)))
+    stem, cases = next(iter(names))
+    rows = [Row(**row) for payload in payloads for row in payload["rows"]]
+    per_part = [list(dict.fromkeys(r["case"] for r in payload["rows"])) for payload in payloads]
+    if len({c for part_cases in per_part for c in part_cases}) != sum(map(len, per_part)):
+        raise ValueError("a case appears in two of the reports")
+    rows.sort(key=lambda r: cases.index(r.case) if r.case in cases else len(cases))
+    return env, stem, rows, len(cases)
 
 
 def main(argv=None) -> int:
     args = _parse(argv)
     dtype = jnp.bfloat16 if args.dtype == "bf16" else jnp.float16
+    if args.merge:
+        env, stem, rows, total = merge(args.merge)
+        write_progress(args.out, env, stem,
+                       {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]},
+                       _table(rows, env, args.dtype),
+                       lambda path: _plot(rows, path, f"ragged_dot, {env['device']}"),
+                       len(dict.fromkeys(r.case for r in rows)), total, "cases")
+        print(_table(rows, env, args.dtype))
+        return 0
     if args.dry_run:
         cases, args.rounds, args.iterations = DRY_RUN, 1, 1
     elif args.shapes:
@@ -465,13 +509,24 @@ def main(argv=None) -> int:
     print(banner(env, args.dtype))
     stem = "bench_ragged_dot" + "".join(f"_{name}" for name in args.only or ()) + (
         "_sweep" if args.sweep else "") + ("" if args.dtype == "bf16" else "_fp16")
+    part_info = {}
+    if args.part_of is not None:
+        index, count = args.part_of
+        if count > len(cases):
+            print(f"--part {args.part}: {len(cases)} cases make fewer than {count} parts",
+                  file=sys.stderr)
+            return 2
+        part_info = {"stem": stem, "cases": [_label(c) for c in cases], "part": [index, count]}
+        cases = part(cases, index, count)
+        stem += f"_part{index}of{count}"
     rows = []
     for i, case in enumerate(cases):
         rows += bench_case(case, dtype, args)
         table = _table(rows, env, args.dtype)
         if not args.dry_run or args.out is not None:
             write_progress(args.out, env, stem,
-                           {"environment": env, "rows": [dataclasses.asdict(r) for r in rows]},
+                           {"environment": env, **part_info,
+                            "rows": [dataclasses.asdict(r) for r in rows]},
                            table, lambda path: _plot(rows, path, f"ragged_dot, {env['device']}"),
                            i + 1, len(cases), "cases")
     print(table)

@@ -119,6 +119,29 @@ def write_progress(out_root: pathlib.Path | None, env: dict, stem: str, payload:
                  plot)
 
 
+# What the --part reports of one suite share (read_parts checks it).
+SAME_RUN = ("device", "driver", "jax", "jaxlib", "commit", "timing")
+
+
+def read_parts(paths: list[pathlib.Path], what: str) -> tuple[dict, list[dict]]:
+    """(environment, payloads) of the JSON reports at `paths` (the --part runs of one `what`
+    suite): a ValueError where one is not such a report or they come from different devices,
+    drivers, jax versions, commits or timings."""
+    env, payloads = None, []
+    for path in paths:
+        payload = json.loads(path.read_text())
+        if not isinstance(payload, dict) or not {"environment", "rows"} <= payload.keys():
+            raise ValueError(f"{path} is no {what} report")
+        if env is None:
+            env = payload["environment"]
+        differ = [k for k in SAME_RUN if payload["environment"].get(k) != env.get(k)]
+        if differ:
+            raise ValueError(f"{path} comes from another run: its " + ", ".join(
+                f"{k} {payload['environment'].get(k)!r} (first: {env.get(k)!r})" for k in differ))
+        payloads.append(payload)
+    return env, payloads
+
+
 def pyplot():
     """matplotlib.pyplot on the file-only Agg backend, or None without matplotlib."""
     try:

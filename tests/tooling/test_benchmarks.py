@@ -1074,6 +1074,35 @@ def test_bench_moe_layer_parts_merge_in_suite_order(tmp_path):
     assert args.configs == module.SUITE[len(module.SUITE) // 2:]
 
 
+def test_bench_ragged_dot_parts_merge_in_case_order(tmp_path):
+    """--part reports of one suite merge in the suite's case order, with the count of its
+    cases; reports of other suites, other runs, or sharing a case are refused."""
+    module = _bench_module("bench_ragged_dot")
+    env = {"device": "NVIDIA H200", "driver": "1", "jax": "0.11", "jaxlib": "0.11",
+           "commit": "abc", "timing": "cupti"}
+    cases = ["a", "b", "c"]
+
+    def report(name, stem, rows, **env_changes):
+        path = tmp_path / name
+        path.write_text(json.dumps({
+            "environment": dict(env, **env_changes), "stem": stem, "cases": cases,
+            "rows": [dataclasses.asdict(module.Row(c, "jax_tma", 1.0, 1e-3)) for c in rows]}))
+        return path
+    second, first = report("p2.json", "s", ["c"]), report("p1.json", "s", ["a", "b"])
+    got_env, stem, rows, total = module.merge([second, first])
+    assert (got_env, stem, total) == (env, "s", 3)
+    assert [r.case for r in rows] == cases
+    with pytest.raises(ValueError, match="a case appears in two"):
+        module.merge([first, report("p3.json", "s", ["b"])])
+    with pytest.raises(ValueError, match="not --part runs of one suite"):
+        module.merge([first, report("p4.json", "other", ["c"])])
+    with pytest.raises(ValueError, match="commit 'def'"):
+        module.merge([first, report("p5.json", "s", ["c"], commit="def")])
+    assert module._parse(["--part", "2/3"]).part_of == (2, 3)
+    with pytest.raises(SystemExit):
+        module._parse(["--part", "3/2"])
+
+
 def test_bench_moe_layer_checks_on_fewer_tokens_when_the_reference_fails_late(monkeypatch):
     """An allocation that fails only when the reference's result is read (XLA runs
     asynchronously) still moves the check to the first 1024 tokens, instead of ending the run."""
