@@ -239,8 +239,8 @@ def _timed(steps: dict, sets: list, args) -> tuple[dict, int, dict]:
         # Together their buffers do not fit: each contender in rounds of its own.
         notes["all"] = "each contender timed alone (together they did not fit)"
         timings = {}
-        # XLA's layer, the largest, first: its buffers fit alone where, after the others, the
-        # allocator's pool may be too fragmented for them (qwen3, 8192 tokens).
+        # XLA's layer, the largest, first, before the others' buffers fragment the allocator's
+        # pool (at qwen3 / 8192 tokens on an H200 it still did not fit when timed).
         for name, step in sorted(kept.items(), key=lambda item: item[0] != "xla_ragged"):
             try:
                 timings.update(_timing.compare({name: step}, sets[:count], iterations=1,
@@ -376,11 +376,15 @@ def _parse(argv=None) -> argparse.Namespace:
     return args
 
 
-def merge(paths: list[pathlib.Path]) -> tuple[dict, list[dict], bool]:
-    """(environment, rows in the suite's order, whether every part finished) of the --part
-    reports at `paths`: a ValueError where one is not such a report, they come from different
-    runs (read_parts), or hold a configuration twice."""
+def merge(paths: list[pathlib.Path]) -> tuple[dict, list[dict], bool, dict]:
+    """(environment, rows in the suite's order, whether every part finished, the parts' options)
+    of the --part reports at `paths`: a ValueError where one is not such a report, they come
+    from different runs (read_parts) or options, or hold a configuration twice."""
     env, payloads = read_parts(paths, "bench_moe_layer")
+    options = {(p.get("dry_run"), p.get("sets")) for p in payloads}
+    if len(options) != 1:
+        raise ValueError(f"the parts ran with different --dry-run / --sets: {sorted(options)}")
+    dry_run, sets = options.pop()
     rows = [row for payload in payloads for row in payload["rows"]]
     complete = all(payload.get("complete", False) for payload in payloads)
     keys = [(r["name"], r["tokens"]) for r in rows]
@@ -389,13 +393,14 @@ def merge(paths: list[pathlib.Path]) -> tuple[dict, list[dict], bool]:
     order = [(c.name, c.tokens) for c in SUITE]
     rows.sort(key=lambda r: order.index((r["name"], r["tokens"]))
               if (r["name"], r["tokens"]) in order else len(order))
-    return env, rows, complete and [k for k in order if k in keys] == order
+    return (env, rows, complete and [k for k in order if k in keys] == order,
+            {"dry_run": dry_run, "sets": sets})
 
 
-def _write(args, env: dict, rows: list[dict], done: int, total: int, stem: str) -> None:
-    write_progress(args.out, env, stem,
-                   {"environment": env, "dry_run": args.dry_run, "sets": args.sets,
-                    "rows": rows},
+def _write(args, env: dict, rows: list[dict], done: int, total: int, stem: str,
+           options: dict | None = None) -> None:
+    options = options or {"dry_run": args.dry_run, "sets": args.sets}
+    write_progress(args.out, env, stem, {"environment": env, **options, "rows": rows},
                    _table(rows, env), lambda path: _plot(rows, path, env["device"]),
                    done, total, "configurations")
 
@@ -403,8 +408,9 @@ def _write(args, env: dict, rows: list[dict], done: int, total: int, stem: str) 
 def main(argv=None) -> int:
     args = _parse(argv)
     if args.merge:
-        env, rows, complete = merge(args.merge)
-        _write(args, env, rows, len(rows), len(rows) if complete else len(SUITE), "bench_moe_layer")
+        env, rows, complete, options = merge(args.merge)
+        _write(args, env, rows, len(rows), len(rows) if complete else len(SUITE), "bench_moe_layer",
+               options)
         print(_table(rows, env))
         return 0
     env = environment(args.commit)

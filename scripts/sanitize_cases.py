@@ -64,12 +64,16 @@ def _f64(x):
     return np.asarray(x, np.float64)
 
 
+def _and_stream_k(configs) -> list:
+    """`configs`, then those that take stream-K with it on."""
+    return [*configs, *(dataclasses.replace(c, stream_k=True) for c in configs
+                        if c.takes_stream_k)]
+
+
 def _dense_cases(rng, m, n, k) -> list[Case]:
     cases = []
-    configs = list(gemm_config.COMPILED_CONFIGS)
-    configs += [jax_tma.GemmConfig(128, 128, 6, 1, split_k=3),
-                *(dataclasses.replace(c, stream_k=True) for c in gemm_config.COMPILED_CONFIGS
-                  if c.takes_stream_k)]
+    configs = _and_stream_k(gemm_config.COMPILED_CONFIGS)
+    configs.insert(len(gemm_config.COMPILED_CONFIGS), jax_tma.GemmConfig(128, 128, 6, 1, split_k=3))
     for layout, (lhs_of, rhs_of, dims) in LAYOUTS.items():
         lhs = rng.standard_normal(lhs_of(m, k)).astype(BF16)
         rhs = rng.standard_normal(rhs_of(k, n)).astype(BF16)
@@ -229,7 +233,8 @@ def _ragged_cases(rng, m, n, k, g) -> list[Case]:
 def _fp8_cases(rng, m, n, k) -> list[Case]:
     """Every compiled FP8 tile, both FP8 types, bf16 and fp32 out, with block scales (1x128 on
     A, 128x128 on B: every scale load; N = 776 puts tiles at each offset in B's scale box) and a
-    bias; and every fast tile (per-tensor scales, the tensor core's accumulation)."""
+    bias; and every fast tile (per-tensor scales, the tensor core's accumulation); each on
+    stream-K too where the tile takes it (its workspace, flags and partial tiles)."""
     x = rng.standard_normal((m, k)).astype(np.float32)
     w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32)
@@ -239,7 +244,7 @@ def _fp8_cases(rng, m, n, k) -> list[Case]:
         b, sb = (np.asarray(v) for v in jax_tma.quantize_fp8(w, (128, 128), dtype))
         ref = (_f64(fp8_quantize.dequantize_fp8(a, sa, (1, 128)))
                @ _f64(fp8_quantize.dequantize_fp8(b, sb, (128, 128))).T + bias)
-        for cfg in fp8_config.FP8_CONFIGS:
+        for cfg in _and_stream_k(fp8_config.FP8_CONFIGS):
             for out_dtype in fp8_config.OUT_DTYPES:
                 run = (lambda a=a, b=b, sa=sa, sb=sb, cfg=cfg, out_dtype=out_dtype:
                        fp8._kernel_call(jnp.asarray(a), jnp.asarray(b), jnp.asarray(sa),
@@ -253,7 +258,7 @@ def _fp8_cases(rng, m, n, k) -> list[Case]:
         b, sb = (np.asarray(v) for v in jax_tma.quantize_fp8(w, None, dtype))
         ref = (_f64(fp8_quantize.dequantize_fp8(a, sa))
                @ _f64(fp8_quantize.dequantize_fp8(b, sb)).T)
-        for cfg in fp8_config.FP8_FAST_CONFIGS:
+        for cfg in _and_stream_k(fp8_config.FP8_FAST_CONFIGS):
             for out_dtype in fp8_config.OUT_DTYPES:
                 run = (lambda a=a, b=b, sa=sa, sb=sb, cfg=cfg, out_dtype=out_dtype:
                        fp8._kernel_call(jnp.asarray(a), jnp.asarray(b), jnp.asarray(sa),

@@ -183,7 +183,7 @@ class FakeTuningDevice(list):
 
 def fake_tuning_device(monkeypatch, tuner, winner, xla_s=None) -> FakeTuningDevice:
     """Kernels 'available' and a stand-in for `tuner._time`: the configuration whose
-    (tile, split_k) is `winner` takes 1 ms, the others 2 ms and up."""
+    (tile, split_k) is `winner` (and not on stream-K) takes 1 ms, the others 2 ms and up."""
     status = _ext.kernel_status()
     monkeypatch.setattr(_ext, "kernel_status",
                         lambda: dataclasses.replace(status, available=True, reason=None))
@@ -192,7 +192,8 @@ def fake_tuning_device(monkeypatch, tuner, winner, xla_s=None) -> FakeTuningDevi
 
     def fake_time(configs, *args):
         timed.append(list(configs))
-        seconds = {c.describe(): 1e-3 if (c.tile, c.split_k) == winner else 2e-3 + 1e-6 * i
+        seconds = {c.describe(): 1e-3 if (c.tile, c.split_k) == winner
+                   and not getattr(c, "stream_k", False) else 2e-3 + 1e-6 * i
                    for i, c in enumerate(configs)}
         return seconds if timed.xla_s is None else (seconds, timed.xla_s)
 

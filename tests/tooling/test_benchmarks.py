@@ -1056,11 +1056,12 @@ def test_bench_moe_layer_parts_merge_in_suite_order(tmp_path):
     paths = []
     for i, cfg in enumerate((last, first)):
         path = tmp_path / f"p{i}.json"
-        path.write_text(json.dumps({"environment": env, "complete": True, "rows": [
-            {"name": cfg.name, "tokens": cfg.tokens}]}))
+        path.write_text(json.dumps({"environment": env, "complete": True, "dry_run": False,
+                                    "sets": 2, "rows": [{"name": cfg.name, "tokens": cfg.tokens}]}))
         paths.append(path)
-    got_env, rows, complete = module.merge(paths)
+    got_env, rows, complete, options = module.merge(paths)
     assert got_env == env and not complete  # two of the suite's configurations
+    assert options == {"dry_run": False, "sets": 2}
     assert [(r["name"], r["tokens"]) for r in rows] == [(first.name, first.tokens),
                                                       (last.name, last.tokens)]
     with pytest.raises(ValueError, match="appears twice"):
@@ -1068,6 +1069,9 @@ def test_bench_moe_layer_parts_merge_in_suite_order(tmp_path):
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"environment": dict(env, commit="def"), "rows": []}))
     with pytest.raises(ValueError, match="commit 'def'"):
+        module.merge([paths[0], other])
+    other.write_text(json.dumps({"environment": env, "dry_run": False, "sets": 3, "rows": []}))
+    with pytest.raises(ValueError, match="different --dry-run / --sets"):
         module.merge([paths[0], other])
     args = module._parse(["--part", "2/2"])
     assert args.stem == "bench_moe_layer_part2of2"

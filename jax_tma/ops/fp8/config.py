@@ -114,16 +114,16 @@ def ranked_configs(m: int, n: int, k: int, num_sms: int | None = None, fast: boo
                 if cfg.splits_for(k) == split:
                     yield cfg
             # Stream-K where it applies, for fp8_autotune only (never measured faster).
-            streamed = Fp8Config(*tile, stream_k=True) if Fp8Config(*tile).takes_stream_k else None
-            if (not measured_only and streamed is not None
-                    and streamed.stream_k_applies(tiles, k, num_sms)):
-                yield streamed
+            if not measured_only and tile[0] == 128 and tile[3] == 1:  # takes_stream_k
+                streamed = Fp8Config(*tile, stream_k=True)
+                if streamed.stream_k_applies(tiles, k, num_sms):
+                    yield streamed
 
     return ranked(candidates(),
                   lambda cfg: estimate_seconds(cfg, m, n, k, num_sms,
                                                device.dram_bytes_per_s(), fast)
                   if cfg.tile[:2] in efficiency and not cfg.stream_k else float("inf"),
-                  lambda cfg: (cfg.split_k, cfg.stream_k, -cfg.block_m * cfg.block_n,
+                  lambda cfg: (cfg.stream_k, cfg.split_k, -cfg.block_m * cfg.block_n,
                                -cfg.cluster_m),
                   digits=8)
 

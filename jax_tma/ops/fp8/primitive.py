@@ -135,7 +135,8 @@ def _kernel_call(a, b, *rest, has_sa, has_sb, row_scale, col_scale, has_bias, ou
                 placeholder if cs is None else cs.reshape(-1),
                 bias if bias is not None and splits == 1 else placeholder)
     out_types = (jax.ShapeDtypeStruct(d_shape, d_dtype),
-                 jax.ShapeDtypeStruct((cfg.stream_k_workspace_bytes(device.num_sms()),), jnp.uint8))
+                 jax.ShapeDtypeStruct((cfg.stream_k_workspace_bytes(device.num_sms()),),
+                                      jnp.uint8))
     d, _ = kernel_ffi_call(KERNEL_TARGET, out_types, operands, attrs, poison=poison)
     if splits > 1:
         d = sum_split_partials(d)

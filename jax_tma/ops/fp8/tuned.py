@@ -46,16 +46,17 @@ class Product:
 
     def candidates(self) -> list[Fp8Config]:
         """The configurations autotune times: the heuristic's ranking, best first, then the
-        compiled tiles it has no rate for."""
+        compiled tiles it has no rate for and stream-K where it applies."""
         return ranked_configs(self.m, self.n, self.k, fast=not self.promote,
                               measured_only=False)
 
 
 def config_or_none(fields) -> Fp8Config | None:
     """A cache entry's configuration fields as an Fp8Config, or None (absent, not every field,
-    or no longer a compiled configuration)."""
+    or no longer a compiled configuration). An entry written before `stream_k` existed runs
+    without it."""
     names = {f.name for f in dataclasses.fields(Fp8Config)}
-    if not isinstance(fields, dict) or set(fields) != names:
+    if not isinstance(fields, dict) or not names - {"stream_k"} <= set(fields) <= names:
         return None
     try:
         return Fp8Config(**fields)

@@ -100,7 +100,6 @@ class GemmConfig(StreamKConfig):
         return cluster_rows * -(-n // self.block_n) * batch * self.splits_for(k)
 
 
-
 COMPILED_CONFIGS: tuple[GemmConfig, ...] = tuple(
     GemmConfig(bm, bn, st, cm) for bm, bn, st, cm, _ in _COMPILED_TILES
 )

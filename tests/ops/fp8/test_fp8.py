@@ -582,16 +582,14 @@ def test_stream_k_configs_and_errors():
         fp8_config.Fp8Config(128, 192, 4, 2, stream_k=True)
     with pytest.raises(ValueError, match="stream_k needs"):
         fp8_config.Fp8Config(128, 128, 5, 1, split_k=2, stream_k=True)
-    for fast in (False, True):
+    for fast, tiles in ((False, {(128, 256, 3, 1), (128, 128, 5, 1)}), (True, {(128, 128, 5, 1)})):
         assert not any(c.stream_k for c in fp8_config.ranked_configs(
             128, 2112, 7168, num_sms=132, fast=fast))
         every = fp8_config.ranked_configs(128, 2112, 7168, num_sms=132, fast=fast,
                                           measured_only=False)
         streamed = [c for c in every if c.stream_k]
-        assert streamed and every[-len(streamed):] == streamed
-        for c in streamed:
-            tiles = -(-128 // c.block_m) * -(-2112 // c.block_n)
-            assert c.stream_k_applies(tiles, 7168, 132) is not None
+        assert {c.tile for c in streamed} == tiles
+        assert every[-len(streamed):] == streamed
     # 12 x 11 tiles of 128 x 256 fill 132 SMs: no stream-K for that tile.
     assert not any(c.stream_k and c.block_n == 256 for c in fp8_config.ranked_configs(
         1536, 2816, 4096, num_sms=132, measured_only=False))
@@ -599,6 +597,10 @@ def test_stream_k_configs_and_errors():
     a, b = (jax.ShapeDtypeStruct(s, E4M3) for s in ((128, 7168), (2112, 7168)))
     hlo = cuda_hlo(lambda a, b: jax_tma.fp8_dot_general(a, b, 1.0, 1.0, config=cfg), a, b)
     assert "stream_k = 1 : i64" in hlo
+    # Its workspace is the call's second result, sized for the whole grid (a smaller one would
+    # shrink the grid that shares the last wave).
+    workspace = cfg.stream_k_workspace_bytes(jax_tma._core.device.num_sms())
+    assert workspace > 0 and f"tensor<{workspace}xui8>" in hlo
 
 
 @needs_extension

@@ -144,8 +144,12 @@ def test_env_does_not_tune_vmapped_calls(fake_device, monkeypatch):
 
 def test_stale_or_foreign_entries_are_ignored():
     p = product(8192, 8192, 8192)
-    for config in ({"block_m": 128, "block_n": 176, "stages": 4, "cluster_m": 2, "split_k": 1},
-                   {"block_m": 128, "block_n": 192, "stages": 4, "cluster_m": 2, "split_k": 4},
+    for config in ({"block_m": 128, "block_n": 176, "stages": 4, "cluster_m": 2, "split_k": 1,
+                    "stream_k": False},
+                   {"block_m": 128, "block_n": 192, "stages": 4, "cluster_m": 2, "split_k": 4,
+                    "stream_k": False},
+                   {"block_m": 128, "block_n": 128, "stages": 5, "cluster_m": 1, "split_k": 1,
+                    "stream_k": False, "extra": 1},
                    {"block_m": 128}, "not a dict"):
         tuning_cache.store(p.key(), {"config": config})
         assert tuned.lookup(p) is None, config
@@ -153,6 +157,10 @@ def test_stale_or_foreign_entries_are_ignored():
     good = fp8_config.Fp8Config(128, 128, 5, 1)
     tuning_cache.store(p.key(), {"config": dataclasses.asdict(good)})
     assert tuned.lookup(p) == good == tuned.config_for(p)
+    # An entry written before stream_k existed runs without it.
+    old = {k: v for k, v in dataclasses.asdict(good).items() if k != "stream_k"}
+    tuning_cache.store(p.key(), {"config": old})
+    assert tuned.lookup(p) == good
 
 
 def test_env_tunes_at_trace_time(fake_device, monkeypatch):
