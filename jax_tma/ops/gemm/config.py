@@ -71,12 +71,7 @@ class GemmConfig(StreamKConfig):
       split_k: how many K ranges the product is split into (1: none). Each range writes an fp32
         partial product; the partial products are summed in a fixed order (deterministic).
         At most this many ranges are used, so that none is empty.
-      stream_k: when the tiles do not fill the last wave of the grid, deal that wave's K slices
-        out evenly to every CTA (128-row tiles, cluster_m=1, split_k=1 only). CTAs that compute
-        part of a tile leave fp32 partial sums in a workspace for the CTA that computes the
-        tile's first slices, which adds them in a fixed order (deterministic) before storing.
-        Applies only where each CTA gets at least 4 slices and more CTAs get work than whole
-        tiles would give; otherwise the tiles run whole.
+      stream_k: the last wave's K slices dealt out to every CTA (StreamKConfig).
     """
 
     TILES: ClassVar[tuple[Tile, ...]] = tuple(t[:4] for t in _COMPILED_TILES)
