@@ -47,6 +47,7 @@ using Tile64x64Direct = TileConfig<64, 64, 12, 1, EpilogueKind::kDirect>;
 using Fp8Tile128x256C2 = Fp8Tile<128, 256, 3, 2>;
 using Fp8Tile128x256 = Fp8Tile<128, 256, 3, 1>;
 using Fp8Tile128x192C2 = Fp8Tile<128, 192, 4, 2>;
+using Fp8Tile128x192 = Fp8Tile<128, 192, 4, 1>;
 // NOTE: cuBLAS's promoting FP8 kernel (precision=HIGHEST) on an H200 has this geometry: 1 x 2
 // cluster, one 64 x 144 group per consumer warpgroup and slice, 6 stages. B arrives in three blocks
 // of 48 rows, and one staging chunk (fp32 blocks are 4.5 chunks wide; the epilogue stores whole
@@ -218,6 +219,7 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
 //   Fp8Tile128x256C2  two 128-wide parts per slice; the fast (precision=DEFAULT) geometry
 //   Fp8Tile128x256    wide N at few rows (64 x 28672 x 4096)
 //   Fp8Tile128x192C2  large products: one 192-wide group per slice (cross schedule)
+//   Fp8Tile128x192    the same without a cluster, so with stream-K: products whose 128 x 192 tiles leave the last wave part-empty (4096^3: 5.3 waves); not yet measured
 //   Fp8Tile128x144C2  cuBLAS's promoting geometry, cross schedule
 //   Fp8Tile128x128C2  medium products
 //   Fp8Tile128x128    few rows, medium N (256 x 7168 x 2048)
@@ -226,6 +228,7 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
   X(ARG, Fp8Tile128x256C2)             \
   X(ARG, Fp8Tile128x256)               \
   X(ARG, Fp8Tile128x192C2)             \
+  X(ARG, Fp8Tile128x192)               \
   X(ARG, Fp8Tile128x144C2)             \
   X(ARG, Fp8Tile128x128C2)             \
   X(ARG, Fp8Tile128x128)               \

@@ -239,6 +239,7 @@ DENSE_TYPES = ("bf16", "f16")
 F128x256C2 = Tile("Fp8Tile128x256C2", 128, 256, 3, 2, element_bytes=1)
 F128x256 = Tile("Fp8Tile128x256", 128, 256, 3, 1, element_bytes=1)
 F128x192C2 = Tile("Fp8Tile128x192C2", 128, 192, 4, 2, element_bytes=1)
+F128x192 = Tile("Fp8Tile128x192", 128, 192, 4, 1, element_bytes=1)
 F128x144C2 = Tile(
     "Fp8Tile128x144C2", 128, 144, 6, 2, epilogue_buffers=1, element_bytes=1,
     note="cuBLAS's promoting FP8 kernel (precision=HIGHEST) on an H200 has this geometry: 1 x 2 "
@@ -252,6 +253,8 @@ FP8_TILES = (
     Entry(F128x256C2, "two 128-wide parts per slice; the fast (precision=DEFAULT) geometry"),
     Entry(F128x256, "wide N at few rows (64 x 28672 x 4096)"),
     Entry(F128x192C2, "large products: one 192-wide group per slice (cross schedule)"),
+    Entry(F128x192, "the same without a cluster, so with stream-K: products whose 128 x 192 tiles "
+                    "leave the last wave part-empty (4096^3: 5.3 waves); not yet measured"),
     Entry(F128x144C2, "cuBLAS's promoting geometry, cross schedule"),
     Entry(F128x128C2, "medium products"),
     Entry(F128x128, "few rows, medium N (256 x 7168 x 2048)"),

@@ -61,12 +61,19 @@ FP8_FAST_CONFIGS: tuple[Fp8Config, ...] = tuple(Fp8Config(*t) for t in _FAST_TIL
 # promoted (per-tensor and block-scaled alike) and fast: the time of one wave of full tiles at
 # 8192^3 on an H200 (bench_fp8.py --sweep, per-tensor; docs/notebook/2026-11-29-fp8-cross.md);
 # the fast 128 x 192 pairs' relative to the fast 128 x 256 pairs' on two other products
-# (docs/notebook/2026-11-29-fp8-probe.md).
-_TILE_EFFICIENCY = {(128, 256): 0.66, (128, 192): 0.725, (128, 144): 0.61, (128, 128): 0.61,
-                    (64, 128): 0.52}
-_FAST_EFFICIENCY = {(128, 256): 0.80, (128, 192): 0.775, (128, 128): 0.75}
-# A compiled tile without a rate is selectable with config=, timed by bench_fp8.py --sweep and
-# fp8_autotune, but not a heuristic candidate until it is measured.
+# (docs/notebook/2026-11-29-fp8-probe.md). Keyed by (block_m, block_n, cluster_m).
+_TILE_EFFICIENCY = {(128, 256, 2): 0.66, (128, 256, 1): 0.66, (128, 192, 2): 0.725,
+                    (128, 144, 2): 0.61, (128, 128, 2): 0.61, (128, 128, 1): 0.61,
+                    (64, 128, 1): 0.52}
+_FAST_EFFICIENCY = {(128, 256, 2): 0.80, (128, 192, 2): 0.775, (128, 128, 1): 0.75}
+# A compiled tile without a rate (128 x 192 without a cluster) is selectable with config=,
+# timed by bench_fp8.py --sweep and fp8_autotune, but not a heuristic candidate until it is
+# measured.
+
+
+def rate_key(tile) -> tuple[int, int, int]:
+    """A tile's (block_m, block_n, cluster_m): the key of its measured rate."""
+    return tile[0], tile[1], tile[3]
 _PEAK_FLOPS = 1.979e15
 
 
@@ -79,7 +86,7 @@ def estimate_seconds(cfg: Fp8Config, m: int, n: int, k: int, num_sms: int,
     splits = cfg.splits_for(k)
     units = m_blocks * n_blocks * splits
     waves = -(-units // num_sms)
-    efficiency = (_FAST_EFFICIENCY if fast else _TILE_EFFICIENCY)[(cfg.block_m, cfg.block_n)]
+    efficiency = (_FAST_EFFICIENCY if fast else _TILE_EFFICIENCY)[rate_key(cfg.tile)]
     per_unit = 2.0 * cfg.block_m * cfg.block_n * -(-k // splits) / (
         _PEAK_FLOPS / num_sms * efficiency)
     seconds = max(waves * per_unit, (m * k + n * k + 2 * m * n) / dram_bytes_per_s)
@@ -105,7 +112,7 @@ def ranked_configs(m: int, n: int, k: int, num_sms: int | None = None, fast: boo
 
     def candidates():
         for tile in _FAST_TILES if fast else _FP8_TILES:
-            if (measured_only and tile[:2] not in efficiency) or not cluster_fits(
+            if (measured_only and rate_key(tile) not in efficiency) or not cluster_fits(
                     tile[0], tile[3], m):
                 continue
             tiles = -(-m // tile[0]) * -(-n // tile[1])
@@ -122,7 +129,7 @@ def ranked_configs(m: int, n: int, k: int, num_sms: int | None = None, fast: boo
     return ranked(candidates(),
                   lambda cfg: estimate_seconds(cfg, m, n, k, num_sms,
                                                device.dram_bytes_per_s(), fast)
-                  if cfg.tile[:2] in efficiency and not cfg.stream_k else float("inf"),
+                  if rate_key(cfg.tile) in efficiency and not cfg.stream_k else float("inf"),
                   lambda cfg: (cfg.stream_k, cfg.split_k, -cfg.block_m * cfg.block_n,
                                -cfg.cluster_m),
                   digits=8)
