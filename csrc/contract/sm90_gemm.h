@@ -186,8 +186,8 @@ struct OperandBoxes {
   static_assert(kBoxA[1] <= 256 && kBoxB[1] <= 256, "TMA box dimensions are at most 256");
 
   // Rows of A's box for a product of `m` rows. NOTE: TMA zero-fills the rows of a box that lie
-  // past the matrix, but slowly: a decode-like product (M = 1, 64-row box) ran 1.7x longer
-  // than with 64 real rows. So a K-major A shorter than one box is loaded as a box of its own
+  // past the matrix, but slowly: a decode-like product (M = 1, 64-row box) ran markedly longer
+  // than with 64 real rows (docs/notebook/2026-11-29-tile-registry-figures.md). So a K-major A shorter than one box is loaded as a box of its own
   // rows; the stage's remaining rows keep stale data, which only reaches output rows >= m,
   // and the epilogue never stores those.
   static constexpr int a_rows(int64_t m) {

@@ -12,9 +12,9 @@
 namespace jax_tma::sm90_gemm {
 
 // NOTE: 128 x 256 keeps 3 stages so that its whole 64 KB output block fits the staging area: with 4
-// stages and half the staging, the second half of every epilogue waited ~950 cycles for the first
-// half's stores, and the 3-stage kernel measured 0.1-1.1 % faster on four large products in each of
-// two runs on an H200 (8192 x 8192 x 1024: 190.0 against 192.2 us).
+// stages and half the staging, the second half of every epilogue waits for the first half's stores,
+// and the 3-stage kernel measured faster on large products (docs/notebook/2026-11-29-tile-registry-
+// figures.md).
 using Tile128x256C2 = TileConfig<128, 256, 3, 2, EpilogueKind::kTmaStore>;
 using Tile128x256 = TileConfig<128, 256, 3, 1, EpilogueKind::kTmaStore>;
 // NOTE: 128 x 192 exists for the wave count: where 128 x 256 tiles leave the last wave of the grid
@@ -24,15 +24,15 @@ using Tile128x192 = TileConfig<128, 192, 4, 1, EpilogueKind::kTmaStore>;
 // NOTE: 232 columns for the same reason, where neither 192 nor 256 fits the grid: 3000 x 5000 makes
 // 24 x 22 = 528 tiles, 4 waves of 132 CTAs. B arrives in four whole 64-wide blocks, and D leaves in
 // 64-column chunks, the last one shifted left to end at column 232 (epilogue/tma_store.cuh). It
-// keeps 4 stages by staging half a warpgroup's block at a time (a two-batch epilogue). On 3000 x
-// 5000 x 2048, whose B rows TMA loads at half speed (H200): 86.7 us against 89.5 for 128 x 192
-// pairs; in another run 3 stages with one batch took 89.1 against 89.4.
+// keeps 4 stages by staging half a warpgroup's block at a time (a two-batch epilogue), which
+// measured ahead of 128 x 192 pairs and of 3 stages with one batch on 3000 x 5000 x 2048
+// (docs/notebook/2026-11-29-tile-registry-figures.md).
 using Tile128x232C2 = TileConfig<128, 232, 4, 2, EpilogueKind::kTmaStore, 2>;
 using Tile128x128C2 = TileConfig<128, 128, 6, 2, EpilogueKind::kTmaStore>;
 using Tile128x128 = TileConfig<128, 128, 6, 1, EpilogueKind::kTmaStore>;
 // NOTE: for a few rows against a wide weight (64 x 28672 x 4096), 256 columns make one wave of 112
-// tiles that stream B. On large products these ping-pong tiles lose to cooperative 128 x 256 ones
-// (8192^3: 1552.6 against 1372.4 us): the heuristic does not pick them there.
+// tiles that stream B. On large products these ping-pong tiles lose to cooperative 128 x 256 ones:
+// the heuristic does not pick them there.
 using Tile64x256 = TileConfig<64, 256, 4, 1, EpilogueKind::kTmaStore>;
 // NOTE: operands whose rows are 16-byte but not 32-byte multiples apart (1000 columns of bf16)
 // halve TMA's load rate; multicasting B halves what each CTA of this tile loads.
@@ -156,9 +156,9 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
 //   Tile128x128  narrow N, with stream-K
 //   Tile64x128   decode rows (M = 16, 64: the weight-read floor benchmarks)
 // NOTE: 64 x 256 ping-pong tiles, which hide one consumer's epilogue under the other's mainloop,
-// ran every fused pattern 13-17 % slower than 128 x 256 on the large products (23-38 % in cluster
-// pairs; bench_epilogues.py --sweep, H100, docs/ragged-and-epilogues.md), and 128 x 256 pairs level
-// with or behind 128 x 256 alone: neither is compiled here.
+// ran every fused pattern slower than 128 x 256 on the large products, more so in cluster pairs
+// (bench_epilogues.py --sweep, docs/ragged-and-epilogues.md), and 128 x 256 pairs level with or
+// behind 128 x 256 alone: neither is compiled here.
 #define JAX_TMA_SM90_DENSE_TILES(X, ARG) \
   X(ARG, Tile128x256)                    \
   X(ARG, Tile128x128)                    \
@@ -235,7 +235,7 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
   X(ARG, Fp8Tile64x128)
 // FP8 tiles with fast accumulation (the tensor core's, no promotion):
 //   Fp8Tile128x256C2  large products: the 16-bit kernel's geometry
-//   Fp8Tile128x192C2  4096 x 2112 x 7168 (11 x 192 columns): 1333 TFLOP/s, 1174 on 128 x 128
+//   Fp8Tile128x192C2  N = 2112 (11 x 192 columns, 4096 x 2112 x 7168): ahead of 128 x 128
 //   Fp8Tile128x128    few rows and small products
 #define JAX_TMA_SM90_FP8_FAST_TILES(X, ARG) \
   X(ARG, Fp8Tile128x256C2)                  \
@@ -243,7 +243,7 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
   X(ARG, Fp8Tile128x128)
 // FP8 ragged tiles (fp8_ragged_dot's configs):
 //   Fp8Tile128x256C2  large groups: two 128-wide parts per slice
-//   Fp8Tile128x192C2  large groups, cross schedule (32768 rows, G = 4: 1311 against 1259)
+//   Fp8Tile128x192C2  large groups, cross schedule (ahead at 32768 rows, G = 4)
 //   Fp8Tile64x128     small groups and few rows (ping-pong, as the dense FP8 decode tile)
 // NOTE: tiles the dense FP8 product compiles already, so the promotion schedules and register
 // splits are the measured ones; e5m2 operands run XLA's reference (not compiled: each kernel costs

@@ -361,9 +361,9 @@ struct EpilogueWarps {
   // time). A half's next g loads once every thread has read it, its u once the up's store
   // has: so the next chunk's first half loads while this chunk's second half is computed.
   // NOTE: with whole chunks (the next chunk's g and u loaded only after this one's stores)
-  // the warps waited for every chunk's loads with nothing to do: where a tile's mainloop is
-  // shorter than their pass that cost the product (8192 x 14336 x 2048, H100: 855 us against
-  // 817 in halves); from K = 4096 on the two ran alike.
+  // the warps waited for every chunk's loads with nothing to do, which cost the product where a
+  // tile's mainloop is shorter than their pass (K = 2048); from K = 4096 on the two ran alike
+  // (docs/notebook/2026-11-29-tile-registry-figures.md).
   static_assert(kAuxSlots == 2, "the gated gradient holds one chunk of g and one of u");
   static constexpr int kHalfRows = kRows / 2;
   static constexpr uint32_t kHalfBytes = Stage::kChunkBytes / 2;

@@ -411,8 +411,8 @@ __global__ void __launch_bounds__(Tile::kThreads, 1)
       // piece, which may leave its sums to another CTA).
       // NOTE: at one K slice in every CTA, the grid's aux loads (64 KB per CTA on 128 x 256
       // tiles) reached DRAM at once, beside the operands' loads; staggered by CTA over the K
-      // range, x @ w + r cost 1.031x the plain product instead of 1.045x (8192 x 4096 x 4096,
-      // 128 x 256 pairs, H200; bias + residual 1.058x instead of 1.069x).
+      // range, a residual's and a bias + residual's epilogues cost less over the plain product
+      // (docs/notebook/2026-11-29-tile-registry-figures.md).
       const int prefetch_slice =
           count >= 16 ? K::Mainloop::kMidwaySlice + (blockIdx.x % 8) * ((count - 8) / 8)
                       : K::Mainloop::kMidwaySlice;

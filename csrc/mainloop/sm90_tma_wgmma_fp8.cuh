@@ -325,10 +325,10 @@ struct MainloopSm90Fp8 {
 
   // Tiles of one column part (N <= 128: up to 64 registers of partial sums): two sets of partial
   // sums, so that slice kb + 1's wgmma group runs while slice kb is promoted; the tensor core
-  // always has a group queued, as in the unpromoted schedule. (Measured on an H100, 8192^3
-  // block-scaled on 128 x 128 tiles: 1008 TFLOP/s with one set, which waits for every group
-  // to retire before the next is issued; 1386 without promotion.) The loop is unrolled by two
-  // so that each set is a fixed register array.
+  // always has a group queued, as in the unpromoted schedule (one set, which waits for every
+  // group to retire before the next is issued, measured far slower:
+  // docs/notebook/2026-11-29-tile-registry-figures.md). The loop is unrolled by two so that
+  // each set is a fixed register array.
   template <class Waited>
   __device__ static void promoted_overlapped(Pipeline& pipeline, State& read,
                                              const SharedStorage& smem, int a_block,

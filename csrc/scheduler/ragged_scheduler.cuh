@@ -24,9 +24,8 @@
 // counts an even number of them (the last one past its rows, an idle CTA); so may the
 // numbering's end. An idle CTA passes through as many K slices as its peer.
 // NOTE: one grouped order over all the cluster rows, whose groups of kGroupM rows cross
-// segments, ran the uniform products 1.5-4 % slower than the order per segment (H100:
-// 4096 x 4096 x 1536, G = 128: 582.0 us against 558.4; 32768 x 2048 x 1408, G = 64: 328.6
-// against 320.8).
+// segments, ran the uniform products slower than the order per segment
+// (docs/notebook/2026-11-29-tile-registry-figures.md).
 //
 // RaggedKScheduler (ragged contraction: D[s] = A[rows of s]^T @ B[rows of s]): one dense
 // batch entry per segment, its K range the segment's rows in kBlockK slices (none for an

@@ -74,10 +74,9 @@ class Entry:
 T128x256C2 = Tile(
     "Tile128x256C2", 128, 256, 3, 2,
     note="128 x 256 keeps 3 stages so that its whole 64 KB output block fits the staging area: "
-         "with 4 stages and half the staging, the second half of every epilogue waited ~950 "
-         "cycles for the first half's stores, and the 3-stage kernel measured 0.1-1.1 % faster "
-         "on four large products in each of two runs on an H200 (8192 x 8192 x 1024: 190.0 "
-         "against 192.2 us).")
+         "with 4 stages and half the staging, the second half of every epilogue waits for the "
+         "first half's stores, and the 3-stage kernel measured faster on large products "
+         "(docs/notebook/2026-11-29-tile-registry-figures.md).")
 T128x256 = Tile("Tile128x256", 128, 256, 3, 1)
 T128x192C2 = Tile(
     "Tile128x192C2", 128, 192, 4, 2,
@@ -90,17 +89,16 @@ T128x232C2 = Tile(
          "makes 24 x 22 = 528 tiles, 4 waves of 132 CTAs. B arrives in four whole 64-wide "
          "blocks, and D leaves in 64-column chunks, the last one shifted left to end at column "
          "232 (epilogue/tma_store.cuh). It keeps 4 stages by staging half a warpgroup's block at "
-         "a time (a two-batch epilogue). On 3000 x 5000 x 2048, whose B rows TMA loads at half "
-         "speed (H200): 86.7 us against 89.5 for 128 x 192 pairs; in another run 3 stages with "
-         "one batch took 89.1 against 89.4.")
+         "a time (a two-batch epilogue), which measured ahead of 128 x 192 pairs and of 3 stages "
+         "with one batch on 3000 x 5000 x 2048 (docs/notebook/2026-11-29-tile-registry-figures.md)"
+         ".")
 T128x128C2 = Tile("Tile128x128C2", 128, 128, 6, 2)
 T128x128 = Tile("Tile128x128", 128, 128, 6, 1)
 T64x256 = Tile(
     "Tile64x256", 64, 256, 4, 1,
     note="for a few rows against a wide weight (64 x 28672 x 4096), 256 columns make one wave of "
          "112 tiles that stream B. On large products these ping-pong tiles lose to cooperative "
-         "128 x 256 ones (8192^3: 1552.6 against 1372.4 us): the heuristic does not pick them "
-         "there.")
+         "128 x 256 ones: the heuristic does not pick them there.")
 T64x128C2 = Tile(
     "Tile64x128C2", 64, 128, 8, 2,
     note="operands whose rows are 16-byte but not 32-byte multiples apart (1000 columns of bf16) "
@@ -182,9 +180,9 @@ DENSE_TILES = (
 )
 DENSE_TILES_NOTE = (
     "64 x 256 ping-pong tiles, which hide one consumer's epilogue under the other's mainloop, "
-    "ran every fused pattern 13-17 % slower than 128 x 256 on the large products (23-38 % in "
-    "cluster pairs; bench_epilogues.py --sweep, H100, docs/ragged-and-epilogues.md), and 128 x "
-    "256 pairs level with or behind 128 x 256 alone: neither is compiled here.")
+    "ran every fused pattern slower than 128 x 256 on the large products, more so in cluster "
+    "pairs (bench_epilogues.py --sweep, docs/ragged-and-epilogues.md), and 128 x 256 pairs "
+    "level with or behind 128 x 256 alone: neither is compiled here.")
 # The forward GELU with erf, on the tiles it does not spill on.
 DENSE_NARROW_TILES = (
     Entry(T128x128, "erf GELU forward: 128 x 256 spills (erff beside 128 accumulators)"),
@@ -275,7 +273,7 @@ FP8_TILES_NOTE = (
 # in the tensor core, one group of the tile's width per slice.
 FP8_FAST_TILES = (
     Entry(F128x256C2, "large products: the 16-bit kernel's geometry"),
-    Entry(F128x192C2, "4096 x 2112 x 7168 (11 x 192 columns): 1333 TFLOP/s, 1174 on 128 x 128"),
+    Entry(F128x192C2, "N = 2112 (11 x 192 columns, 4096 x 2112 x 7168): ahead of 128 x 128"),
     Entry(F128x128, "few rows and small products"),
 )
 FP8_TYPES = ("e4m3", "e5m2")
@@ -285,7 +283,7 @@ FP8_OUT_TYPES = ("bf16", "f32")
 # Block-scaled e4m3 rows [M, K] times K-major weights [G, N, K]; one file, both output types.
 FP8_RAGGED_TILES = (
     Entry(F128x256C2, "large groups: two 128-wide parts per slice"),
-    Entry(F128x192C2, "large groups, cross schedule (32768 rows, G = 4: 1311 against 1259)"),
+    Entry(F128x192C2, "large groups, cross schedule (ahead at 32768 rows, G = 4)"),
     Entry(F64x128, "small groups and few rows (ping-pong, as the dense FP8 decode tile)"),
 )
 FP8_RAGGED_NOTE = (

@@ -186,11 +186,10 @@ _SPLIT_CHOICES = (1, 2, 4, 8, 16)  # measured: split 3 lost to 4 on 1x4096x4096
 _STREAM_K_EXTRA_TILES = 0.33
 # ...and, on products of fewer than _STREAM_K_FIXED_WAVES whole waves, this once: the flags'
 # memset before the kernel and the pieces' fixup (partial tiles through the workspace, the
-# owner's wait for them). H100 sweeps of products the random suite lost (docs/cost-model.md):
-# there stream-K ran 2-10 us over the estimate beyond what the same tile without it did
-# (768 x 384 x 2368: 16.3 us against 7.8 for 64 x 64 tiles; 8832 x 64 x 640: 10.9 against 7.7
-# for 128 x 128 whole). On many waves the model's stream-K share is pessimistic by more than
-# that (H200, 16384 x 4096 x 14336: 26 us ahead, estimated 0.7), so the charge stops there.
+# owner's wait for them): on H100 sweeps of products the random suite lost, stream-K ran a few
+# microseconds over the estimate beyond what the same tile without it did; on many waves the
+# model's stream-K share is pessimistic by more than that, so the charge stops there (the
+# figures: docs/cost-model.md).
 _STREAM_K_FIXED_S = 4e-6
 _STREAM_K_FIXED_WAVES = 4
 # The tile order in which stream_k_shared_operand_bytes counts the blocks that stream-K's tiles
@@ -303,22 +302,20 @@ def estimate_seconds(config: GemmConfig, m: int, n: int, k: int, num_sms: int = 
 # passed by the caller still runs the kernel). From the 200-product random suite on an H100
 # (bench_gemm --random 200 --seed 3, docs/benchmarks.md):
 # - K below one K block: the tensor cores multiply zeros for most of the only block and the
-#   product is an outer product bound by its output; all 25 such products ran at 0.20-0.55x.
+#   product is an outer product bound by its output; every such product ran slower.
 MIN_KERNEL_K = BLOCK_K
 # - outputs narrower than 16 columns (a matrix-vector product, to XLA): the narrowest tile is 64
-#   columns; 11 of the 12 with K >= 64 ran at 0.25-0.90x, one at 1.04x.
+#   columns; all but one such product ran slower.
 MIN_KERNEL_N = 16
 # - short K over many outputs: with K <= SHORT_K a tile's time is the fill of its one or two K
-#   blocks and its epilogue, which cuBLAS does faster. In the committed runs (H100/H200: random,
-#   batched and main suites, untuned), of the 15 such products with 2^24 or more outputs (batch
-#   x M x N) 14 ran at 0.83-1.00x (9 below 0.95: 16 x 8192 x 8192 x 128 0.83, 29312 x 6912 x
-#   128 0.89, 17728 x 24000 x 64 0.90), one at 1.02x; below 2^24 outputs they range 0.33-1.38x
-#   with no size that separates them, and stay on the kernel.
+#   blocks and its epilogue, which cuBLAS does faster: with 2^24 or more outputs (batch x M x N)
+#   all such products of the committed runs but one ran slower; below that they range both
+#   ways with no size that separates them, and stay on the kernel (docs/cost-model.md).
 SHORT_K = 128
 SHORT_K_OUTPUTS = 1 << 24
 # - copies that cost more than the product: each operand the lowering pads (rows not 16-byte
 #   multiples) or transposes is read and written once more, by one more kernel (about 1 us
-#   each on small products, measured: padded products took 1-1.2 us longer per pad).
+#   each on small products: docs/cost-model.md).
 _COPY_FIXED_S = 1.0e-6
 
 
@@ -372,9 +369,8 @@ def scored_configs(m: int, n: int, k: int, out_dtype, out_strides: tuple[int, ..
     """The legal configurations worth considering for a product (default_config scores them,
     jax_tma.autotune times them): split-K runs without clusters (measured, the cluster's
     lockstep only slows its short K ranges down) and stream-K only where M fills the tile's
-    rows (on 64 rows, 128-row stream-K took 35.2 us against 23.4 for 64 x 128 tiles, 64 x 7000 x
-    4096, H100, B misaligned; 8.8 against 5.3 for 64 x 64 tiles split 4 ways on 64 x 1000 x
-    1000)."""
+    rows (on 64 rows 128-row stream-K measured far slower than 64-row tiles:
+    docs/cost-model.md)."""
     for cfg in legal_configs(m, n, k, out_dtype, out_strides, batch=batch):
         if not (cfg.split_k > 1 and cfg.cluster_m > 1 or cfg.stream_k and m < cfg.block_m):
             yield cfg
