@@ -13,7 +13,7 @@ with what the evidence said:
   GEMM 64 x 256 in pairs (64, 256, 4, 2): no heuristic pick in 4230 (shape, dtype) cases and no
     row in any committed benchmark or autotune result; 64 x 256 alone wins everywhere it would.
   dense 128 x 256 in pairs (128, 256, 3, 2), every fusion and the gated gradient: level with or
-    behind 128 x 256 alone on every swept pattern (H100 --sweep: up to 4.3 % behind), the cost
+    behind 128 x 256 alone on every swept pattern (H100 --sweep), the cost
     model ties the two, and its kernels were the dearest of the build.
 """
 

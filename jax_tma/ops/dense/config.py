@@ -23,9 +23,8 @@ _DENSE_TILES = tiles.keys(tiles.DENSE_TILES)
 _NARROW_TILES = tiles.keys(tiles.DENSE_NARROW_TILES)
 _RING_TILES = tiles.keys(tiles.DENSE_RING_TILES)
 # Fewer rows leave the gated gradient to XLA (its dot, then one fusion): with a few 128 x 256
-# tiles per SM the epilogue warps' pass is not hidden (H100, N x K = 14336 x 4096, bench_epilogues
-# swiglu_grad, fused against XLA's form: M = 16 55.5 against 46.2 us, 64 59.8 / 54.8, 128
-# 71.8 / 52.5, 256 76.0 / 63.1, 512 113.7 / 116.5).
+# tiles per SM the epilogue warps' pass is not hidden; the fused form first led at 512 rows
+# (bench_epilogues swiglu_grad, H100: docs/notebook/2026-11-29-tile-registry-figures.md).
 GATED_GRADIENT_MIN_ROWS = 512
 DENSE_CONFIGS: tuple[GemmConfig, ...] = tuple(GemmConfig(*t) for t in _DENSE_TILES)
 

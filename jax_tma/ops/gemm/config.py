@@ -196,9 +196,9 @@ _STREAM_K_FIXED_WAVES = 4
 # share: groups of 8 cluster rows sweeping the N blocks, TileScheduler's order when
 # _STREAM_K_REREAD was fitted. Since 79d19c5 the scheduler's groups follow the tile and the grid
 # (TileScheduler::group_rows_for: 16 rows for 128 x 256 stream-K on 132 SMs); counted in that
-# order, 13 of 4,695 picks over the docs/cost-model.md suite would move from pairs to stream-K,
-# among them two the fit measured pairs 6 % faster on (4096 x 12288 x 8192, 8192 x 6144 x
-# 8192), so the charge keeps the order it was fitted on until it is refitted.
+# order, a few picks over the docs/cost-model.md suite would move from pairs to stream-K, among
+# them products the fit measured pairs faster on, so the charge keeps the order it was fitted on
+# until it is refitted (docs/cost-model.md).
 _GROUP_M = 8
 # Stream-K's CTAs start their ranges at scattered K offsets, so the last tiles that share a row
 # block of A or a column block of B read it at different times: what of those shared blocks L2
