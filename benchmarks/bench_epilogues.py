@@ -45,6 +45,7 @@ import numpy as np
 
 import jax_tma
 from jax_tma import _timing
+from jax_tma._core.config import stream_k_variants
 from jax_tma.ops.dense import config as ep_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -77,8 +78,7 @@ def swept_configs(pattern: str = "gelu") -> list:
     take it."""
     kind = ep_config.GATED_GRADIENT if pattern == "swiglu_grad" else ep_config.FORWARD
     compiled = ep_config.configs_for(kind, "silu")
-    return [*compiled, *(dataclasses.replace(c, stream_k=True)
-                         for c in compiled if c.takes_stream_k)]
+    return [*compiled, *stream_k_variants(compiled)]
 
 
 def swept_label(config) -> str:

@@ -45,6 +45,7 @@ from jax import lax
 import jax_tma
 from jax_tma import _timing
 from jax_tma._core import device
+from jax_tma._core.config import stream_k_variants
 from jax_tma.ops.fp8 import config as fp8_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -168,8 +169,7 @@ def bench(shape, args) -> list[Row]:
 
 def _and_streamed(configs, m: int, n: int, k: int) -> list:
     """`configs`, then each of them on stream-K where it applies to an M x N x K product."""
-    streamed = [dataclasses.replace(c, stream_k=True) for c in configs if c.takes_stream_k]
-    return list(configs) + [c for c in streamed if c.stream_k_applies(
+    return list(configs) + [c for c in stream_k_variants(configs) if c.stream_k_applies(
         -(-m // c.block_m) * -(-n // c.block_n), k, device.num_sms())]
 
 

@@ -100,7 +100,7 @@ from jax_tma.ops.gemm import config as gemm_config
 from jax_tma.ops.gemm import primitive as gemm
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _lib.harness import parse_shapes, part, part_bounds  # noqa: E402
+from _lib.harness import parse_part, parse_shapes, part, part_bounds  # noqa: E402
 from _lib.operands import gemm_operand_sets, operand_bytes  # noqa: E402
 from _lib.report import banner, environment, pyplot, save_figure, write_report  # noqa: E402
 from _lib.shapes import (  # noqa: E402
@@ -252,13 +252,7 @@ def _parse(argv=None) -> argparse.Namespace:
     if args.layout != "NN" and any(len(s) != 3 for s in args.shape_list):
         p.error("--layout applies to 2-D (M,N,K) shapes")
     if args.part is not None:
-        match = re.fullmatch(r"(\d+)/(\d+)", args.part)
-        index, count = map(int, match.groups()) if match else (0, 0)
-        if not 1 <= index <= count:
-            p.error(f"--part takes I/N with 1 <= I <= N, got {args.part!r}")
-        if count > len(args.shape_list):
-            p.error(f"--part {args.part}: {len(args.shape_list)} shapes make fewer than {count} "
-                    "parts")
+        index, count = parse_part(p, args.part, len(args.shape_list), "shapes")
         total = len(args.shape_list)
         start, stop = part_bounds(total, index, count)
         args.part = (index, count, start, stop, total)

@@ -37,7 +37,6 @@ import argparse
 import dataclasses
 import math
 import pathlib
-import re
 import sys
 
 import jax
@@ -49,7 +48,7 @@ import jax_tma
 from jax_tma import _timing
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _lib.harness import part  # noqa: E402
+from _lib.harness import parse_part, part  # noqa: E402
 from _lib.report import (banner, environment, pyplot, read_parts, save_figure,  # noqa: E402
                          write_progress)
 
@@ -363,10 +362,7 @@ def _parse(argv=None) -> argparse.Namespace:
     else:
         args.configs = DRY_RUN if args.dry_run else SUITE[:1] if args.quick else SUITE
     if args.part is not None:
-        match = re.fullmatch(r"(\d+)/(\d+)", args.part)
-        index, count = (int(g) for g in match.groups()) if match else (0, 0)
-        if not 1 <= index <= count <= len(args.configs):
-            p.error(f"--part takes I/N with 1 <= I <= N <= {len(args.configs)}, got {args.part!r}")
+        index, count = parse_part(p, args.part, len(args.configs), "configurations")
         args.configs = part(args.configs, index, count)
         args.stem += f"_part{index}of{count}"
     if args.sets < 1:

@@ -36,7 +36,6 @@ import argparse
 import dataclasses
 import functools
 import pathlib
-import re
 import sys
 
 import jax
@@ -49,7 +48,8 @@ from jax_tma import _ext, _timing
 from jax_tma.ops.fp8 import quantize as fp8_quantize
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _lib.harness import harness_arguments, parse_shapes, part, sweep_label  # noqa: E402
+from _lib.harness import (harness_arguments, parse_part, parse_shapes, part,  # noqa: E402
+                          sweep_label)
 from _lib.report import (banner, environment, pyplot, read_parts, save_figure,  # noqa: E402
                          write_progress)
 
@@ -455,12 +455,18 @@ def _parse(argv=None) -> argparse.Namespace:
     harness_arguments(p)
     args = p.parse_args(argv)
     args.shape_list = parse_shapes(p, args.shapes, ("M,K,N,G",)) if args.shapes else []
-    args.part_of = None
-    if args.part is not None:
-        match = re.fullmatch(r"(\d+)/(\d+)", args.part)
-        args.part_of = tuple(int(g) for g in match.groups()) if match else None
-        if args.part_of is None or not 1 <= args.part_of[0] <= args.part_of[1]:
-            p.error(f"--part takes I/N with 1 <= I <= N, got {args.part!r}")
+    if args.dry_run:
+        args.cases, args.rounds, args.iterations = DRY_RUN, 1, 1
+    elif args.shapes:
+        args.cases = [(*shape, args.sizes, args.form) for shape in args.shape_list]
+    else:
+        args.cases = [c for c in SUITE if args.only is None
+                      or any(SUBSETS[name](c) for name in args.only)]
+        args.cases = args.cases[:2] if args.quick else args.cases
+        if args.quick:
+            args.rounds = 3
+    args.part_of = (None if args.part is None or args.merge
+                    else parse_part(p, args.part, len(args.cases), "cases"))
     return args
 
 
@@ -494,16 +500,7 @@ def main(argv=None) -> int:
                        len(dict.fromkeys(r.case for r in rows)), total, "cases")
         print(_table(rows, env, args.dtype))
         return 0
-    if args.dry_run:
-        cases, args.rounds, args.iterations = DRY_RUN, 1, 1
-    elif args.shapes:
-        cases = [(*shape, args.sizes, args.form) for shape in args.shape_list]
-    else:
-        cases = [c for c in SUITE if args.only is None
-                 or any(SUBSETS[name](c) for name in args.only)]
-        cases = cases[:2] if args.quick else cases
-        if args.quick:
-            args.rounds = 3
+    cases = args.cases
     env = environment(args.commit)
     env["peak_dram_bytes_per_s"] = peak_dram_bytes_per_s()
     print(banner(env, args.dtype))
@@ -512,10 +509,6 @@ def main(argv=None) -> int:
     part_info = {}
     if args.part_of is not None:
         index, count = args.part_of
-        if count > len(cases):
-            print(f"--part {args.part}: {len(cases)} cases make fewer than {count} parts",
-                  file=sys.stderr)
-            return 2
         part_info = {"stem": stem, "cases": [_label(c) for c in cases], "part": [index, count]}
         cases = part(cases, index, count)
         stem += f"_part{index}of{count}"

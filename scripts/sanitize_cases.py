@@ -31,6 +31,7 @@ import numpy as np
 
 import jax_tma
 from jax_tma import _testing
+from jax_tma._core.config import stream_k_variants
 from jax_tma.ops.fp8 import config as fp8_config
 from jax_tma.ops.fp8 import primitive as fp8
 from jax_tma.ops.fp8 import quantize as fp8_quantize
@@ -64,16 +65,10 @@ def _f64(x):
     return np.asarray(x, np.float64)
 
 
-def _and_stream_k(configs) -> list:
-    """`configs`, then those that take stream-K with it on."""
-    return [*configs, *(dataclasses.replace(c, stream_k=True) for c in configs
-                        if c.takes_stream_k)]
-
-
 def _dense_cases(rng, m, n, k) -> list[Case]:
     cases = []
-    configs = _and_stream_k(gemm_config.COMPILED_CONFIGS)
-    configs.insert(len(gemm_config.COMPILED_CONFIGS), jax_tma.GemmConfig(128, 128, 6, 1, split_k=3))
+    configs = [*gemm_config.COMPILED_CONFIGS, jax_tma.GemmConfig(128, 128, 6, 1, split_k=3),
+               *stream_k_variants(gemm_config.COMPILED_CONFIGS)]
     for layout, (lhs_of, rhs_of, dims) in LAYOUTS.items():
         lhs = rng.standard_normal(lhs_of(m, k)).astype(BF16)
         rhs = rng.standard_normal(rhs_of(k, n)).astype(BF16)
@@ -244,7 +239,7 @@ def _fp8_cases(rng, m, n, k) -> list[Case]:
         b, sb = (np.asarray(v) for v in jax_tma.quantize_fp8(w, (128, 128), dtype))
         ref = (_f64(fp8_quantize.dequantize_fp8(a, sa, (1, 128)))
                @ _f64(fp8_quantize.dequantize_fp8(b, sb, (128, 128))).T + bias)
-        for cfg in _and_stream_k(fp8_config.FP8_CONFIGS):
+        for cfg in (*fp8_config.FP8_CONFIGS, *stream_k_variants(fp8_config.FP8_CONFIGS)):
             for out_dtype in fp8_config.OUT_DTYPES:
                 run = (lambda a=a, b=b, sa=sa, sb=sb, cfg=cfg, out_dtype=out_dtype:
                        fp8._kernel_call(jnp.asarray(a), jnp.asarray(b), jnp.asarray(sa),
@@ -258,7 +253,8 @@ def _fp8_cases(rng, m, n, k) -> list[Case]:
         b, sb = (np.asarray(v) for v in jax_tma.quantize_fp8(w, None, dtype))
         ref = (_f64(fp8_quantize.dequantize_fp8(a, sa))
                @ _f64(fp8_quantize.dequantize_fp8(b, sb)).T)
-        for cfg in _and_stream_k(fp8_config.FP8_FAST_CONFIGS):
+        for cfg in (*fp8_config.FP8_FAST_CONFIGS,
+                    *stream_k_variants(fp8_config.FP8_FAST_CONFIGS)):
             for out_dtype in fp8_config.OUT_DTYPES:
                 run = (lambda a=a, b=b, sa=sa, sb=sb, cfg=cfg, out_dtype=out_dtype:
                        fp8._kernel_call(jnp.asarray(a), jnp.asarray(b), jnp.asarray(sa),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import re
 
 
 def harness_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +56,18 @@ def part_bounds(total: int, index: int, count: int) -> tuple[int, int]:
     """[start, stop) of the `index`-th (from 1) of `count` contiguous chunks of `total` items,
     whose lengths differ by at most one."""
     return (index - 1) * total // count, index * total // count
+
+
+def parse_part(p: argparse.ArgumentParser, value: str, items: int, noun: str) -> tuple[int, int]:
+    """--part's I/N as (I, N); a parser error unless 1 <= I <= N <= `items` (the suite's number
+    of `noun`)."""
+    match = re.fullmatch(r"(\d+)/(\d+)", value)
+    index, count = map(int, match.groups()) if match else (0, 0)
+    if not 1 <= index <= count:
+        p.error(f"--part takes I/N with 1 <= I <= N, got {value!r}")
+    if count > items:
+        p.error(f"--part {value}: {items} {noun} make fewer than {count} parts")
+    return index, count
 
 
 def part(shapes: list, index: int, count: int) -> list:

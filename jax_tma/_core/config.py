@@ -160,6 +160,11 @@ class StreamKConfig(TileConfig):
         return flag_bytes + num_sms * self.block_m * self.block_n * 4
 
 
+def stream_k_variants(configs: Iterable[C]) -> list[C]:
+    """Those of `configs` (StreamKConfig) whose tile takes stream-K, with it on."""
+    return [dataclasses.replace(c, stream_k=True) for c in configs if c.takes_stream_k]
+
+
 def require_among(config: TileConfig, allowed: Iterable[TileConfig], op: str, what: str,
                   **fixed) -> TileConfig:
     """`config` when its tile is one of `allowed`'s and each field named in `fixed` has that

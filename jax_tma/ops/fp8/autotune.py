@@ -6,8 +6,8 @@ kernel computes for that call (its operands as the kernel reads them, the scale 
 or fast accumulation), times every compiled configuration for it (config.ranked_configs: the
 heuristic's ranking, then the tiles it has no rate for and stream-K; split-K where the tiles
 fill less than one wave) over random operands of those shapes in one harness run (CUPTI kernel
-time), and stores the fastest in the autotuning cache (jax_tma/_core/tuning_cache.py), keyed by device
-kind, FP8 type, output type, accumulation, whether block scales are read, and M, N, K. The
+time), and stores the fastest in the autotuning cache (jax_tma/_core/tuning_cache.py), keyed by
+device kind, FP8 type, output type, accumulation, whether block scales are read, and M, N, K. The
 kernel's lowering reads the cache before the heuristic. With ``JAX_TMA_AUTOTUNE=1``
 fp8_dot_general and fp8_matmul tune a product whose key is missing when they are traced (as
 dot_general does).

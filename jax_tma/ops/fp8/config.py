@@ -19,7 +19,8 @@ from typing import ClassVar
 import jax.numpy as jnp
 
 from jax_tma._core import device, tiles
-from jax_tma._core.config import StreamKConfig, Tile, fastest, ranked, require_among
+from jax_tma._core.config import (StreamKConfig, Tile, fastest, ranked, require_among,
+                                  stream_k_variants)
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32))
@@ -69,12 +70,12 @@ _FAST_EFFICIENCY = {(128, 256, 2): 0.80, (128, 192, 2): 0.775, (128, 128, 1): 0.
 # A compiled tile without a rate (128 x 192 without a cluster) is selectable with config=,
 # timed by bench_fp8.py --sweep and fp8_autotune, but not a heuristic candidate until it is
 # measured.
+_PEAK_FLOPS = 1.979e15
 
 
 def rate_key(tile) -> tuple[int, int, int]:
     """A tile's (block_m, block_n, cluster_m): the key of its measured rate."""
     return tile[0], tile[1], tile[3]
-_PEAK_FLOPS = 1.979e15
 
 
 def estimate_seconds(cfg: Fp8Config, m: int, n: int, k: int, num_sms: int,
@@ -121,10 +122,10 @@ def ranked_configs(m: int, n: int, k: int, num_sms: int | None = None, fast: boo
                 if cfg.splits_for(k) == split:
                     yield cfg
             # Stream-K where it applies, for fp8_autotune only (never measured faster).
-            if not measured_only and tile[0] == 128 and tile[3] == 1:  # takes_stream_k
-                streamed = Fp8Config(*tile, stream_k=True)
-                if streamed.stream_k_applies(tiles, k, num_sms):
-                    yield streamed
+            if not measured_only:
+                for streamed in stream_k_variants([Fp8Config(*tile)]):
+                    if streamed.stream_k_applies(tiles, k, num_sms):
+                        yield streamed
 
     return ranked(candidates(),
                   lambda cfg: estimate_seconds(cfg, m, n, k, num_sms,

@@ -126,8 +126,8 @@ def _kernel_call(a, b, *rest, has_sa, has_sb, row_scale, col_scale, has_bias, ou
     attrs = dict(
         block_m=i64(cfg.block_m), block_n=i64(cfg.block_n), stages=i64(cfg.stages),
         cluster_m=i64(cfg.cluster_m), promote=i64(promote), splits=i64(splits),
-        stream_k=i64(cfg.stream_k), m=i64(m), n=i64(n_pad), k=i64(a.shape[1]), batch=i64(1), a_batched=i64(0),
-        b_batched=i64(0), sa_ld=i64(sa.shape[1] if has_sa else 4),
+        stream_k=i64(cfg.stream_k), m=i64(m), n=i64(n_pad), k=i64(a.shape[1]), batch=i64(1),
+        a_batched=i64(0), b_batched=i64(0), sa_ld=i64(sa.shape[1] if has_sa else 4),
         sb_ld=i64(sb.shape[1] if has_sb else 4), has_sa=i64(has_sa), has_sb=i64(has_sb),
         row_scale=i64(_VECTOR_CODE[row_scale]), col_scale=i64(_VECTOR_CODE[col_scale]),
         has_bias=i64(has_bias and splits == 1))

@@ -10,7 +10,6 @@ bf16 output 1e-2 (its rounding alone is ~2e-3); the XLA path (CPU) is an fp32 pr
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 
@@ -22,6 +21,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_tma
+from jax_tma._core.config import stream_k_variants
 from jax_tma.ops.fp8 import api as fp8_api
 from jax_tma.ops.fp8 import config as fp8_config
 from jax_tma.ops.fp8 import primitive as fp8
@@ -519,10 +519,8 @@ def test_precision_picks_the_accumulation():
 # tiles (a whole wave of 132, then 124 tiles' K slices dealt out), on 128 x 192 tiles 168 (36
 # dealt out), on 128 x 256 tiles 128 (one part-empty wave, all dealt out); 200 x 776 x 2080 is
 # 14, 10 or 8 tiles of 17 slices each.
-STREAM_K_CONFIGS = [dataclasses.replace(c, stream_k=True) for c in fp8_config.FP8_CONFIGS
-                    if c.takes_stream_k]
-STREAM_K_FAST_CONFIGS = [dataclasses.replace(c, stream_k=True)
-                         for c in fp8_config.FP8_FAST_CONFIGS if c.takes_stream_k]
+STREAM_K_CONFIGS = stream_k_variants(fp8_config.FP8_CONFIGS)
+STREAM_K_FAST_CONFIGS = stream_k_variants(fp8_config.FP8_FAST_CONFIGS)
 STREAM_K_SHAPES = [(1000, 4000, 1040), (200, 776, 2080)]
 
 

@@ -26,6 +26,7 @@ from jax_tma.ops.gemm import config as gemm_config
 from jax_tma.ops.gemm import plan as gemm_plan
 from jax_tma.ops.gemm import primitive as gemm
 from jax_tma._core import device
+from jax_tma._core.config import stream_k_variants
 from support import cuda_hlo, f64_matmul, needs_extension, random_array, rel_error
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -378,7 +379,7 @@ GPU_CONFIGS = [
     *gemm_config.COMPILED_CONFIGS,
     jax_tma.GemmConfig(128, 128, 6, 2, split_k=4),
     jax_tma.GemmConfig(64, 128, 8, 1, split_k=3),
-    *[dataclasses.replace(c, stream_k=True) for c in gemm_config.COMPILED_CONFIGS if c.takes_stream_k],
+    *stream_k_variants(gemm_config.COMPILED_CONFIGS),
 ]
 CONFIG_IDS = ["default"] + [
     f"m{c.block_m}n{c.block_n}s{c.stages}c{c.cluster_m}k{c.split_k}" + ("sk" if c.stream_k else "")
