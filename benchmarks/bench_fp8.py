@@ -186,7 +186,8 @@ def sweep(shape, args) -> list[Row]:
         "default block " + default:
             lambda a, b, sa, sb, *rest: jax_tma.fp8_dot_general(a, b, sa, sb, NT)}
     def fitting(configs):
-        return [c for c in configs if fp8_config.cluster_fits(c.block_m, c.cluster_m, m)]
+        return [c for c in configs if fp8_config.cluster_fits(c.block_m, c.cluster_m, m)
+                and (not args.tiles or "x".join(map(str, c.tile)) in args.tiles)]
 
     for cfg in fitting(_and_streamed(fp8_config.FP8_CONFIGS, m, n, k)):
         name = "x".join(map(str, cfg.tile)) + (" sk" if cfg.stream_k else "")
@@ -288,6 +289,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--sweep", action="store_true",
                    help="time per-tensor and block-scaled products on every compiled tile instead")
+    p.add_argument("--tiles", nargs="+", metavar="MxNxSxC",
+                   help="with --sweep: only these tiles (block_m x block_n x stages x cluster_m)")
     p.add_argument("--dry-run", action="store_true")
     p.add_argument("--shapes", nargs="*", metavar="M,N,K")
     p.add_argument("--resume", type=pathlib.Path, metavar="FILE.json",
@@ -296,6 +299,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.resume is not None and args.sweep:
         p.error("--resume continues a bench_fp8 report, not a --sweep")
+    if args.tiles and not args.sweep:
+        p.error("--tiles selects the tiles of a --sweep")
     shapes = chosen_shapes(p, args, SHAPES, SHAPES[:2], DRY_RUN)
     env = environment(args.commit)
     print(banner(env, "e4m3"))

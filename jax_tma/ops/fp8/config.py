@@ -7,8 +7,9 @@ per SM; every wave costs as much as a full one (the last wave's idle SMs are the
 non-power-of-two widths such as 192 avoid), each tile at its measured share of the chip's FP8
 rate; the result is at least the operands' and the output's bytes at DRAM speed. Split-K is
 considered only where the tiles fill less than one wave. Stream-K (128-row tiles without a
-cluster) is never the heuristic's choice: on an H200 it was slower than the best whole-tile or
-split-K configuration on every product of a sweep (docs/fp8.md); fp8_autotune times it last.
+cluster) is considered only where the tiles fill at least one whole wave: it then replaces the
+part-empty last wave by an even share of its K slices, at a fixed cost of part of a wave; on
+fewer tiles it cuts K into many short pieces, which split-K does better (docs/fp8.md).
 """
 
 from __future__ import annotations
@@ -64,12 +65,15 @@ FP8_FAST_CONFIGS: tuple[Fp8Config, ...] = tuple(Fp8Config(*t) for t in _FAST_TIL
 # the fast 128 x 192 pairs' relative to the fast 128 x 256 pairs' on two other products
 # (docs/notebook/2026-11-29-fp8-probe.md). Keyed by (block_m, block_n, cluster_m).
 _TILE_EFFICIENCY = {(128, 256, 2): 0.66, (128, 256, 1): 0.66, (128, 192, 2): 0.725,
-                    (128, 144, 2): 0.61, (128, 128, 2): 0.61, (128, 128, 1): 0.61,
-                    (64, 128, 1): 0.52}
+                    (128, 192, 1): 0.744, (128, 144, 2): 0.61, (128, 128, 2): 0.61,
+                    (128, 128, 1): 0.61, (64, 128, 1): 0.52}
 _FAST_EFFICIENCY = {(128, 256, 2): 0.80, (128, 192, 2): 0.775, (128, 128, 1): 0.75}
-# A compiled tile without a rate (128 x 192 without a cluster) is selectable with config=,
-# timed by bench_fp8.py --sweep and fp8_autotune, but not a heuristic candidate until it is
-# measured.
+# Stream-K's cost beyond its share of the last wave's K slices, in waves: the partial tiles'
+# round trip through the workspace and the fixup (fitted to 128 x 192 tiles on 4096-8192 sized
+# products; docs/cost-model.md).
+_STREAM_K_EXTRA_WAVES = 0.45
+# A compiled tile without a rate is selectable with config=, timed by bench_fp8.py --sweep and
+# fp8_autotune, but not a heuristic candidate until it is measured.
 _PEAK_FLOPS = 1.979e15
 
 
@@ -82,11 +86,16 @@ def estimate_seconds(cfg: Fp8Config, m: int, n: int, k: int, num_sms: int,
                      dram_bytes_per_s: float, fast: bool = False) -> float:
     """A rough time of one product on `cfg`: waves of tiles at the tile's rate, or the operand
     and output bytes at DRAM speed, whichever is longer; split-K adds its fp32 partial products'
-    round trip through memory and XLA's sum after the kernel."""
+    round trip through memory and XLA's sum after the kernel; stream-K replaces the last wave by
+    its share of that wave's K slices plus _STREAM_K_EXTRA_WAVES."""
     m_blocks, n_blocks = -(-m // cfg.block_m), -(-n // cfg.block_n)
     splits = cfg.splits_for(k)
     units = m_blocks * n_blocks * splits
     waves = -(-units // num_sms)
+    share = cfg.stream_k_applies(units, k, num_sms)
+    if share is not None:
+        left, ctas = share
+        waves = units // num_sms + left / ctas + _STREAM_K_EXTRA_WAVES
     efficiency = (_FAST_EFFICIENCY if fast else _TILE_EFFICIENCY)[rate_key(cfg.tile)]
     per_unit = 2.0 * cfg.block_m * cfg.block_n * -(-k // splits) / (
         _PEAK_FLOPS / num_sms * efficiency)
@@ -105,8 +114,9 @@ def ranked_configs(m: int, n: int, k: int, num_sms: int | None = None, fast: boo
                    measured_only: bool = True) -> list[Fp8Config]:
     """The compiled tiles with promotion (or, `fast`, for the tensor core's accumulation) that
     fit the product, with the split-K factors worth trying (only where the tiles fill less than
-    one wave), by estimated time, fastest first (ties: no split, the larger tile). Tiles without
-    a measured rate, and stream-K, are left out, or with `measured_only=False` ranked last
+    one wave) and stream-K (only where they fill at least one), by estimated time, fastest first
+    (ties: whole tiles, no split, the larger tile). Tiles without a measured rate, and stream-K
+    on fewer tiles than SMs, are left out, or with `measured_only=False` ranked last
     (fp8_autotune times them too)."""
     num_sms = device.num_sms() if num_sms is None else num_sms
     efficiency = _FAST_EFFICIENCY if fast else _TILE_EFFICIENCY
@@ -121,16 +131,18 @@ def ranked_configs(m: int, n: int, k: int, num_sms: int | None = None, fast: boo
                 cfg = Fp8Config(*tile, split_k=split)
                 if cfg.splits_for(k) == split:
                     yield cfg
-            # Stream-K where it applies, for fp8_autotune only (never measured faster).
-            if not measured_only:
-                for streamed in stream_k_variants([Fp8Config(*tile)]):
-                    if streamed.stream_k_applies(tiles, k, num_sms):
-                        yield streamed
+            for streamed in stream_k_variants([Fp8Config(*tile)]):
+                if streamed.stream_k_applies(tiles, k, num_sms) and (
+                        not measured_only or tiles >= num_sms):
+                    yield streamed
 
-    return ranked(candidates(),
-                  lambda cfg: estimate_seconds(cfg, m, n, k, num_sms,
-                                               device.dram_bytes_per_s(), fast)
-                  if rate_key(cfg.tile) in efficiency and not cfg.stream_k else float("inf"),
+    def seconds(cfg: Fp8Config) -> float:
+        if rate_key(cfg.tile) not in efficiency or (
+                cfg.stream_k and -(-m // cfg.block_m) * -(-n // cfg.block_n) < num_sms):
+            return float("inf")
+        return estimate_seconds(cfg, m, n, k, num_sms, device.dram_bytes_per_s(), fast)
+
+    return ranked(candidates(), seconds,
                   lambda cfg: (cfg.stream_k, cfg.split_k, -cfg.block_m * cfg.block_n,
                                -cfg.cluster_m),
                   digits=8)

@@ -10,6 +10,7 @@ bf16 output 1e-2 (its rounding alone is ~2e-3); the XLA path (CPU) is an fp32 pr
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -573,9 +574,8 @@ def test_kernel_fast_stream_k_matches_float64(rng, config, shape):
 
 def test_stream_k_configs_and_errors():
     """stream_k=True only on 128-row tiles without a cluster and without split-K; the heuristic
-    never picks it (slower than the best whole-tile or split-K configuration on every product
-    of an H200 sweep), fp8_autotune times it last where it applies, and the lowering passes it
-    on."""
+    considers it only where the tiles fill at least one wave (on fewer, split-K cuts K better),
+    fp8_autotune times it last where it applies, and the lowering passes it on."""
     assert STREAM_K_CONFIGS and STREAM_K_FAST_CONFIGS
     with pytest.raises(ValueError, match="stream_k needs block_m=128, cluster_m=1"):
         fp8_config.Fp8Config(128, 192, 4, 2, stream_k=True)
@@ -593,6 +593,17 @@ def test_stream_k_configs_and_errors():
     # 12 x 11 tiles of 128 x 256 fill 132 SMs: no stream-K for that tile.
     assert not any(c.stream_k and c.block_n == 256 for c in fp8_config.ranked_configs(
         1536, 2816, 4096, num_sms=132, measured_only=False))
+    # 4096^3 on 128 x 192 tiles: 704 tiles, 5.33 waves of 132. Whole tiles pay for 6 waves,
+    # stream-K for 5 + 44 / 132 + _STREAM_K_EXTRA_WAVES: the heuristic's choice.
+    streamed = fp8_config.Fp8Config(128, 192, 4, 1, stream_k=True)
+    assert fp8_config.default_config(4096, 4096, 4096, num_sms=132) == streamed
+    whole = dataclasses.replace(streamed, stream_k=False)
+    est = functools.partial(fp8_config.estimate_seconds, m=4096, n=4096, k=4096, num_sms=132,
+                            dram_bytes_per_s=4.8e12)
+    ratio = est(streamed) / est(whole)
+    assert ratio == pytest.approx((5 + 44 / 132 + fp8_config._STREAM_K_EXTRA_WAVES) / 6)
+    # 6144^3: 1536 tiles, 11.6 waves; the last wave's share plus the extra cost exceeds it.
+    assert not fp8_config.default_config(6144, 6144, 6144, num_sms=132).stream_k
     cfg = STREAM_K_CONFIGS[0]
     a, b = (jax.ShapeDtypeStruct(s, E4M3) for s in ((128, 7168), (2112, 7168)))
     hlo = cuda_hlo(lambda a, b: jax_tma.fp8_dot_general(a, b, 1.0, 1.0, config=cfg), a, b)
@@ -605,22 +616,22 @@ def test_stream_k_configs_and_errors():
 
 @needs_extension
 def test_heuristic_picks_the_measured_fastest_tiles():
-    """Every compiled tile has a measured rate. The promoted heuristic picks the 128 x 192 pairs
-    (one group per slice, the cross schedule) for large products; the fast one picks them where
-    the H200 sweep found them fastest (N = 2112: 1333 TFLOP/s against 1174 for the 128 x 128
-    tile and 1042 for the 128 x 256 pairs) and the 128 x 256 pairs where those were (16384 x
-    7168 x 2048). A config= tile runs when asked for."""
-    # Every compiled tile but 128 x 192 without a cluster (stream-K's; not yet measured).
-    unmeasured = {(128, 192, 1)}
+    """Every compiled tile has a measured rate. The promoted heuristic picks 128 x 192 tiles
+    without a cluster (one group per slice, the cross schedule) for large products, on stream-K
+    where their last wave is part-empty; the fast one picks the 128 x 192 pairs where the H200
+    sweep found them fastest (N = 2112: 1333 TFLOP/s against 1174 for the 128 x 128 tile and 1042
+    for the 128 x 256 pairs) and the 128 x 256 pairs where those were (16384 x 7168 x 2048). A
+    config= tile runs when asked for."""
     assert {fp8_config.rate_key(c.tile) for c in fp8_config.FP8_CONFIGS} == set(
-        fp8_config._TILE_EFFICIENCY) | unmeasured
+        fp8_config._TILE_EFFICIENCY)
     assert {fp8_config.rate_key(c.tile) for c in fp8_config.FP8_FAST_CONFIGS} == set(
         fp8_config._FAST_EFFICIENCY)
-    for m, n, k in [(128, 24576, 1536), (4096, 4096, 4096), (256, 7168, 2048)]:
-        assert all(fp8_config.rate_key(c.tile) not in unmeasured
-                   for c in fp8_config.ranked_configs(m, n, k, num_sms=132))
     for m, n, k in [(8192, 8192, 8192), (4096, 2112, 7168), (16384, 7168, 2048)]:
-        assert fp8_config.default_config(m, n, k, num_sms=132).tile == (128, 192, 4, 2)
+        assert fp8_config.default_config(m, n, k, num_sms=132) == fp8_config.Fp8Config(
+            128, 192, 4, 1)
+    for m, n, k in [(4096, 4096, 7168), (4096, 7168, 2048)]:
+        assert fp8_config.default_config(m, n, k, num_sms=132) == fp8_config.Fp8Config(
+            128, 192, 4, 1, stream_k=True)
     fast = functools.partial(fp8_config.default_config, num_sms=132, fast=True)
     assert fast(4096, 2112, 7168).tile == (128, 192, 4, 2)
     assert fast(16384, 7168, 2048).tile == (128, 256, 3, 2)
