@@ -25,7 +25,9 @@ Before timing, jax_tma's block-scaled result is compared with XLA's dequantised 
 Writes bench_fp8.json, .md and .png under benchmarks/results/<device>/ after every shape (a run
 cut short keeps what it measured; its JSON's "complete" is false). --resume FILE.json continues
 such a run: the shapes it holds are taken from it, the rest are timed, and the report covers
-both; it must come from the same device, driver, jax, commit and options.
+both; it must come from the same device, driver, jax, commit and options. --merge FILE.json ...
+writes one report from runs of the same commit and options that timed different shapes (e.g.
+two GPUs resuming one report, each with its own --shapes).
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ from jax_tma.ops.fp8 import config as fp8_config
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from _lib.harness import chosen_shapes, harness_arguments  # noqa: E402
-from _lib.report import (banner, environment, pyplot, save_figure, write_progress,  # noqa: E402
-                         write_report)
+from _lib.report import (banner, environment, pyplot, read_parts, save_figure,  # noqa: E402
+                         write_progress, write_report)
 
 # DeepGEMM's published block-scaled TFLOP/s (H800 SXM5, 1x128 / 128x128 scales) for M x N x K.
 DEEPGEMM_NK = ((2112, 7168), (24576, 1536), (32768, 512), (7168, 16384), (4096, 7168),
@@ -295,12 +297,26 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="*", metavar="M,N,K")
     p.add_argument("--resume", type=pathlib.Path, metavar="FILE.json",
                    help="continue the unfinished run whose report this is")
+    p.add_argument("--merge", nargs="+", type=pathlib.Path, metavar="FILE.json",
+                   help="write one report from these reports of the suite's shapes")
     harness_arguments(p)
     args = p.parse_args(argv)
     if args.resume is not None and args.sweep:
         p.error("--resume continues a bench_fp8 report, not a --sweep")
     if args.tiles and not args.sweep:
         p.error("--tiles selects the tiles of a --sweep")
+    if args.merge:
+        try:
+            env, rows = merged_rows(args.merge, args)
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            p.error(f"--merge: {err}")
+        suite = DRY_RUN if args.dry_run else SHAPES
+        rows.sort(key=lambda r: suite.index(r.shape))
+        write_progress(args.out, env, "bench_fp8", _payload(rows, env, args), _table(rows, env),
+                       lambda path: _plot(rows, path, _title(env)),
+                       len({r.shape for r in rows}), len(suite), "shapes")
+        print(_table(rows, env))
+        return 0
     shapes = chosen_shapes(p, args, SHAPES, SHAPES[:2], DRY_RUN)
     env = environment(args.commit)
     print(banner(env, "e4m3"))
@@ -379,6 +395,33 @@ def resumed_rows(report: dict, env: dict, args, shapes: list) -> list[Row]:
     if extra:
         raise ValueError(f"shapes this run does not time: {extra}")
     return rows
+
+
+def merged_rows(paths: list[pathlib.Path], args) -> tuple[dict, list[Row]]:
+    """(environment, rows) of the bench_fp8 reports at `paths`, which must come from one device,
+    driver, jax, commit and timing (read_parts) with the same options, hold only the suite's
+    shapes (the dry run's, for dry runs), and agree on every shape two of them hold. Sets args'
+    timing options and dry_run to theirs."""
+    env, payloads = read_parts(paths, "bench_fp8")
+    options, dry_run = payloads[0].get("options"), payloads[0].get("dry_run")
+    suite = DRY_RUN if dry_run else SHAPES
+    by_shape: dict[tuple, list[Row]] = {}
+    for path, payload in zip(paths, payloads):
+        if payload.get("options") != options or payload.get("dry_run") != dry_run:
+            raise ValueError(f"{path}: options {payload.get('options')}, dry run "
+                             f"{payload.get('dry_run')} (first: {options}, {dry_run})")
+        rows = [Row(tuple(r["shape"]), r["contender"], r["seconds"], r["spread_s"], r["note"])
+                for r in payload["rows"]]
+        for shape in dict.fromkeys(r.shape for r in rows):
+            if shape not in suite:
+                raise ValueError(f"{path} holds {shape}, not a shape of the suite")
+            mine = [r for r in rows if r.shape == shape]
+            if by_shape.setdefault(shape, mine) != mine:
+                raise ValueError(f"{path} holds {shape} with other results than an earlier file")
+    for name, value in options.items():
+        setattr(args, name, value)
+    args.dry_run = bool(dry_run)
+    return env, [r for rows in by_shape.values() for r in rows]
 
 
 if __name__ == "__main__":

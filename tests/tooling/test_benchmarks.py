@@ -964,6 +964,41 @@ def test_bench_fp8_resume_takes_over_the_measured_shapes(tmp_path):
     assert sets.returncode == 2 and "other options" in sets.stderr
 
 
+def test_bench_fp8_merge_reports_of_different_shapes(tmp_path):
+    """Runs of one commit that timed different shapes (two GPUs resuming one report) merge into
+    one report in the suite's order, whole when together they hold every shape; a report of
+    another commit, or one holding a shape with other results, is refused."""
+    assert _run("bench_fp8.py", "--out", str(tmp_path / "run"), "--commit", "0123abc"
+                ).returncode == 0
+    whole = _written(tmp_path / "run", "bench_fp8")
+    paths = []
+    for shape in ([8, 136, 200], [64, 256, 256]):  # the suite's order reversed
+        path = tmp_path / f"{shape[0]}.json"
+        path.write_text(json.dumps(
+            {**whole, "complete": False, "rows": [r for r in whole["rows"] if r["shape"] == shape]}))
+        paths.append(path)
+    merged = tmp_path / "merged"
+    result = _script("bench_fp8.py", "--merge", *map(str, paths), "--out", str(merged))
+    assert result.returncode == 0, result.stderr
+    report = _written(merged, "bench_fp8")
+    assert report["complete"] and report["dry_run"] and report["rows"] == whole["rows"]
+    assert "Partial" not in result.stdout
+    one = _script("bench_fp8.py", "--merge", str(paths[0]), "--out", str(tmp_path / "one"))
+    assert one.returncode == 0 and not _written(tmp_path / "one", "bench_fp8")["complete"]
+    changed = json.loads(paths[0].read_text())
+    changed["rows"][0]["seconds"] *= 2
+    twice = tmp_path / "twice.json"
+    twice.write_text(json.dumps(changed))
+    bad = _script("bench_fp8.py", "--merge", str(paths[0]), str(twice))
+    assert bad.returncode == 2 and "with other results" in bad.stderr
+    changed = json.loads(paths[1].read_text())
+    changed["environment"]["commit"] = "fedcba9"
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(changed))
+    bad = _script("bench_fp8.py", "--merge", str(paths[0]), str(other))
+    assert bad.returncode == 2 and "commit 'fedcba9'" in bad.stderr
+
+
 def test_bench_fp8_rejects_bad_shapes():
     result = _script("bench_fp8.py", "--shapes", "4,4")
     assert result.returncode == 2 and "--shapes takes M,N,K of positive ints" in result.stderr
