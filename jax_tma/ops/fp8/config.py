@@ -61,16 +61,18 @@ FP8_FAST_CONFIGS: tuple[Fp8Config, ...] = tuple(Fp8Config(*t) for t in _FAST_TIL
 
 # Cost model: each tile's sustained share of the chip's FP8 rate on products of many waves,
 # promoted (per-tensor and block-scaled alike) and fast: the time of one wave of full tiles at
-# 8192^3 on an H200 (bench_fp8.py --sweep, per-tensor; docs/notebook/2026-11-29-fp8-cross.md);
-# the fast 128 x 192 pairs' relative to the fast 128 x 256 pairs' on two other products
-# (docs/notebook/2026-11-29-fp8-probe.md). Keyed by (block_m, block_n, cluster_m).
+# 8192^3 on an H200 (bench_fp8.py --sweep, per-tensor; docs/notebook/2026-11-29-fp8-cross.md;
+# 128 x 192 without a cluster relative to the pairs in a later sweep,
+# docs/notebook/2026-11-29-fp8-tile-and-fine-table.md); the fast 128 x 192 pairs' relative to
+# the fast 128 x 256 pairs' on two other products (docs/notebook/2026-11-29-fp8-probe.md).
+# Keyed by (block_m, block_n, cluster_m).
 _TILE_EFFICIENCY = {(128, 256, 2): 0.66, (128, 256, 1): 0.66, (128, 192, 2): 0.725,
                     (128, 192, 1): 0.744, (128, 144, 2): 0.61, (128, 128, 2): 0.61,
                     (128, 128, 1): 0.61, (64, 128, 1): 0.52}
 _FAST_EFFICIENCY = {(128, 256, 2): 0.80, (128, 192, 2): 0.775, (128, 128, 1): 0.75}
 # Stream-K's cost beyond its share of the last wave's K slices, in waves: the partial tiles'
-# round trip through the workspace and the fixup (fitted to 128 x 192 tiles on 4096-8192 sized
-# products; docs/cost-model.md).
+# round trip through the workspace and the fixup (fitted to 128 x 192 tiles on products of
+# 4096-8192 rows; docs/fp8.md).
 _STREAM_K_EXTRA_WAVES = 0.45
 # A compiled tile without a rate is selectable with config=, timed by bench_fp8.py --sweep and
 # fp8_autotune, but not a heuristic candidate until it is measured.
