@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import math
 import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 import jax_tma
 import jax_tma.flax as jtf
 from jax_tma.ops.fp8 import ragged_primitive as fp8r
+from jax_tma.ops.moe import api as moe_api
 from jax_tma.ops.ragged import gated_grad_primitive as ggp, gated_primitive as gp, primitive as rd
 from support import cuda_hlo, needs_extension, rel_error, target_calls
 
@@ -295,6 +297,38 @@ def test_expert_parallel_deepseek_routing_over_8_devices(rng, exact_f32):
     g = jax.jit(jax.grad(lambda *a: _loss(ep, *a), argnums=(0, 1, 2, 3, 4)))(*args)
     for a, b in zip(g, g1):
         assert rel_error(a, b) <= 1e-5
+
+
+@pytest.mark.parametrize("layout", ["data2-ep4", "ep8-deepseek"])
+def test_expert_parallel_slices_per_device(layout, rng, exact_f32, monkeypatch):
+    """The exchange with one ragged slice per device pair (rows regrouped by expert on arrival):
+    the one-device layer's result and gradients, and n slices per exchange instead of E."""
+    monkeypatch.setattr(moe_api, "_SLICE_PER_DEVICE", True)
+    if layout == "data2-ep4":
+        mesh, experts, kw = _cpu_mesh((2, 4), ("data", "ep")), 16, dict(top_k=4)
+        args = _host(*_operands(rng, 128, 32, experts, 24))
+    else:
+        mesh, experts = _cpu_mesh((8,), ("ep",)), 256
+        kw = dict(top_k=8, router="sigmoid_topk")
+        args = _host(*_operands(rng, 256, 16, experts, 8))
+    one, ep = _moe(**kw), _moe(expert_axis="ep", mesh=mesh, **kw)
+    (y1, s1) = jax.jit(one)(*args)
+    g1 = jax.jit(jax.grad(lambda *a: _loss(one, *a), argnums=(0, 1, 2, 3, 4)))(*args)
+    with jax.set_mesh(mesh):
+        y, s = jax.jit(ep)(*args)
+        g = jax.jit(jax.grad(lambda *a: _loss(ep, *a), argnums=(0, 1, 2, 3, 4)))(*args)
+        cuda = jax.jit(ep).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert rel_error(y, y1) <= 1e-6
+    np.testing.assert_array_equal(np.asarray(s.tokens_per_expert),
+                                  np.asarray(s1.tokens_per_expert))
+    for a, b in zip(g, g1):
+        assert rel_error(a, b) <= 1e-5
+    devices = dict(mesh.shape)["ep"]
+    calls = re.findall(r"@ragged_all_to_all\([^)]*\) \{.*?\} : \(([^)]*)\)", cuda)
+    assert len(calls) == 2
+    for types in calls:  # operand, output, then four [slices] offset and size vectors
+        assert types.count(f"tensor<{devices}xi") == 4, types
+        assert f"tensor<{experts}xi" not in types
 
 
 def _moe(**kw):
