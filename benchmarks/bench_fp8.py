@@ -20,6 +20,7 @@ apart, in GB/s. DeepGEMM's published block-scaled figures (H800 SXM5) stand besi
     python benchmarks/bench_fp8.py --quick     # 8192^3 and 4096^3
     python benchmarks/bench_fp8.py --dry-run   # tiny shapes; runs without a GPU (CI)
     python benchmarks/bench_fp8.py --sweep --shapes 8192,8192,8192   # every compiled tile
+    python benchmarks/bench_fp8.py --sweep --tiles 128x192x4x1 --shapes 4096,4096,4096
 
 Before timing, jax_tma's block-scaled result is compared with XLA's dequantised product.
 Writes bench_fp8.json, .md and .png under benchmarks/results/<device>/ after every shape (a run
@@ -305,6 +306,11 @@ def main(argv=None) -> int:
         p.error("--resume continues a bench_fp8 report, not a --sweep")
     if args.tiles and not args.sweep:
         p.error("--tiles selects the tiles of a --sweep")
+    compiled = {"x".join(map(str, c.tile))
+                for c in fp8_config.FP8_CONFIGS + fp8_config.FP8_FAST_CONFIGS}
+    if args.tiles and not set(args.tiles) <= compiled:
+        p.error(f"--tiles {sorted(set(args.tiles) - compiled)}: not compiled; the FP8 tiles are "
+                f"{sorted(compiled)}")
     if args.merge:
         try:
             env, rows = merged_rows(args.merge, args)

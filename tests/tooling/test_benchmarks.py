@@ -1002,6 +1002,10 @@ def test_bench_fp8_merge_reports_of_different_shapes(tmp_path):
 def test_bench_fp8_rejects_bad_shapes():
     result = _script("bench_fp8.py", "--shapes", "4,4")
     assert result.returncode == 2 and "--shapes takes M,N,K of positive ints" in result.stderr
+    result = _script("bench_fp8.py", "--sweep", "--tiles", "128x192x4x1", "128x100x4x1")
+    assert result.returncode == 2 and "--tiles ['128x100x4x1']: not compiled" in result.stderr
+    result = _script("bench_fp8.py", "--tiles", "128x192x4x1")
+    assert result.returncode == 2 and "--tiles selects the tiles of a --sweep" in result.stderr
 
 
 def test_bench_moe_layer_dry_run(tmp_path):
