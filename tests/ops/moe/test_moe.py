@@ -342,8 +342,10 @@ def _loss(f, *args):
     return jnp.sum(jnp.sin(y)) + stats.load_balancing_loss
 
 
+@pytest.mark.parametrize("per_device", [False, True], ids=["slice_per_expert", "per_device"])
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 2.0])
-def test_expert_parallel_capacity(capacity_factor, rng, exact_f32):
+def test_expert_parallel_capacity(capacity_factor, per_device, rng, exact_f32, monkeypatch):
+    monkeypatch.setattr(moe_api, "_SLICE_PER_DEVICE", per_device)
     devices = 4
     mesh = _cpu_mesh((devices,), ("ep",))
     x, router, w_up, w_down, w_gate = _operands(rng, 128, 32, 8, 16)
