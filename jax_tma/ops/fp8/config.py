@@ -62,11 +62,11 @@ FP8_FAST_CONFIGS: tuple[Fp8Config, ...] = tuple(Fp8Config(*t) for t in _FAST_TIL
 # Cost model: each tile's sustained share of the chip's FP8 rate on products of many waves,
 # promoted (per-tensor and block-scaled alike) and fast: the time of one wave of full tiles at
 # 8192^3 on an H200 (bench_fp8.py --sweep, per-tensor; docs/notebook/2026-11-29-fp8-cross.md;
-# 128 x 192 without a cluster relative to the pairs in a later sweep,
+# the tiles without a cluster relative to their pairs in a later sweep,
 # docs/notebook/2026-11-29-fp8-tile-and-fine-table.md); the fast 128 x 192 pairs' relative to
 # the fast 128 x 256 pairs' on two other products (docs/notebook/2026-11-29-fp8-probe.md).
 # Keyed by (block_m, block_n, cluster_m).
-_TILE_EFFICIENCY = {(128, 256, 2): 0.66, (128, 256, 1): 0.66, (128, 192, 2): 0.725,
+_TILE_EFFICIENCY = {(128, 256, 2): 0.66, (128, 256, 1): 0.636, (128, 192, 2): 0.725,
                     (128, 192, 1): 0.744, (128, 144, 2): 0.61, (128, 128, 2): 0.61,
                     (128, 128, 1): 0.61, (64, 128, 1): 0.52}
 _FAST_EFFICIENCY = {(128, 256, 2): 0.80, (128, 192, 2): 0.775, (128, 128, 1): 0.75}
