@@ -176,6 +176,12 @@ def _and_streamed(configs, m: int, n: int, k: int) -> list:
         -(-m // c.block_m) * -(-n // c.block_n), k, device.num_sms())]
 
 
+def _tile_name(cfg) -> str:
+    """A compiled tile as --tiles and the sweep's rows name it: block_m x block_n x stages x
+    cluster_m."""
+    return "x".join(map(str, cfg.tile))
+
+
 def sweep(shape, args) -> list[Row]:
     """jax_tma's product with per-tensor and with block scales on every compiled tile (no
     split; whole, and on stream-K where it applies: "sk") and on the heuristic's choice, timed
@@ -190,10 +196,10 @@ def sweep(shape, args) -> list[Row]:
             lambda a, b, sa, sb, *rest: jax_tma.fp8_dot_general(a, b, sa, sb, NT)}
     def fitting(configs):
         return [c for c in configs if fp8_config.cluster_fits(c.block_m, c.cluster_m, m)
-                and (not args.tiles or "x".join(map(str, c.tile)) in args.tiles)]
+                and (not args.tiles or _tile_name(c) in args.tiles)]
 
     for cfg in fitting(_and_streamed(fp8_config.FP8_CONFIGS, m, n, k)):
-        name = "x".join(map(str, cfg.tile)) + (" sk" if cfg.stream_k else "")
+        name = _tile_name(cfg) + (" sk" if cfg.stream_k else "")
         contenders["tensor " + name] = (
             lambda a, b, sa, sb, s_a, s_b, *rest, cfg=cfg: jax_tma.fp8_dot_general(
                 a, b, s_a, s_b, NT, config=cfg))
@@ -202,7 +208,7 @@ def sweep(shape, args) -> list[Row]:
                                                                          config=cfg))
     # The tensor core's own accumulation over the whole K (precision=DEFAULT, per-tensor).
     for cfg in fitting(_and_streamed(fp8_config.FP8_FAST_CONFIGS, m, n, k)):
-        contenders["fast " + "x".join(map(str, cfg.tile)) + (" sk" if cfg.stream_k else "")] = (
+        contenders["fast " + _tile_name(cfg) + (" sk" if cfg.stream_k else "")] = (
             lambda a, b, sa, sb, s_a, s_b, *rest, cfg=cfg: jax_tma.fp8_dot_general(
                 a, b, s_a, s_b, NT, precision=lax.Precision.DEFAULT, config=cfg))
     # XLA's e4m3 dot as the same run measures it: promoted (HIGHEST) and tensor-core
@@ -306,8 +312,7 @@ def main(argv=None) -> int:
         p.error("--resume continues a bench_fp8 report, not a --sweep")
     if args.tiles and not args.sweep:
         p.error("--tiles selects the tiles of a --sweep")
-    compiled = {"x".join(map(str, c.tile))
-                for c in fp8_config.FP8_CONFIGS + fp8_config.FP8_FAST_CONFIGS}
+    compiled = {_tile_name(c) for c in fp8_config.FP8_CONFIGS + fp8_config.FP8_FAST_CONFIGS}
     if args.tiles and not set(args.tiles) <= compiled:
         p.error(f"--tiles {sorted(set(args.tiles) - compiled)}: not compiled; the FP8 tiles are "
                 f"{sorted(compiled)}")
@@ -381,6 +386,12 @@ def _title(env: dict) -> str:
     return f"FP8 GEMM (e4m3, bf16 out), {env['device']}"
 
 
+def _report_rows(report: dict) -> list[Row]:
+    """The rows of a bench_fp8 report's JSON."""
+    return [Row(tuple(r["shape"]), r["contender"], r["seconds"], r["spread_s"], r["note"])
+            for r in report["rows"]]
+
+
 def resumed_rows(report: dict, env: dict, args, shapes: list) -> list[Row]:
     """The rows of `report` (an unfinished bench_fp8 report) that this run takes over: a
     ValueError where the report comes from another device, driver, jax or commit, other timing
@@ -395,8 +406,7 @@ def resumed_rows(report: dict, env: dict, args, shapes: list) -> list[Row]:
     options = _payload([], env, args)["options"]
     if report["options"] != options or report.get("dry_run") != args.dry_run:
         raise ValueError(f"other options: {report['options']} (this run: {options})")
-    rows = [Row(tuple(r["shape"]), r["contender"], r["seconds"], r["spread_s"], r["note"])
-            for r in report["rows"]]
+    rows = _report_rows(report)
     extra = sorted({r.shape for r in rows} - set(shapes))
     if extra:
         raise ValueError(f"shapes this run does not time: {extra}")
@@ -416,8 +426,7 @@ def merged_rows(paths: list[pathlib.Path], args) -> tuple[dict, list[Row]]:
         if payload.get("options") != options or payload.get("dry_run") != dry_run:
             raise ValueError(f"{path}: options {payload.get('options')}, dry run "
                              f"{payload.get('dry_run')} (first: {options}, {dry_run})")
-        rows = [Row(tuple(r["shape"]), r["contender"], r["seconds"], r["spread_s"], r["note"])
-                for r in payload["rows"]]
+        rows = _report_rows(payload)
         for shape in dict.fromkeys(r.shape for r in rows):
             if shape not in suite:
                 raise ValueError(f"{path} holds {shape}, not a shape of the suite")

@@ -123,10 +123,15 @@ def ranked_configs(m: int, n: int, k: int, num_sms: int | None = None, fast: boo
     num_sms = device.num_sms() if num_sms is None else num_sms
     efficiency = _FAST_EFFICIENCY if fast else _TILE_EFFICIENCY
 
+    def scored(cfg: Fp8Config) -> bool:
+        """Whether the model rates `cfg`: a measured tile, on stream-K only where its tiles
+        fill at least one wave."""
+        tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+        return rate_key(cfg.tile) in efficiency and not (cfg.stream_k and tiles < num_sms)
+
     def candidates():
         for tile in _FAST_TILES if fast else _FP8_TILES:
-            if (measured_only and rate_key(tile) not in efficiency) or not cluster_fits(
-                    tile[0], tile[3], m):
+            if not cluster_fits(tile[0], tile[3], m):
                 continue
             tiles = -(-m // tile[0]) * -(-n // tile[1])
             for split in (1, 2, 4, 8) if tiles < num_sms else (1,):
@@ -134,17 +139,15 @@ def ranked_configs(m: int, n: int, k: int, num_sms: int | None = None, fast: boo
                 if cfg.splits_for(k) == split:
                     yield cfg
             for streamed in stream_k_variants([Fp8Config(*tile)]):
-                if streamed.stream_k_applies(tiles, k, num_sms) and (
-                        not measured_only or tiles >= num_sms):
+                if streamed.stream_k_applies(tiles, k, num_sms):
                     yield streamed
 
     def seconds(cfg: Fp8Config) -> float:
-        if rate_key(cfg.tile) not in efficiency or (
-                cfg.stream_k and -(-m // cfg.block_m) * -(-n // cfg.block_n) < num_sms):
+        if not scored(cfg):
             return float("inf")
         return estimate_seconds(cfg, m, n, k, num_sms, device.dram_bytes_per_s(), fast)
 
-    return ranked(candidates(), seconds,
+    return ranked((c for c in candidates() if scored(c) or not measured_only), seconds,
                   lambda cfg: (cfg.stream_k, cfg.split_k, -cfg.block_m * cfg.block_n,
                                -cfg.cluster_m),
                   digits=8)

@@ -460,10 +460,10 @@ def _expert_parallel_body(x, router_kernel, w_gate, w_up, w_down, *, o: _Options
         # permutation groups them by expert.
         by_device = jnp.sum(sent.reshape(devices, devices, local), axis=2)  # [s, d]
         from_each = by_device[:, me]  # [n]: rows sender s sends me
+        to_each = by_device[me]  # [n]: rows I send device d (and get back from it)
         at_sender = jnp.cumsum(from_each) - from_each  # where they start in `arrived`
         arrived = _ragged_exchange(
-            axis, devices, rows, send, offset.reshape(devices, local)[:, 0],
-            jnp.sum(counts.reshape(devices, local), axis=1),
+            axis, devices, rows, send, offset.reshape(devices, local)[:, 0], to_each,
             (jnp.cumsum(by_device, axis=0) - by_device)[me], from_each)
         to = _regroup(mine.reshape(-1), grouped, rows)
         received = jnp.zeros_like(arrived).at[to].set(arrived, mode="drop", unique_indices=True)
@@ -476,8 +476,7 @@ def _expert_parallel_body(x, router_kernel, w_gate, w_up, w_down, *, o: _Options
     if _SLICE_PER_DEVICE:
         back = _ragged_exchange(
             axis, devices, pairs, jnp.take(y, to, axis=0, mode="fill", fill_value=0),
-            at_sender, from_each, runs[:, me * local],
-            jnp.sum(counts.reshape(devices, local), axis=1))
+            at_sender, from_each, runs[:, me * local], to_each)
     else:
         back = _ragged_exchange(
             axis, devices, pairs, y, grouped, mine.reshape(-1),
