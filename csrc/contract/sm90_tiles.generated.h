@@ -55,7 +55,6 @@ using Fp8Tile128x192 = Fp8Tile<128, 192, 4, 1>;
 using Fp8Tile128x144C2 = Fp8Tile<128, 144, 6, 2, 1>;
 using Fp8Tile128x128C2 = Fp8Tile<128, 128, 5, 2>;
 using Fp8Tile128x128 = Fp8Tile<128, 128, 5, 1>;
-using Fp8Tile128x112 = Fp8Tile<128, 112, 6, 1>;
 using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
 // NOTE (FP8 tiles): the stage counts are the most that fit 227 KB beside a whole block's output
 // staging (128 x 144: beside one chunk of it, as its fp32 block is not whole chunks, and with B in
@@ -224,7 +223,6 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
 //   Fp8Tile128x144C2  cuBLAS's promoting geometry, cross schedule
 //   Fp8Tile128x128C2  medium products
 //   Fp8Tile128x128    few rows, medium N (256 x 7168 x 2048)
-//   Fp8Tile128x112    few rows: one wave where 128-wide tiles leave SMs idle (256 x 7168 x 2048: 128 tiles against 112); not yet measured
 //   Fp8Tile64x128     small and decode products (128 x 7168 x 16384)
 #define JAX_TMA_SM90_FP8_TILES(X, ARG) \
   X(ARG, Fp8Tile128x256C2)             \
@@ -234,7 +232,6 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
   X(ARG, Fp8Tile128x144C2)             \
   X(ARG, Fp8Tile128x128C2)             \
   X(ARG, Fp8Tile128x128)               \
-  X(ARG, Fp8Tile128x112)               \
   X(ARG, Fp8Tile64x128)
 // FP8 tiles with fast accumulation (the tensor core's, no promotion):
 //   Fp8Tile128x256C2  large products: the 16-bit kernel's geometry
@@ -247,7 +244,6 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
 // FP8 ragged tiles (fp8_ragged_dot's configs):
 //   Fp8Tile128x256C2  large groups: two 128-wide parts per slice
 //   Fp8Tile128x192C2  large groups, cross schedule (ahead at 32768 rows, G = 4)
-//   Fp8Tile128x192    the same without a cluster (the dense product's large-product tile)
 //   Fp8Tile64x128     small groups and few rows (ping-pong, as the dense FP8 decode tile)
 // NOTE: tiles the dense FP8 product compiles already, so the promotion schedules and register
 // splits are the measured ones; e5m2 operands run XLA's reference (not compiled: each kernel costs
@@ -255,5 +251,4 @@ using Fp8Tile64x128 = Fp8Tile<64, 128, 7, 1>;
 #define JAX_TMA_SM90_FP8_RAGGED_TILES(X, ARG) \
   X(ARG, Fp8Tile128x256C2)                    \
   X(ARG, Fp8Tile128x192C2)                    \
-  X(ARG, Fp8Tile128x192)                      \
   X(ARG, Fp8Tile64x128)

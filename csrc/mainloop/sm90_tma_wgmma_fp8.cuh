@@ -336,15 +336,13 @@ struct MainloopSm90Fp8 {
                                              float (&acc)[kAccRegs], Waited&& waited) {
     float d0[kPartRegs], d1[kPartRegs];
     SliceScales s0, s1;
-    // Waits for slice kb's stage, issues its group into `d`, then reads its scales into `s`
-    // (after the issue: nothing lies between the wait and the issue that the issue does not
-    // need; the stage stays this consumer's until its group retires).
+    // Waits for slice kb's stage and issues its group into `d` (reading its scales into `s`).
     const auto start = [&](float (&d)[kPartRegs], SliceScales& s, int kb) {
       Operands::wait_slice(pipeline, read, kb, k_blocks, waited);
+      s = slice_scales(smem.scales[read.index], at);
       ptx::wgmma_fence();
       issue(smem, read.index, a_block, 0, d, false);
       ptx::wgmma_commit_group();
-      s = slice_scales(smem.scales[read.index], at);
       ++read;
     };
     // Retires the oldest group (`d`): its stage goes back to the producer (the group still in
@@ -396,7 +394,7 @@ struct MainloopSm90Fp8 {
   // group of 64 x 144 per warpgroup and slice, retired before it is promoted). Per slice: look
   // whether the next stage is full (consumer_probe) while the group in flight runs, retire that
   // group, release its stage, promote it, wait for the next stage only if the look found it
-  // empty, issue its group, read its scales. What lies between a group's retirement and the
+  // empty, read its scales, issue its group. What lies between a group's retirement and the
   // next issue is what the other warpgroup's group must cover for the tensor core to stay
   // busy. NOTE: waiting for the next stage before the retire (a blocking wait there) held each
   // stage's release and promotion back until the next stage arrived: under ncu (8192^3, H200)
@@ -419,8 +417,8 @@ struct MainloopSm90Fp8 {
       ptx::wgmma_commit_group();
     };
     Operands::wait_slice(pipeline, read, 0, k_blocks, waited);
-    issue_slice(read.index);
     SliceScales s = slice_scales(smem.scales[read.index], at);
+    issue_slice(read.index);
     State in_flight = read;
     ++read;
 #pragma unroll 1
@@ -431,8 +429,8 @@ struct MainloopSm90Fp8 {
       Operands::release(pipeline, in_flight);
       promote(acc, 0, d, s, split);
       Operands::wait_slice(pipeline, read, kb, k_blocks, waited, full);
+      s = slice_scales(smem.scales[read.index], at);
       issue_slice(read.index);
-      s = slice_scales(smem.scales[read.index], at);  // after the issue, as in the overlapped
       in_flight = read;
       ++read;
     }
@@ -454,14 +452,13 @@ struct MainloopSm90Fp8 {
 #pragma unroll 1
     for (int kb = 0; kb < k_blocks; ++kb) {
       Operands::wait_slice(pipeline, read, kb, k_blocks, waited);
-      SliceScales s;
+      const SliceScales s = slice_scales(smem.scales[read.index], at);
 #pragma unroll
       for (int p = 0; p < kParts; ++p) {
         float d[kPartRegs];
         ptx::wgmma_fence();
         issue(smem, read.index, a_block, p, d, false);
         ptx::wgmma_commit_group();
-        if (p == 0) s = slice_scales(smem.scales[read.index], at);  // while the group runs
         ptx::wgmma_wait_group<0>();
         ptx::wgmma_fence_operands(d);
         if (p == kParts - 1) Operands::release(pipeline, read);

@@ -244,7 +244,6 @@ F128x144C2 = Tile(
          "cluster, one 64 x 144 group per consumer warpgroup and slice, 6 stages. B arrives in "
          "three blocks of 48 rows, and one staging chunk (fp32 blocks are 4.5 chunks wide; the "
          "epilogue stores whole batches) leaves room for 6 stages.")
-F128x112 = Tile("Fp8Tile128x112", 128, 112, 6, 1, element_bytes=1)
 F128x128C2 = Tile("Fp8Tile128x128C2", 128, 128, 5, 2, element_bytes=1)
 F128x128 = Tile("Fp8Tile128x128", 128, 128, 5, 1, element_bytes=1)
 F64x128 = Tile("Fp8Tile64x128", 64, 128, 7, 1, element_bytes=1)
@@ -257,8 +256,6 @@ FP8_TILES = (
     Entry(F128x144C2, "cuBLAS's promoting geometry, cross schedule"),
     Entry(F128x128C2, "medium products"),
     Entry(F128x128, "few rows, medium N (256 x 7168 x 2048)"),
-    Entry(F128x112, "few rows: one wave where 128-wide tiles leave SMs idle (256 x 7168 x 2048: "
-                    "128 tiles against 112); not yet measured"),
     Entry(F64x128, "small and decode products (128 x 7168 x 16384)"),
 )
 FP8_TILES_NOTE = (
@@ -287,7 +284,6 @@ FP8_OUT_TYPES = ("bf16", "f32")
 FP8_RAGGED_TILES = (
     Entry(F128x256C2, "large groups: two 128-wide parts per slice"),
     Entry(F128x192C2, "large groups, cross schedule (ahead at 32768 rows, G = 4)"),
-    Entry(F128x192, "the same without a cluster (the dense product's large-product tile)"),
     Entry(F64x128, "small groups and few rows (ping-pong, as the dense FP8 decode tile)"),
 )
 FP8_RAGGED_NOTE = (
