@@ -506,6 +506,31 @@ def _regroup(sizes: jax.Array, grouped: jax.Array, rows: int) -> jax.Array:
     return jnp.where(i < jnp.sum(sizes), grouped[run] + i - starts[run], rows)
 
 
+# Slices per destination device the exchange is cut into (at least). XLA's single-host
+# ragged all-to-all copies each slice with one CTA of 128 threads, so that a few large slices
+# (a few experts a device) leave the copy far below NVLink's rate; more, shorter slices of the
+# same rows spread it over more CTAs.
+_EXCHANGE_SLICES = 1
+
+
+def _split_slices(pieces: int, input_offsets, send_sizes, output_offsets, recv_sizes):
+    """The exchange's slices, each cut into `pieces` consecutive runs of ceil(size / pieces)
+    rows (the last ones shorter or empty), in order: slice i's piece j is slice i * pieces + j,
+    so that slices stay grouped by destination. Sender and receiver cut a slice alike, the
+    sender from its send size, the receiver from its receive size (the same number)."""
+    j = jnp.arange(pieces, dtype=send_sizes.dtype)[None, :]
+
+    def cut(sizes):
+        step = (sizes + pieces - 1) // pieces
+        start = jnp.minimum(j * step[:, None], sizes[:, None])
+        return start, jnp.minimum(step[:, None], sizes[:, None] - start)
+
+    start, sent = cut(send_sizes)
+    _, received = cut(recv_sizes)
+    return ((input_offsets[:, None] + start).reshape(-1), sent.reshape(-1),
+            (output_offsets[:, None] + start).reshape(-1), received.reshape(-1))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
 def _ragged_exchange(axis: str, devices: int, rows: int, operand, input_offsets, send_sizes,
                      output_offsets, recv_sizes) -> jax.Array:
@@ -562,5 +587,9 @@ def _exchange_once(axis: str, devices: int, operand, output, input_offsets, send
             buffers.reshape(-1, operand.shape[-1]), mode="drop")
 
     output = lax.pcast(output, (axis,), to="varying")  # each device's own buffer
+    pieces = -(-_EXCHANGE_SLICES // max(1, input_offsets.shape[0] // devices))
+    if pieces > 1:
+        input_offsets, send_sizes, output_offsets, recv_sizes = _split_slices(
+            pieces, input_offsets, send_sizes, output_offsets, recv_sizes)
     return lax.platform_dependent(operand, output, input_offsets, send_sizes, output_offsets,
                                   recv_sizes, cpu=fixed, default=ragged)

@@ -331,6 +331,46 @@ def test_expert_parallel_slices_per_device(layout, rng, exact_f32, monkeypatch):
         assert f"tensor<{experts}xi" not in types
 
 
+@pytest.mark.parametrize("per_device", [False, True], ids=["slice_per_expert", "per_device"])
+def test_expert_parallel_split_slices(per_device, rng, exact_f32, monkeypatch):
+    """The exchange's slices cut into pieces (at least 7 slices per destination: 16 experts on
+    4 devices make 4 a destination, cut in 2; one slice per device, cut in 7): uneven and empty
+    pieces, the one-device layer's result and gradients, and that many slices lowered."""
+    monkeypatch.setattr(moe_api, "_SLICE_PER_DEVICE", per_device)
+    monkeypatch.setattr(moe_api, "_EXCHANGE_SLICES", 7)
+    mesh = _cpu_mesh((4,), ("ep",))
+    args = _host(*_operands(rng, 128, 32, 16, 24))
+    one, ep = _moe(top_k=4), _moe(top_k=4, expert_axis="ep", mesh=mesh)
+    y1, _ = jax.jit(one)(*args)
+    g1 = jax.jit(jax.grad(lambda *a: _loss(one, *a), argnums=(0, 1, 2, 3, 4)))(*args)
+    with jax.set_mesh(mesh):
+        y, _ = jax.jit(ep)(*args)
+        g = jax.jit(jax.grad(lambda *a: _loss(ep, *a), argnums=(0, 1, 2, 3, 4)))(*args)
+        cuda = jax.jit(ep).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert rel_error(y, y1) <= 1e-6
+    for a, b in zip(g, g1):
+        assert rel_error(a, b) <= 1e-5
+    slices = 4 * 7 if per_device else 16 * 2
+    calls = re.findall(r"@ragged_all_to_all\([^)]*\) \{.*?\} : \(([^)]*)\)", cuda)
+    assert len(calls) == 2
+    for types in calls:
+        assert types.count(f"tensor<{slices}xi") == 4, types
+
+
+def test_split_slices_cuts_alike():
+    """_split_slices: each slice's rows in order, pieces of ceil(size / pieces) rows, empty
+    pieces inside the slice's end; sender and receiver cut the same sizes alike."""
+    offsets = jnp.array([0, 5, 5, 12], jnp.int32)
+    sizes = jnp.array([5, 0, 7, 3], jnp.int32)
+    out = jnp.array([100, 200, 300, 400], jnp.int32)
+    a, n, b, r = moe_api._split_slices(3, offsets, sizes, out, sizes)
+    np.testing.assert_array_equal(np.asarray(n), [2, 2, 1, 0, 0, 0, 3, 3, 1, 1, 1, 1])
+    np.testing.assert_array_equal(np.asarray(r), np.asarray(n))
+    np.testing.assert_array_equal(np.asarray(a), [0, 2, 4, 5, 5, 5, 5, 8, 11, 12, 13, 14])
+    np.testing.assert_array_equal(np.asarray(b) - np.asarray(a),
+                                  np.repeat(np.asarray(out - offsets), 3))
+
+
 def _moe(**kw):
     def f(x, router, w_up, w_down, w_gate):
         return jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, dtype=jnp.float32, **kw)
@@ -342,10 +382,13 @@ def _loss(f, *args):
     return jnp.sum(jnp.sin(y)) + stats.load_balancing_loss
 
 
-@pytest.mark.parametrize("per_device", [False, True], ids=["slice_per_expert", "per_device"])
+@pytest.mark.parametrize("per_device,slices", [(False, 1), (True, 1), (False, 5)],
+                         ids=["slice_per_expert", "per_device", "split"])
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 2.0])
-def test_expert_parallel_capacity(capacity_factor, per_device, rng, exact_f32, monkeypatch):
+def test_expert_parallel_capacity(capacity_factor, per_device, slices, rng, exact_f32,
+                                  monkeypatch):
     monkeypatch.setattr(moe_api, "_SLICE_PER_DEVICE", per_device)
+    monkeypatch.setattr(moe_api, "_EXCHANGE_SLICES", slices)
     devices = 4
     mesh = _cpu_mesh((devices,), ("ep",))
     x, router, w_up, w_down, w_gate = _operands(rng, 128, 32, 8, 16)
