@@ -590,9 +590,12 @@ def test_gpu_bf16_step_runs_kernel(rng):
 
 
 @pytest.mark.gpu
-def test_gpu_expert_parallel_matches_one_gpu(rng):
-    """Experts sharded over every GPU (2+): the routed rows cross by XLA's ragged all-to-all,
-    the grouped kernels run on each GPU, and the step equals the one-GPU layer's."""
+@pytest.mark.parametrize("slices", [1, 64], ids=["whole_slices", "cut_slices"])
+def test_gpu_expert_parallel_matches_one_gpu(slices, rng, monkeypatch):
+    """Experts sharded over every GPU (2+): the routed rows cross by XLA's ragged all-to-all
+    (its slices whole, or cut into 64 a destination), the grouped kernels run on each GPU, and
+    the step equals the one-GPU layer's."""
+    monkeypatch.setattr(moe_api, "_EXCHANGE_SLICES", slices)
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if len(gpus) < 2:
         pytest.skip("needs two or more GPUs")
