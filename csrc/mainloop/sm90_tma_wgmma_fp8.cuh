@@ -239,11 +239,15 @@ struct MainloopSm90Fp8 {
     midway(k_blocks);
   }
 
-  // Where this thread reads a slice's scales: its first row of A's (the second is row + 8),
-  // the tile's first block in B's box, which operands have block scales, and the scale of
-  // those that have not.
+  // Where this thread reads a slice's scales: the shared addresses, in stage 0, of its first
+  // row's A scale (the second row's is 8 floats on) and of the tile's first block in B's box
+  // (a stage's are sizeof(StageScales) further per stage), which operands have block scales,
+  // and the scale of those that have not. The addresses are made once per tile: rebuilt from
+  // threadIdx per slice (ptxas's choice at 232 registers), they put ~18 integer instructions
+  // before each slice's issue, and block scales on A ran 5-7 % behind per-tensor ones
+  // (docs/notebook/2026-11-30-ep-slices-and-fp8-scales.md).
   struct SliceReads {
-    int row, sb0;
+    uint32_t a_addr, b_addr;
     bool has_sa, has_sb;
     float tensor_sa, tensor_sb;
   };
@@ -252,13 +256,14 @@ struct MainloopSm90Fp8 {
     float a0, a1;
     float b[kScaleBlocks];
   };
-  __device__ static SliceScales slice_scales(const StageScales& scales, const SliceReads& at) {
+  __device__ static SliceScales slice_scales(int stage, const SliceReads& at) {
+    const uint32_t step = stage * static_cast<uint32_t>(sizeof(StageScales));
     SliceScales s;
-    s.a0 = at.has_sa ? ptx::ld_shared_f32(ptx::smem_u32(scales.a + at.row)) : at.tensor_sa;
-    s.a1 = at.has_sa ? ptx::ld_shared_f32(ptx::smem_u32(scales.a + at.row + 8)) : at.tensor_sa;
+    s.a0 = at.has_sa ? ptx::ld_shared_f32(at.a_addr + step) : at.tensor_sa;
+    s.a1 = at.has_sa ? ptx::ld_shared_f32(at.a_addr + step + 8 * sizeof(float)) : at.tensor_sa;
 #pragma unroll
     for (int i = 0; i < kScaleBlocks; ++i) {
-      s.b[i] = at.has_sb ? ptx::ld_shared_f32(ptx::smem_u32(scales.b + at.sb0 + i))
+      s.b[i] = at.has_sb ? ptx::ld_shared_f32(at.b_addr + step + i * sizeof(float))
                          : at.tensor_sb;
     }
     return s;
@@ -307,7 +312,12 @@ struct MainloopSm90Fp8 {
     // This thread's rows of the warpgroup's 64 (accumulator layout: ptx/wgmma.cuh): r, r + 8.
     const int row = a_scale_offset(m0) + a_block * 64 + 16 * ((threadIdx.x / 32) % 4) +
                     (threadIdx.x % 32) / 4;
-    const SliceReads at{row, b_scale_offset(n0), params.has_sa, params.has_sb,
+    // A's address through an identity shuffle: ptxas cannot rebuild it from threadIdx then,
+    // and keeps it in a register instead.
+    const SliceReads at{__shfl_sync(0xffffffffu, ptx::smem_u32(smem.scales[0].a + row),
+                                    threadIdx.x % 32),
+                        ptx::smem_u32(smem.scales[0].b + b_scale_offset(n0)),
+                        params.has_sa, params.has_sb,
                         params.tensor_sa != nullptr ? __ldg(params.tensor_sa) : 1.0f,
                         params.tensor_sb != nullptr ? __ldg(params.tensor_sb) : 1.0f};
     // Quads of the tile in its first scale block (all of them where it lies in one).
@@ -339,7 +349,7 @@ struct MainloopSm90Fp8 {
     // Waits for slice kb's stage and issues its group into `d` (reading its scales into `s`).
     const auto start = [&](float (&d)[kPartRegs], SliceScales& s, int kb) {
       Operands::wait_slice(pipeline, read, kb, k_blocks, waited);
-      s = slice_scales(smem.scales[read.index], at);
+      s = slice_scales(read.index, at);
       ptx::wgmma_fence();
       issue(smem, read.index, a_block, 0, d, false);
       ptx::wgmma_commit_group();
@@ -417,7 +427,7 @@ struct MainloopSm90Fp8 {
       ptx::wgmma_commit_group();
     };
     Operands::wait_slice(pipeline, read, 0, k_blocks, waited);
-    SliceScales s = slice_scales(smem.scales[read.index], at);
+    SliceScales s = slice_scales(read.index, at);
     issue_slice(read.index);
     State in_flight = read;
     ++read;
@@ -429,7 +439,7 @@ struct MainloopSm90Fp8 {
       Operands::release(pipeline, in_flight);
       promote(acc, 0, d, s, split);
       Operands::wait_slice(pipeline, read, kb, k_blocks, waited, full);
-      s = slice_scales(smem.scales[read.index], at);
+      s = slice_scales(read.index, at);
       issue_slice(read.index);
       in_flight = read;
       ++read;
@@ -452,7 +462,7 @@ struct MainloopSm90Fp8 {
 #pragma unroll 1
     for (int kb = 0; kb < k_blocks; ++kb) {
       Operands::wait_slice(pipeline, read, kb, k_blocks, waited);
-      const SliceScales s = slice_scales(smem.scales[read.index], at);
+      const SliceScales s = slice_scales(read.index, at);
 #pragma unroll
       for (int p = 0; p < kParts; ++p) {
         float d[kPartRegs];

@@ -51,8 +51,9 @@ comes before any token's second, and so on; within a choice, tokens in order.
 Expert parallelism (``expert_axis``): the experts and the tokens are sharded over that axis of
 ``mesh`` (or of the mesh set with ``jax.set_mesh``), the router replicated. Inside
 ``jax.shard_map`` each device routes its tokens and sorts its pairs by expert; each expert's
-run goes to the device holding it with ``lax.ragged_all_to_all`` (only the routed rows move),
-landing inside that expert's block of the receive buffer, so the device runs its experts on
+run goes to the device holding it with ``lax.ragged_all_to_all`` (only the routed rows move;
+each run cut into pieces so that at least 128 slices go to each device, which XLA's copy
+kernel spreads over as many CTAs), landing inside that expert's block of the receive buffer, so the device runs its experts on
 what it received in place and sends the results back the same way. The receive buffer holds
 n * C rows, C the rows one device may send another: T_local * top_k without a capacity (so
 nothing is dropped), else the capacity above. Without drops the result equals the one-device
@@ -509,8 +510,10 @@ def _regroup(sizes: jax.Array, grouped: jax.Array, rows: int) -> jax.Array:
 # Slices per destination device the exchange is cut into (at least). XLA's single-host
 # ragged all-to-all copies each slice with one CTA of 128 threads, so that a few large slices
 # (a few experts a device) leave the copy far below NVLink's rate; more, shorter slices of the
-# same rows spread it over more CTAs.
-_EXCHANGE_SLICES = 1
+# same rows spread it over more CTAs. On two H200s, 128 against whole slices: the exchange's
+# kernels 6.3 against 45.3 ms a DeepSeek-like step (docs/notebook/2026-11-30-ep-slices-and-
+# fp8-scales.md).
+_EXCHANGE_SLICES = 128
 
 
 def _split_slices(pieces: int, input_offsets, send_sizes, output_offsets, recv_sizes):

@@ -304,6 +304,7 @@ def test_expert_parallel_slices_per_device(layout, rng, exact_f32, monkeypatch):
     """The exchange with one ragged slice per device pair (rows regrouped by expert on arrival):
     the one-device layer's result and gradients, and n slices per exchange instead of E."""
     monkeypatch.setattr(moe_api, "_SLICE_PER_DEVICE", True)
+    monkeypatch.setattr(moe_api, "_EXCHANGE_SLICES", 1)
     if layout == "data2-ep4":
         mesh, experts, kw = _cpu_mesh((2, 4), ("data", "ep")), 16, dict(top_k=4)
         args = _host(*_operands(rng, 128, 32, experts, 24))
