@@ -456,55 +456,19 @@ def _expert_parallel_body(x, router_kernel, w_gate, w_up, w_down, *, o: _Options
     grouped = (lax.dynamic_slice_in_dim(block, me * local, local)[None, :]
                + lax.dynamic_slice_in_dim(before, me * local, local, axis=1)).reshape(-1)
     rows = devices * capacity
-    if _SLICE_PER_DEVICE:
-        # One slice per device pair: the rows arrive by sender, each sender's by expert, and a
-        # permutation groups them by expert.
-        by_device = jnp.sum(sent.reshape(devices, devices, local), axis=2)  # [s, d]
-        from_each = by_device[:, me]  # [n]: rows sender s sends me
-        to_each = by_device[me]  # [n]: rows I send device d (and get back from it)
-        at_sender = jnp.cumsum(from_each) - from_each  # where they start in `arrived`
-        arrived = _ragged_exchange(
-            axis, devices, rows, send, offset.reshape(devices, local)[:, 0], to_each,
-            (jnp.cumsum(by_device, axis=0) - by_device)[me], from_each)
-        to = _regroup(mine.reshape(-1), grouped, rows)
-        received = jnp.zeros_like(arrived).at[to].set(arrived, mode="drop", unique_indices=True)
-    else:
-        received = _ragged_exchange(axis, devices, rows, send, offset, counts,
-                                    block + before[me], mine.reshape(-1))
+    received = _ragged_exchange(axis, devices, rows, send, offset, counts, block + before[me],
+                                mine.reshape(-1))
     y = _experts(received, jnp.sum(mine, axis=0), (None, w_gate, w_up, w_down), o)
 
     # Back: the rows of (sender s, my expert l) to s, at expert l's run in s's `send`.
-    if _SLICE_PER_DEVICE:
-        back = _ragged_exchange(
-            axis, devices, pairs, jnp.take(y, to, axis=0, mode="fill", fill_value=0),
-            at_sender, from_each, runs[:, me * local], to_each)
-    else:
-        back = _ragged_exchange(
-            axis, devices, pairs, y, grouped, mine.reshape(-1),
-            lax.dynamic_slice_in_dim(runs, me * local, local, axis=1).reshape(-1), counts)
+    back = _ragged_exchange(
+        axis, devices, pairs, y, grouped, mine.reshape(-1),
+        lax.dynamic_slice_in_dim(runs, me * local, local, axis=1).reshape(-1), counts)
     dropped = tokens * o.top_k - jnp.sum(counts)
     summed = _Routing(r.choice, r.weights, lax.psum(r.counts, axis), lax.psum(r.prob_sum, axis),
                       lax.psum(r.z_sum, axis))
     stats = _stats(summed, tokens * devices, lax.psum(dropped, axis), o)
     return _combine(back, p, r, o.dtype), stats
-
-
-# The exchange's slices: one per (device, expert) pair, each landing in its expert's run (E
-# slices from each device), or with _SLICE_PER_DEVICE one per device pair, the rows regrouped
-# by expert on arrival (a scatter there and a gather on the way back). The second is the
-# candidate for NCCL's per-slice cost on GPUs; until measured there, the first runs.
-_SLICE_PER_DEVICE = False
-
-
-def _regroup(sizes: jax.Array, grouped: jax.Array, rows: int) -> jax.Array:
-    """[rows]: where each row of a buffer of runs of `sizes` rows, one after another (sender
-    by sender, each sender's by expert), goes among the rows grouped by expert, whose runs start
-    at `grouped` (rows past the runs: `rows`, nowhere)."""
-    starts = jnp.cumsum(sizes) - sizes
-    # The run of row i: the last to start at or before it (the runs start in order).
-    run = jnp.cumsum(jnp.zeros((rows,), jnp.int32).at[starts].add(1, mode="drop")) - 1
-    i = jnp.arange(rows, dtype=jnp.int32)
-    return jnp.where(i < jnp.sum(sizes), grouped[run] + i - starts[run], rows)
 
 
 # Slices per destination device the exchange is cut into (at least). XLA's single-host

@@ -299,63 +299,39 @@ def test_expert_parallel_deepseek_routing_over_8_devices(rng, exact_f32):
         assert rel_error(a, b) <= 1e-5
 
 
-@pytest.mark.parametrize("layout", ["data2-ep4", "ep8-deepseek"])
-def test_expert_parallel_slices_per_device(layout, rng, exact_f32, monkeypatch):
-    """The exchange with one ragged slice per device pair (rows regrouped by expert on arrival):
-    the one-device layer's result and gradients, and n slices per exchange instead of E."""
-    monkeypatch.setattr(moe_api, "_SLICE_PER_DEVICE", True)
-    monkeypatch.setattr(moe_api, "_EXCHANGE_SLICES", 1)
-    if layout == "data2-ep4":
-        mesh, experts, kw = _cpu_mesh((2, 4), ("data", "ep")), 16, dict(top_k=4)
+@pytest.mark.parametrize("layout", ["ep4", "ep8-deepseek"])
+def test_expert_parallel_split_slices(layout, rng, exact_f32, monkeypatch):
+    """The exchange's slices cut into pieces, at least 7 a destination (16 experts on 4
+    devices: 4 slices a destination, cut in 2; 256 experts on 8: 32, left whole) and at the
+    default (128), uneven and empty pieces among them: the one-device layer's result and
+    gradients, and that many slices lowered."""
+    if layout == "ep4":
+        mesh, experts, kw = _cpu_mesh((4,), ("ep",)), 16, dict(top_k=4)
         args = _host(*_operands(rng, 128, 32, experts, 24))
     else:
         mesh, experts = _cpu_mesh((8,), ("ep",)), 256
         kw = dict(top_k=8, router="sigmoid_topk")
         args = _host(*_operands(rng, 256, 16, experts, 8))
-    one, ep = _moe(**kw), _moe(expert_axis="ep", mesh=mesh, **kw)
-    (y1, s1) = jax.jit(one)(*args)
-    g1 = jax.jit(jax.grad(lambda *a: _loss(one, *a), argnums=(0, 1, 2, 3, 4)))(*args)
-    with jax.set_mesh(mesh):
-        y, s = jax.jit(ep)(*args)
-        g = jax.jit(jax.grad(lambda *a: _loss(ep, *a), argnums=(0, 1, 2, 3, 4)))(*args)
-        cuda = jax.jit(ep).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert rel_error(y, y1) <= 1e-6
-    np.testing.assert_array_equal(np.asarray(s.tokens_per_expert),
-                                  np.asarray(s1.tokens_per_expert))
-    for a, b in zip(g, g1):
-        assert rel_error(a, b) <= 1e-5
     devices = dict(mesh.shape)["ep"]
-    calls = re.findall(r"@ragged_all_to_all\([^)]*\) \{.*?\} : \(([^)]*)\)", cuda)
-    assert len(calls) == 2
-    for types in calls:  # operand, output, then four [slices] offset and size vectors
-        assert types.count(f"tensor<{devices}xi") == 4, types
-        assert f"tensor<{experts}xi" not in types
-
-
-@pytest.mark.parametrize("per_device", [False, True], ids=["slice_per_expert", "per_device"])
-def test_expert_parallel_split_slices(per_device, rng, exact_f32, monkeypatch):
-    """The exchange's slices cut into pieces (at least 7 slices per destination: 16 experts on
-    4 devices make 4 a destination, cut in 2; one slice per device, cut in 7): uneven and empty
-    pieces, the one-device layer's result and gradients, and that many slices lowered."""
-    monkeypatch.setattr(moe_api, "_SLICE_PER_DEVICE", per_device)
-    monkeypatch.setattr(moe_api, "_EXCHANGE_SLICES", 7)
-    mesh = _cpu_mesh((4,), ("ep",))
-    args = _host(*_operands(rng, 128, 32, 16, 24))
-    one, ep = _moe(top_k=4), _moe(top_k=4, expert_axis="ep", mesh=mesh)
+    one = _moe(**kw)
     y1, _ = jax.jit(one)(*args)
     g1 = jax.jit(jax.grad(lambda *a: _loss(one, *a), argnums=(0, 1, 2, 3, 4)))(*args)
-    with jax.set_mesh(mesh):
-        y, _ = jax.jit(ep)(*args)
-        g = jax.jit(jax.grad(lambda *a: _loss(ep, *a), argnums=(0, 1, 2, 3, 4)))(*args)
-        cuda = jax.jit(ep).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert rel_error(y, y1) <= 1e-6
-    for a, b in zip(g, g1):
-        assert rel_error(a, b) <= 1e-5
-    slices = 4 * 7 if per_device else 16 * 2
-    calls = re.findall(r"@ragged_all_to_all\([^)]*\) \{.*?\} : \(([^)]*)\)", cuda)
-    assert len(calls) == 2
-    for types in calls:
-        assert types.count(f"tensor<{slices}xi") == 4, types
+    for at_least in (7, moe_api._EXCHANGE_SLICES):
+        monkeypatch.setattr(moe_api, "_EXCHANGE_SLICES", at_least)
+        ep = _moe(expert_axis="ep", mesh=mesh, **kw)  # a new function: traced anew
+        with jax.set_mesh(mesh):
+            y, _ = jax.jit(ep)(*args)
+            g = jax.jit(jax.grad(lambda *a: _loss(ep, *a), argnums=(0, 1, 2, 3, 4)))(*args)
+            cuda = jax.jit(ep).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert rel_error(y, y1) <= 1e-6
+        for a, b in zip(g, g1):
+            assert rel_error(a, b) <= 1e-5
+        per_destination = experts // devices
+        slices = devices * per_destination * -(-at_least // per_destination)
+        calls = re.findall(r"@ragged_all_to_all\([^)]*\) \{.*?\} : \(([^)]*)\)", cuda)
+        assert len(calls) == 2
+        for types in calls:  # operand, output, then four [slices] offset and size vectors
+            assert types.count(f"tensor<{slices}xi") == 4, (at_least, types)
 
 
 def test_split_slices_cuts_alike():
@@ -383,13 +359,11 @@ def _loss(f, *args):
     return jnp.sum(jnp.sin(y)) + stats.load_balancing_loss
 
 
-@pytest.mark.parametrize("per_device,slices", [(False, 1), (True, 1), (False, 5)],
-                         ids=["slice_per_expert", "per_device", "split"])
+@pytest.mark.parametrize("slices", [1, 5, None], ids=["whole_slices", "cut_5", "default"])
 @pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 2.0])
-def test_expert_parallel_capacity(capacity_factor, per_device, slices, rng, exact_f32,
-                                  monkeypatch):
-    monkeypatch.setattr(moe_api, "_SLICE_PER_DEVICE", per_device)
-    monkeypatch.setattr(moe_api, "_EXCHANGE_SLICES", slices)
+def test_expert_parallel_capacity(capacity_factor, slices, rng, exact_f32, monkeypatch):
+    if slices is not None:
+        monkeypatch.setattr(moe_api, "_EXCHANGE_SLICES", slices)
     devices = 4
     mesh = _cpu_mesh((devices,), ("ep",))
     x, router, w_up, w_down, w_gate = _operands(rng, 128, 32, 8, 16)
@@ -406,7 +380,7 @@ def test_expert_parallel_capacity(capacity_factor, per_device, slices, rng, exac
 
 
 def test_expert_parallel_exchange_is_capacity_sized(rng):
-    """Only the routed rows travel: one ragged slice per expert out and back (XLA's ragged
+    """Only the routed rows travel: each expert's rows as ragged slices out and back (XLA's ragged
     all-to-all where the platform has it), into a receive buffer of n * C rows,
     C = ceil(cf * T_local * k / n) per device pair."""
     mesh = _cpu_mesh((4,), ("ep",))
