@@ -192,8 +192,10 @@ def test_capacity_drops_as_documented(capacity_factor, rng, exact_f32):
         np.testing.assert_array_equal(np.asarray(y), np.asarray(exact))
 
 
+@pytest.mark.parametrize("gather_backward", [False, True], ids=["scatter_bwd", "gather_bwd"])
 @pytest.mark.parametrize("gated,kind", [(True, "softmax_topk"), (False, "sigmoid_topk")])
-def test_gradients_match_dense_form(gated, kind, rng, exact_f32):
+def test_gradients_match_dense_form(gated, kind, gather_backward, rng, exact_f32, monkeypatch):
+    monkeypatch.setattr(moe_api, "_GATHER_BACKWARD", gather_backward)
     x, router, w_up, w_down, w_gate = _operands(rng, 80, 24, 8, 16, gated)
     act = "silu" if gated else "gelu"
     cotangent = jnp.asarray(rng.standard_normal(x.shape).astype(F32))
@@ -213,6 +215,24 @@ def test_gradients_match_dense_form(gated, kind, rng, exact_f32):
     want = jax.jit(jax.grad(dense, argnums))(*args)
     for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), got, want):
         assert rel_error(g, w) <= 1e-5, name
+
+
+@pytest.mark.parametrize("layout", ["one", "ep4"])
+def test_gather_backward_with_drops(layout, rng, exact_f32, monkeypatch):
+    """The row gathers differentiated by gathers (_GATHER_BACKWARD) where the capacity drops
+    pairs (their rows past every buffer): the gradients of XLA's transposes (scatter-adds)."""
+    x, router, w_up, w_down, w_gate = _operands(rng, 128, 32, 8, 16)
+    args = _host(x, router * 4, w_up, w_down, w_gate)
+    mesh = _cpu_mesh((4,), ("ep",)) if layout == "ep4" else None
+    kw = dict(top_k=2, capacity_factor=0.5) | (dict(expert_axis="ep", mesh=mesh) if mesh else {})
+    grads = []
+    for gather in (False, True):
+        monkeypatch.setattr(moe_api, "_GATHER_BACKWARD", gather)
+        f = _moe(**kw)  # a new function: traced anew
+        grads.append(jax.jit(jax.grad(lambda *a: _loss(f, *a), argnums=(0, 1, 2, 3, 4)))(*args))
+        assert float(f(*args)[1].dropped_fraction) > 0
+    for a, b in zip(*grads):
+        assert rel_error(b, a) <= 1e-5
 
 
 def test_zero_tokens_and_compute_dtype(rng):
@@ -548,7 +568,9 @@ def test_cuda_lowering_kernel_calls(gated):
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_step_runs_kernel(rng):
+@pytest.mark.parametrize("gather_backward", [False, True], ids=["scatter_bwd", "gather_bwd"])
+def test_gpu_bf16_step_runs_kernel(gather_backward, rng, monkeypatch):
+    monkeypatch.setattr(moe_api, "_GATHER_BACKWARD", gather_backward)
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 2048, 256, 16, 512, top_k=2)
     args = tuple(jnp.asarray(a) for a in (x, router, w_up, w_down, w_gate))
     step = jax.jit(_step_fn())
