@@ -176,6 +176,14 @@ def _and_streamed(configs, m: int, n: int, k: int) -> list:
         -(-m // c.block_m) * -(-n // c.block_n), k, device.num_sms())]
 
 
+def _and_split(configs, m: int, n: int, k: int) -> list:
+    """`configs`, then each of them split 2, 4 and 8 ways along K where its tiles fill less than
+    one wave (the heuristic's split-K candidates, fp8_config.ranked_configs)."""
+    split = [dataclasses.replace(c, split_k=s) for c in configs if not c.stream_k
+             and -(-m // c.block_m) * -(-n // c.block_n) < device.num_sms() for s in (2, 4, 8)]
+    return list(configs) + [c for c in split if c.splits_for(k) == c.split_k]
+
+
 def _tile_name(cfg) -> str:
     """A compiled tile as --tiles and the sweep's rows name it: block_m x block_n x stages x
     cluster_m."""
@@ -183,9 +191,10 @@ def _tile_name(cfg) -> str:
 
 
 def sweep(shape, args) -> list[Row]:
-    """jax_tma's product with per-tensor and with block scales on every compiled tile (no
-    split; whole, and on stream-K where it applies: "sk") and on the heuristic's choice, timed
-    together: the data to tune the heuristic with."""
+    """jax_tma's product with per-tensor and with block scales on every compiled tile (whole,
+    on stream-K where it applies: "sk", and split 2, 4 or 8 ways along K where the tiles fill
+    less than a wave: "k2" ...) and on the heuristic's choice, timed together: the data to tune
+    the heuristic with."""
     sets = _operand_sets(shape, args.sets, args.seed)
     m, n, k = shape
     default = fp8_config.default_config(m, n, k).describe()
@@ -198,8 +207,9 @@ def sweep(shape, args) -> list[Row]:
         return [c for c in configs if fp8_config.cluster_fits(c.block_m, c.cluster_m, m)
                 and (not args.tiles or _tile_name(c) in args.tiles)]
 
-    for cfg in fitting(_and_streamed(fp8_config.FP8_CONFIGS, m, n, k)):
-        name = _tile_name(cfg) + (" sk" if cfg.stream_k else "")
+    for cfg in fitting(_and_split(_and_streamed(fp8_config.FP8_CONFIGS, m, n, k), m, n, k)):
+        name = _tile_name(cfg) + (" sk" if cfg.stream_k else "") + (
+            f" k{cfg.split_k}" if cfg.split_k > 1 else "")
         contenders["tensor " + name] = (
             lambda a, b, sa, sb, s_a, s_b, *rest, cfg=cfg: jax_tma.fp8_dot_general(
                 a, b, s_a, s_b, NT, config=cfg))

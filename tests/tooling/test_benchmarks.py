@@ -999,6 +999,17 @@ def test_bench_fp8_merge_reports_of_different_shapes(tmp_path):
     assert bad.returncode == 2 and "commit 'fedcba9'" in bad.stderr
 
 
+def test_bench_fp8_sweep_times_split_k_below_a_wave(tmp_path):
+    """--sweep times each tile whole and, where its tiles fill less than a wave, split 2/4/8
+    ways along K where K has that many 128-deep slices (64 x 256 x 256: 2 slices)."""
+    result = _run("bench_fp8.py", "--sweep", "--tiles", "64x128x7x1", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    rows = [line.split()[1:4] for line in result.stdout.splitlines()
+            if line.strip().startswith("64x256x256") and " sweep tensor " in line]
+    assert [r[2] for r in rows] == ["64x128x7x1", "64x128x7x1"], rows
+    assert "sweep tensor 64x128x7x1 k2 " in result.stdout and " k4 " not in result.stdout
+
+
 def test_bench_fp8_rejects_bad_shapes():
     result = _script("bench_fp8.py", "--shapes", "4,4")
     assert result.returncode == 2 and "--shapes takes M,N,K of positive ints" in result.stderr
