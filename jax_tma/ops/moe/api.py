@@ -53,12 +53,12 @@ Expert parallelism (``expert_axis``): the experts and the tokens are sharded ove
 ``jax.shard_map`` each device routes its tokens and sorts its pairs by expert; each expert's
 run goes to the device holding it with ``lax.ragged_all_to_all`` (only the routed rows move;
 each run cut into pieces so that at least 128 slices go to each device, which XLA's copy
-kernel spreads over as many CTAs), landing inside that expert's block of the receive buffer, so the device runs its experts on
-what it received in place and sends the results back the same way. The receive buffer holds
-n * C rows, C the rows one device may send another: T_local * top_k without a capacity (so
-nothing is dropped), else the capacity above. Without drops the result equals the one-device
-layer's up to summation order; the statistics are the global ones. Other mesh axes are left
-to the compiler.
+kernel spreads over as many CTAs), landing inside that expert's block of the receive buffer,
+so the device runs its experts on what it received in place and sends the results back the
+same way. The receive buffer holds n * C rows, C the rows one device may send another:
+T_local * top_k without a capacity (so nothing is dropped), else the capacity above. Without
+drops the result equals the one-device layer's up to summation order; the statistics are the
+global ones. Other mesh axes are left to the compiler.
 
 ``implementation="jax_tma_fp8"`` runs every expert product in FP8, DeepSeek-V3's recipe, on
 ``jax_tma.fp8_ragged_dot``: the rows quantised per row and 128 columns (e4m3, one XLA fusion
