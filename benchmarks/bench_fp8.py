@@ -176,14 +176,6 @@ def _and_streamed(configs, m: int, n: int, k: int) -> list:
         -(-m // c.block_m) * -(-n // c.block_n), k, device.num_sms())]
 
 
-def _and_split(configs, m: int, n: int, k: int) -> list:
-    """`configs`, then each of them split 2, 4 and 8 ways along K where its tiles fill less than
-    one wave (the heuristic's split-K candidates, fp8_config.ranked_configs)."""
-    split = [dataclasses.replace(c, split_k=s) for c in configs if not c.stream_k
-             and -(-m // c.block_m) * -(-n // c.block_n) < device.num_sms() for s in (2, 4, 8)]
-    return list(configs) + [c for c in split if c.splits_for(k) == c.split_k]
-
-
 def _tile_name(cfg) -> str:
     """A compiled tile as --tiles and the sweep's rows name it: block_m x block_n x stages x
     cluster_m."""
@@ -207,7 +199,12 @@ def sweep(shape, args) -> list[Row]:
         return [c for c in configs if fp8_config.cluster_fits(c.block_m, c.cluster_m, m)
                 and (not args.tiles or _tile_name(c) in args.tiles)]
 
-    for cfg in fitting(_and_split(_and_streamed(fp8_config.FP8_CONFIGS, m, n, k), m, n, k)):
+    # Every candidate of the heuristic, rated or not (whole, split along K below a wave,
+    # stream-K where it applies), in the tiles' compiled order.
+    candidates = fp8_config.ranked_configs(m, n, k, measured_only=False)
+    order = {tile: i for i, tile in enumerate(t.tile for t in fp8_config.FP8_CONFIGS)}
+    candidates.sort(key=lambda c: (order[c.tile], c.stream_k, c.split_k))
+    for cfg in fitting(candidates):
         name = _tile_name(cfg) + (" sk" if cfg.stream_k else "") + (
             f" k{cfg.split_k}" if cfg.split_k > 1 else "")
         contenders["tensor " + name] = (
