@@ -308,8 +308,6 @@ def _place(bucket: jax.Array, buckets: int, capacity: int | None) -> _Placement:
 def _gather_rows(x: jax.Array, token: jax.Array, p: _Placement, dtype) -> jax.Array:
     """[p.rows, d]: each kept pair's token row at its buffer row, zeros elsewhere."""
     source = jnp.full((p.rows,), x.shape[0], jnp.int32).at[p.dest].set(token, mode="drop")
-    if not _GATHER_BACKWARD:
-        return jnp.take(x.astype(dtype), source, axis=0, mode="fill", fill_value=0)
     # Token t's pairs are pairs j * T + t (choice-major): their rows, [T, k].
     tokens = x.shape[0]
     return _take_rows(x.astype(dtype), source, p.dest.reshape(-1, tokens).T)
@@ -318,24 +316,17 @@ def _gather_rows(x: jax.Array, token: jax.Array, p: _Placement, dtype) -> jax.Ar
 def _combine(y_rows: jax.Array, p: _Placement, r: _Routing, dtype) -> jax.Array:
     """[T, d]: each token's pairs' rows (zero where dropped) mixed by its weights in fp32."""
     tokens, k = r.weights.shape
-    if _GATHER_BACKWARD:
-        pairs = p.dest.shape[0]
-        pair_of_row = jnp.full((y_rows.shape[0],), pairs, jnp.int32).at[p.dest].set(
-            jnp.arange(pairs, dtype=jnp.int32), mode="drop")
-        y_pair = _take_rows(y_rows, p.dest, pair_of_row[:, None])
-    else:
-        y_pair = jnp.take(y_rows, p.dest, axis=0, mode="fill", fill_value=0)
+    pairs = p.dest.shape[0]
+    pair_of_row = jnp.full((y_rows.shape[0],), pairs, jnp.int32).at[p.dest].set(
+        jnp.arange(pairs, dtype=jnp.int32), mode="drop")
+    y_pair = _take_rows(y_rows, p.dest, pair_of_row[:, None])
     y_pair = y_pair.reshape(k, tokens, -1).astype(_F32)
     return jnp.sum(r.weights.T[:, :, None] * y_pair, axis=0).astype(dtype)
 
 
-# The dispatch's and the combine's row gathers differentiated by gathers (_take_rows) instead of
-# by XLA's transpose of a gather, a scatter-add of every row into the table (on an H200 the two
-# scatter fusions took 15 of 72 ms of a DeepSeek-like layer step, 16384 tokens, d 7168). Off
-# until measured on a GPU; the layer then has no forward-mode derivative (custom_vjp).
-_GATHER_BACKWARD = False
-
-
+# The dispatch's and the combine's row gathers are differentiated by gathers (_take_rows), not by
+# XLA's transpose of a gather, a scatter-add of every row into the table, slower on the GPU
+# (docs/notebook/2026-11-30-gather-backward.md). The price: no forward-mode derivative.
 @jax.custom_vjp
 def _take_rows(table: jax.Array, index: jax.Array, copies: jax.Array) -> jax.Array:
     """``table[index]`` (zero rows where an index is past the table), given `copies` [R, c]:

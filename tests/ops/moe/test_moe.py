@@ -115,14 +115,15 @@ def reference(x, router, w_up, w_down, w_gate, *, top_k, activation="silu",
     z = np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1)) + logits.max(1)
     stats = dict(load_balancing_loss=experts * np.sum(counts / (tokens * top_k) * probs.mean(0)),
                  router_z_loss=np.mean(z * z), tokens_per_expert=counts,
-                 dropped_fraction=1 - keep.mean())
+                 dropped_fraction=1 - keep.mean(), keep=keep)
     return y.reshape(np.shape(x)), stats
 
 
 def dense_form(x, router, w_up, w_down, w_gate, *, top_k, activation="silu",
-               kind="softmax_topk", renormalize=True):
+               kind="softmax_topk", renormalize=True, keep=None):
     """The exact layer in fp32 jnp with every expert on every token, masked (the gradients'
-    reference: no sorting, gathering or grouped products)."""
+    reference: no sorting, gathering or grouped products). `keep` [T, k]: the pairs the
+    capacity keeps (reference()'s), None: all."""
     hi = lax.Precision.HIGHEST
     x2 = x.reshape(-1, x.shape[-1])
     logits = jnp.dot(x2, router, precision=hi)
@@ -130,6 +131,8 @@ def dense_form(x, router, w_up, w_down, w_gate, *, top_k, activation="silu",
     probs = scores if kind == "softmax_topk" else scores / scores.sum(-1, keepdims=True)
     top, choice = lax.top_k(scores, top_k)
     weights = top / top.sum(-1, keepdims=True) if renormalize else top
+    if keep is not None:
+        weights = jnp.where(jnp.asarray(keep), weights, 0.0)
     mix = jnp.einsum("tk,tke->te", weights, jax.nn.one_hot(choice, router.shape[1]),
                      precision=hi)
     act = {"silu": jax.nn.silu, "gelu": lambda z: jax.nn.gelu(z, approximate=True),
@@ -192,10 +195,8 @@ def test_capacity_drops_as_documented(capacity_factor, rng, exact_f32):
         np.testing.assert_array_equal(np.asarray(y), np.asarray(exact))
 
 
-@pytest.mark.parametrize("gather_backward", [False, True], ids=["scatter_bwd", "gather_bwd"])
 @pytest.mark.parametrize("gated,kind", [(True, "softmax_topk"), (False, "sigmoid_topk")])
-def test_gradients_match_dense_form(gated, kind, gather_backward, rng, exact_f32, monkeypatch):
-    monkeypatch.setattr(moe_api, "_GATHER_BACKWARD", gather_backward)
+def test_gradients_match_dense_form(gated, kind, rng, exact_f32):
     x, router, w_up, w_down, w_gate = _operands(rng, 80, 24, 8, 16, gated)
     act = "silu" if gated else "gelu"
     cotangent = jnp.asarray(rng.standard_normal(x.shape).astype(F32))
@@ -218,21 +219,27 @@ def test_gradients_match_dense_form(gated, kind, gather_backward, rng, exact_f32
 
 
 @pytest.mark.parametrize("layout", ["one", "ep4"])
-def test_gather_backward_with_drops(layout, rng, exact_f32, monkeypatch):
-    """The row gathers differentiated by gathers (_GATHER_BACKWARD) where the capacity drops
-    pairs (their rows past every buffer): the gradients of XLA's transposes (scatter-adds)."""
+def test_gradients_with_drops_match_dense_form(layout, rng, exact_f32):
+    """Where the capacity drops pairs (their rows past every buffer), on one device and over
+    four: the gradients of the dense form with the float64 reference's dropped pairs masked."""
     x, router, w_up, w_down, w_gate = _operands(rng, 128, 32, 8, 16)
-    args = _host(x, router * 4, w_up, w_down, w_gate)
-    mesh = _cpu_mesh((4,), ("ep",)) if layout == "ep4" else None
+    router = router * 4
+    args = _host(x, router, w_up, w_down, w_gate)
+    devices = 4 if layout == "ep4" else None
+    mesh = _cpu_mesh((4,), ("ep",)) if devices else None
     kw = dict(top_k=2, capacity_factor=0.5) | (dict(expert_axis="ep", mesh=mesh) if mesh else {})
-    grads = []
-    for gather in (False, True):
-        monkeypatch.setattr(moe_api, "_GATHER_BACKWARD", gather)
-        f = _moe(**kw)  # a new function: traced anew
-        grads.append(jax.jit(jax.grad(lambda *a: _loss(f, *a), argnums=(0, 1, 2, 3, 4)))(*args))
-        assert float(f(*args)[1].dropped_fraction) > 0
-    for a, b in zip(*grads):
-        assert rel_error(b, a) <= 1e-5
+    _, want_stats = reference(*args, top_k=2, capacity_factor=0.5, devices=devices)
+    assert want_stats["dropped_fraction"] > 0
+
+    def dense_loss(*a):
+        y, lb = dense_form(*a, top_k=2, keep=want_stats["keep"])
+        return jnp.sum(jnp.sin(y)) + lb
+
+    argnums = (0, 1, 2, 3, 4)
+    got = jax.jit(jax.grad(lambda *a: _loss(_moe(**kw), *a), argnums))(*args)
+    want = jax.jit(jax.grad(dense_loss, argnums))(*args)
+    for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), got, want):
+        assert rel_error(g, w) <= 1e-5, name
 
 
 def test_zero_tokens_and_compute_dtype(rng):
@@ -568,9 +575,7 @@ def test_cuda_lowering_kernel_calls(gated):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("gather_backward", [False, True], ids=["scatter_bwd", "gather_bwd"])
-def test_gpu_bf16_step_runs_kernel(gather_backward, rng, monkeypatch):
-    monkeypatch.setattr(moe_api, "_GATHER_BACKWARD", gather_backward)
+def test_gpu_bf16_step_runs_kernel(rng):
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 2048, 256, 16, 512, top_k=2)
     args = tuple(jnp.asarray(a) for a in (x, router, w_up, w_down, w_gate))
     step = jax.jit(_step_fn())
