@@ -88,10 +88,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_tma._core import aval as _aval
 from jax_tma._core.activations import ACTIVATIONS, GATED_ACTIVATIONS, activate
-from jax_tma.ops.fp8.quantize import quantize_fp8
+from jax_tma.ops.fp8.quantize import dequantize_fp8, quantize_fp8
 from jax_tma.ops.fp8.ragged import fp8_ragged_dot
-from jax_tma.ops.ragged.api import ragged_dot
+from jax_tma.ops.ragged.api import ragged_dot, ragged_dot_general
+from jax_tma.ops.ragged.config import clamp_sizes
 from jax_tma.ops.ragged.gated_mlp import gated_ragged_mlp
 
 ROUTERS = ("softmax_topk", "sigmoid_topk")
@@ -356,24 +358,89 @@ def _pairs(r: _Routing) -> tuple[jax.Array, jax.Array]:
 
 
 # --- Experts ------------------------------------------------------------------------------------
-def _fp8_product(rows: jax.Array, w: jax.Array, group_sizes: jax.Array, dtype) -> jax.Array:
-    """ragged_dot(rows, w [E, K, N]) in FP8: rows per 1 x 128, w^T per 128 x 128 block."""
+def _fp8_weights(ws: tuple) -> tuple[jax.Array, jax.Array]:
+    """The weights [E, K, N_i] side by side along N as e4m3 [E, K, N] per 128 x 128 block, and
+    their scales [E, N / 128, K / 128]: each quantised in its own layout (no fp32 concatenation
+    or transpose), unless an N_i is not a multiple of 128 (a block then spans two of them)."""
+    if len(ws) > 1 and any(w.shape[-1] % 128 for w in ws):
+        ws = (jnp.concatenate(ws, axis=-1),)
+    parts = [quantize_fp8(w, (128, 128)) for w in ws]
+    if len(parts) == 1:
+        return parts[0]
+    return (jnp.concatenate([v for v, _ in parts], axis=-1),
+            jnp.concatenate([s for _, s in parts], axis=1))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fp8_product(rows: jax.Array, ws: tuple, group_sizes: jax.Array, dtype) -> jax.Array:
+    """ragged_dot(rows, concat(ws, N)) for weights [E, K, N_i] in FP8: rows per 1 x 128, the
+    weights per 128 x 128 block, K-major for the kernel (a transpose of their e4m3 values)."""
+    return _fp8_product_fwd(rows, ws, group_sizes, dtype)[0]
+
+
+def _fp8_product_fwd(rows, ws, group_sizes, dtype):
     xq, xs = quantize_fp8(rows, (1, 128))
-    wq, ws = quantize_fp8(jnp.swapaxes(w, 1, 2), (128, 128))
-    return fp8_ragged_dot(xq, wq, xs, ws, group_sizes, preferred_element_type=dtype)
+    wq, wsc = _fp8_weights(ws)
+    out = fp8_ragged_dot(xq, jnp.swapaxes(wq, 1, 2), xs, jnp.swapaxes(wsc, 1, 2), group_sizes,
+                         preferred_element_type=dtype)
+    refs = (rows.reshape(-1)[:0],) + tuple(w[:0, :1, :] for w in ws)  # types and widths, no data
+    return out, (xq, xs, wq, wsc, group_sizes, refs)
+
+
+def _fp8_product_bwd(dtype, saved, ct):
+    """As fp8_ragged_dot's backward (the rows' gradient in FP8 against the weights' e4m3
+    blocks, the weights' in bf16 from the rows' FP8 values), with the weights' gradients in
+    their own [E, K, N_i] layout: no transposes of the weights or their gradients."""
+    del dtype
+    xq, xs, wq, wsc, group_sizes, refs = saved
+    bf16 = jnp.bfloat16
+    dyq, dys = quantize_fp8(ct, (1, 128))
+    d_rows = fp8_ragged_dot(dyq, wq, dys, wsc, group_sizes, preferred_element_type=bf16)
+    x = dequantize_fp8(xq, xs, (1, 128)).astype(bf16)
+    dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    gs = clamp_sizes(group_sizes, xq.shape[0])
+    d_w = ragged_dot_general(x, ct.astype(bf16), gs, dims, preferred_element_type=bf16)
+    d_ws, start = [], 0
+    for ref in refs[1:]:
+        width = ref.shape[-1]
+        d_ws.append(_aval.sum_to_varying(d_w[..., start:start + width].astype(ref.dtype), ref))
+        start += width
+    d_rows = _aval.sum_to_varying(d_rows.astype(refs[0].dtype), refs[0])
+    return d_rows, tuple(d_ws), None
+
+
+_fp8_product.defvjp(_fp8_product_fwd, _fp8_product_bwd)
+
+
+def _fp8_product_transposed(rows: jax.Array, ws: tuple, group_sizes: jax.Array, dtype):
+    """The same product through fp8_ragged_dot's own backward: the weights concatenated and
+    transposed in their own type, then quantised; their gradients transposed back."""
+    w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=-1)
+    xq, xs = quantize_fp8(rows, (1, 128))
+    wq, wsc = quantize_fp8(jnp.swapaxes(w, 1, 2), (128, 128))
+    return fp8_ragged_dot(xq, wq, xs, wsc, group_sizes, preferred_element_type=dtype)
+
+
+# _fp8_product (the weights quantised in their own layout, their gradients made in it) in place
+# of _fp8_product_transposed, whose fp32 concatenation and transposes of the weights and of
+# their gradients are XLA copies the bf16 layer does not make (docs/notebook/
+# 2026-11-30-gather-backward.md). Off until the two are timed in one run on a GPU.
+_FP8_NATURAL_WEIGHTS = False
 
 
 def _fp8_experts(rows: jax.Array, group_sizes: jax.Array, weights, o: _Options) -> jax.Array:
     _, w_gate, w_up, w_down = weights
+    product = _fp8_product if _FP8_NATURAL_WEIGHTS else _fp8_product_transposed
     if w_gate is None:
-        h = _fp8_product(rows, w_up, group_sizes, o.dtype)
+        h = product(rows, (w_up,), group_sizes, o.dtype)
         h = activate(o.activation, h.astype(_F32)).astype(o.dtype)
     else:
         hidden = w_up.shape[-1]
-        gu = _fp8_product(rows, jnp.concatenate([w_gate, w_up], axis=-1), group_sizes, o.dtype)
+        gu = product(rows, (w_gate, w_up), group_sizes, o.dtype)
         gate = activate(o.activation, gu[:, :hidden].astype(_F32))
         h = (gate * gu[:, hidden:].astype(_F32)).astype(o.dtype)
-    return _fp8_product(h, w_down, group_sizes, o.dtype)
+    return product(h, (w_down,), group_sizes, o.dtype)
 
 
 def _experts(rows: jax.Array, group_sizes: jax.Array, weights, o: _Options) -> jax.Array:

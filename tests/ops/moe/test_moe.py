@@ -626,8 +626,13 @@ FP8_TOL = 0.1
 EP_FP8_TOL = 3e-3
 
 
+NATURAL = pytest.mark.parametrize("natural", [False, True], ids=["transposed", "natural"])
+
+
+@NATURAL
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-def test_fp8_experts_match_float64(gated, rng):
+def test_fp8_experts_match_float64(gated, natural, rng, monkeypatch):
+    monkeypatch.setattr(moe_api, "_FP8_NATURAL_WEIGHTS", natural)
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 160, 256, 8, 192, top_k=2)
     w_gate = w_gate if gated else None
     act = "silu" if gated else "gelu"
@@ -646,9 +651,13 @@ def test_fp8_experts_match_float64(gated, rng):
     assert rel_error(fp8_y, f32_y) > 1e-2
 
 
-@pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-def test_fp8_gradients_match_dense_form(gated, rng):
-    x, router, w_up, w_down, w_gate = _routable_operands(rng, 128, 256, 8, 128, top_k=2)
+@NATURAL
+@pytest.mark.parametrize("gated,hidden", [(True, 128), (True, 192), (False, 128)],
+                         ids=["gated", "gated-straddle", "plain"])
+def test_fp8_gradients_match_dense_form(gated, hidden, natural, rng, monkeypatch):
+    """hidden 192: a 128-column block of the gate and up weights side by side spans both."""
+    monkeypatch.setattr(moe_api, "_FP8_NATURAL_WEIGHTS", natural)
+    x, router, w_up, w_down, w_gate = _routable_operands(rng, 128, 256, 8, hidden, top_k=2)
     w_gate = w_gate if gated else None
     act = "silu" if gated else "gelu"
     cotangent = jnp.asarray(rng.standard_normal(x.shape).astype(F32))
@@ -671,7 +680,29 @@ def test_fp8_gradients_match_dense_form(gated, rng):
         assert rel_error(g, w) <= FP8_TOL, name
 
 
-def test_fp8_expert_parallel_matches_one_device(rng):
+@pytest.mark.parametrize("hidden", [128, 192])
+def test_fp8_natural_weights_match_transposed(hidden, rng, monkeypatch):
+    """_fp8_product (the weights quantised in their own layout) against the transposed form:
+    the same e4m3 blocks and scales, so the same forward bit for bit, and the same gradients
+    up to the weight gradients' summation order."""
+    x, router, w_up, w_down, w_gate = _routable_operands(rng, 128, 256, 8, hidden, top_k=2)
+    ct = rng.standard_normal(x.shape).astype(F32)
+    kw = dict(top_k=2, dtype=jnp.float32, implementation="jax_tma_fp8")
+    results = []
+    for natural in (False, True):
+        monkeypatch.setattr(moe_api, "_FP8_NATURAL_WEIGHTS", natural)
+        f = jax.jit(lambda *a: jax_tma.moe_mlp(*a, **kw)[0])
+        g = jax.jit(jax.grad(lambda *a: jnp.sum(jax_tma.moe_mlp(*a, **kw)[0] * ct), range(5)))
+        results.append((f(x, router, w_up, w_down, w_gate), g(x, router, w_up, w_down, w_gate)))
+    (y0, g0), (y1, g1) = results
+    np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
+    for name, a, b in zip(("x", "router", "w_up", "w_down", "w_gate"), g1, g0):
+        assert rel_error(a, b) <= 1e-5, name
+
+
+@NATURAL
+def test_fp8_expert_parallel_matches_one_device(natural, rng, monkeypatch):
+    monkeypatch.setattr(moe_api, "_FP8_NATURAL_WEIGHTS", natural)
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 128, 256, 8, 128, top_k=2)
     kw = dict(top_k=2, dtype=jnp.float32, implementation="jax_tma_fp8")
     # One CPU device against the CPU mesh: the same XLA products on either side (on a GPU the
@@ -704,11 +735,13 @@ def test_fp8_expert_parallel_matches_one_device(rng):
 
 
 @needs_extension
+@NATURAL
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-def test_fp8_cuda_lowering_kernel_calls(gated):
+def test_fp8_cuda_lowering_kernel_calls(gated, natural, monkeypatch):
     """FP8 experts: forward, the up (gated: gate and up together) and the down product on the
     FP8 grouped kernel; backward, each one's input gradient on it too and each one's weight
     gradient on the bf16 grouped kernel: 4 FP8 calls and 2 ragged_dot calls."""
+    monkeypatch.setattr(moe_api, "_FP8_NATURAL_WEIGHTS", natural)
     specs = [jax.ShapeDtypeStruct(s, F32) for s in
              ((512, 256), (256, 8), (8, 256, 128), (8, 128, 256), (8, 256, 128))]
     hlo = cuda_hlo(_step_fn("jax_tma_fp8", gated), *(specs if gated else specs[:4]))
@@ -718,7 +751,9 @@ def test_fp8_cuda_lowering_kernel_calls(gated):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_step_runs_kernel(rng):
+@NATURAL
+def test_gpu_fp8_step_runs_kernel(natural, rng, monkeypatch):
+    monkeypatch.setattr(moe_api, "_FP8_NATURAL_WEIGHTS", natural)
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 2048, 256, 16, 512, top_k=2)
     args = tuple(jnp.asarray(a) for a in (x, router, w_up, w_down, w_gate))
     step = jax.jit(_step_fn("jax_tma_fp8"))
