@@ -92,8 +92,8 @@ SHAPES = {"qwen3": (2048, 768, 128, 8), "deepseek": (7168, 2048, 32, 8),
 # XLA's layer (lax.ragged_dot) does not fit in an H200's 141 GB at deepseek / 8192 tokens or
 # qwen3 / 32768 (its backward allocates one buffer of 85-128 GiB): 4096 tokens of each is where
 # the two are compared.
-# In thirds of about equal time on an H200 (--part I/3): XLA's ragged_dot on DeepSeek-like
-# layers takes most of a run.
+# Ordered so that --part I/3 splits it into thirds of similar time on an H200: the last third,
+# the two DeepSeek-like layers, is the longest (XLA's ragged_dot layer at 4096 tokens).
 SUITE = [LayerConfig("qwen3", *SHAPES["qwen3"], 4096), LayerConfig("qwen3", *SHAPES["qwen3"], 8192),
          LayerConfig("qwen3", *SHAPES["qwen3"], 32768),
          LayerConfig("mixtral", *SHAPES["mixtral"], 8192),

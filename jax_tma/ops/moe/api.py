@@ -73,7 +73,8 @@ product with e4m3's 3 mantissa bits, at random data).
 ``implementation="xla"`` runs the same layer with ``lax.ragged_dot`` (for comparisons; the gated
 half as one product of the concatenated weights [E, d, 2F] and the elementwise combination).
 Gradients flow through everything but the expert choice (the weights through lax.top_k's
-values).
+values). Reverse mode only, except with "xla" (``jax.jvp`` of the kernels' layers raises: their
+products and row gathers have custom_vjp rules).
 """
 
 from __future__ import annotations
@@ -307,28 +308,34 @@ def _place(bucket: jax.Array, buckets: int, capacity: int | None) -> _Placement:
     return _Placement(dest, rows, kept)
 
 
-def _gather_rows(x: jax.Array, token: jax.Array, p: _Placement, dtype) -> jax.Array:
+def _gather_rows(x: jax.Array, token: jax.Array, p: _Placement, o: _Options) -> jax.Array:
     """[p.rows, d]: each kept pair's token row at its buffer row, zeros elsewhere."""
     source = jnp.full((p.rows,), x.shape[0], jnp.int32).at[p.dest].set(token, mode="drop")
+    if o.implementation == "xla":  # the comparison form keeps XLA's transpose (and jvp)
+        return jnp.take(x.astype(o.dtype), source, axis=0, mode="fill", fill_value=0)
     # Token t's pairs are pairs j * T + t (choice-major): their rows, [T, k].
     tokens = x.shape[0]
-    return _take_rows(x.astype(dtype), source, p.dest.reshape(-1, tokens).T)
+    return _take_rows(x.astype(o.dtype), source, p.dest.reshape(-1, tokens).T)
 
 
-def _combine(y_rows: jax.Array, p: _Placement, r: _Routing, dtype) -> jax.Array:
+def _combine(y_rows: jax.Array, p: _Placement, r: _Routing, o: _Options) -> jax.Array:
     """[T, d]: each token's pairs' rows (zero where dropped) mixed by its weights in fp32."""
     tokens, k = r.weights.shape
-    pairs = p.dest.shape[0]
-    pair_of_row = jnp.full((y_rows.shape[0],), pairs, jnp.int32).at[p.dest].set(
-        jnp.arange(pairs, dtype=jnp.int32), mode="drop")
-    y_pair = _take_rows(y_rows, p.dest, pair_of_row[:, None])
+    if o.implementation == "xla":
+        y_pair = jnp.take(y_rows, p.dest, axis=0, mode="fill", fill_value=0)
+    else:
+        pairs = p.dest.shape[0]
+        pair_of_row = jnp.full((y_rows.shape[0],), pairs, jnp.int32).at[p.dest].set(
+            jnp.arange(pairs, dtype=jnp.int32), mode="drop")
+        y_pair = _take_rows(y_rows, p.dest, pair_of_row[:, None])
     y_pair = y_pair.reshape(k, tokens, -1).astype(_F32)
-    return jnp.sum(r.weights.T[:, :, None] * y_pair, axis=0).astype(dtype)
+    return jnp.sum(r.weights.T[:, :, None] * y_pair, axis=0).astype(o.dtype)
 
 
-# The dispatch's and the combine's row gathers are differentiated by gathers (_take_rows), not by
-# XLA's transpose of a gather, a scatter-add of every row into the table, slower on the GPU
-# (docs/notebook/2026-11-30-gather-backward.md). The price: no forward-mode derivative.
+# The kernels' layers differentiate the dispatch's and the combine's row gathers by gathers
+# (_take_rows), not by XLA's transpose of a gather, a scatter-add of every row into the table,
+# slower on the GPU (docs/notebook/2026-11-30-gather-backward.md). The price: no forward-mode
+# derivative (the grouped kernels' custom_vjp rules have none either).
 @jax.custom_vjp
 def _take_rows(table: jax.Array, index: jax.Array, copies: jax.Array) -> jax.Array:
     """``table[index]`` (zero rows where an index is past the table), given `copies` [R, c]:
@@ -360,8 +367,9 @@ def _pairs(r: _Routing) -> tuple[jax.Array, jax.Array]:
 # --- Experts ------------------------------------------------------------------------------------
 def _fp8_weights(ws: tuple) -> tuple[jax.Array, jax.Array]:
     """The weights [E, K, N_i] side by side along N as e4m3 [E, K, N] per 128 x 128 block, and
-    their scales [E, N / 128, K / 128]: each quantised in its own layout (no fp32 concatenation
-    or transpose), unless an N_i is not a multiple of 128 (a block then spans two of them)."""
+    their scales [E, ceil(N / 128), ceil(K / 128)]: each quantised in its own layout (no
+    concatenation or transpose in the weights' type), unless an N_i is not a multiple of 128 (a
+    block then spans two of them)."""
     if len(ws) > 1 and any(w.shape[-1] % 128 for w in ws):
         ws = (jnp.concatenate(ws, axis=-1),)
     parts = [quantize_fp8(w, (128, 128)) for w in ws]
@@ -423,9 +431,10 @@ def _fp8_product_transposed(rows: jax.Array, ws: tuple, group_sizes: jax.Array, 
 
 
 # _fp8_product (the weights quantised in their own layout, their gradients made in it) in place
-# of _fp8_product_transposed, whose fp32 concatenation and transposes of the weights and of
-# their gradients are XLA copies the bf16 layer does not make (docs/notebook/
-# 2026-11-30-gather-backward.md). Off until the two are timed in one run on a GPU.
+# of _fp8_product_transposed, whose concatenation and transposes of the weights (in their type)
+# and of their gradients are XLA copies the bf16 layer does not make (docs/notebook/
+# 2026-11-30-gather-backward.md). Off until the two are timed in one run on a GPU; the module
+# docstring's FP8 paragraph describes the transposed form.
 _FP8_NATURAL_WEIGHTS = False
 
 
@@ -476,9 +485,9 @@ def _one_device(x: jax.Array, weights, o: _Options) -> tuple[jax.Array, MoeStats
     capacity = (None if o.capacity_factor is None
                 else math.ceil(o.capacity_factor * tokens * o.top_k / o.experts))
     p = _place(expert, o.experts, capacity)
-    y_rows = _experts(_gather_rows(x, token, p, o.dtype), p.sizes, weights, o)
+    y_rows = _experts(_gather_rows(x, token, p, o), p.sizes, weights, o)
     dropped = tokens * o.top_k - jnp.sum(p.sizes)
-    return _combine(y_rows, p, r, o.dtype), _stats(r, tokens, dropped, o)
+    return _combine(y_rows, p, r, o), _stats(r, tokens, dropped, o)
 
 
 # --- Expert parallelism -------------------------------------------------------------------------
@@ -538,7 +547,7 @@ def _expert_parallel_body(x, router_kernel, w_gate, w_up, w_down, *, o: _Options
     p = _place(expert, o.experts + 1, None)
     counts = p.sizes[:o.experts]  # pairs this device sends each expert
     p = _Placement(jnp.where(expert < o.experts, p.dest, pairs), pairs, counts)
-    send = _gather_rows(x, token, p, o.dtype)  # [pairs, d], by expert, dropped pairs last
+    send = _gather_rows(x, token, p, o)  # [pairs, d], by expert, dropped pairs last
 
     me = lax.axis_index(axis)
     sent = lax.all_gather(counts, axis)  # [n, E]: pairs device s sends expert e
@@ -564,7 +573,7 @@ def _expert_parallel_body(x, router_kernel, w_gate, w_up, w_down, *, o: _Options
     summed = _Routing(r.choice, r.weights, lax.psum(r.counts, axis), lax.psum(r.prob_sum, axis),
                       lax.psum(r.z_sum, axis))
     stats = _stats(summed, tokens * devices, lax.psum(dropped, axis), o)
-    return _combine(back, p, r, o.dtype), stats
+    return _combine(back, p, r, o), stats
 
 
 # Slices per destination device the exchange is cut into (at least). XLA's single-host

@@ -218,6 +218,24 @@ def test_gradients_match_dense_form(gated, kind, rng, exact_f32):
         assert rel_error(g, w) <= 1e-5, name
 
 
+def test_forward_mode_with_xla_only(rng, exact_f32):
+    """implementation="xla" keeps jax.jvp (its tangent is the gradient's dot with the tangent);
+    the kernels' layer is reverse mode only and says so."""
+    x, router, w_up, w_down, w_gate = _operands(rng, 64, 16, 4, 8)
+    t = rng.standard_normal(x.shape).astype(F32)
+
+    def loss(x, implementation):
+        y, _ = jax_tma.moe_mlp(x, router, w_up, w_down, w_gate, top_k=2, dtype=jnp.float32,
+                               implementation=implementation)
+        return jnp.sum(jnp.sin(y))
+
+    _, tangent = jax.jvp(lambda x: loss(x, "xla"), (x,), (t,))
+    want = jnp.vdot(jax.grad(lambda x: loss(x, "xla"))(x), t)
+    assert abs(float(tangent) - float(want)) <= 1e-5 * max(1.0, abs(float(want)))
+    with pytest.raises(TypeError, match="forward-mode"):
+        jax.jvp(lambda x: loss(x, "jax_tma"), (x,), (t,))
+
+
 @pytest.mark.parametrize("layout", ["one", "ep4"])
 def test_gradients_with_drops_match_dense_form(layout, rng, exact_f32):
     """Where the capacity drops pairs (their rows past every buffer), on one device and over
@@ -230,6 +248,11 @@ def test_gradients_with_drops_match_dense_form(layout, rng, exact_f32):
     kw = dict(top_k=2, capacity_factor=0.5) | (dict(expert_axis="ep", mesh=mesh) if mesh else {})
     _, want_stats = reference(*args, top_k=2, capacity_factor=0.5, devices=devices)
     assert want_stats["dropped_fraction"] > 0
+    # The mask is in the float64 choice order: the dense form's fp32 top_k must order alike.
+    logits = np.asarray(x, np.float64) @ np.asarray(router, np.float64)
+    _, fp32_choice = lax.top_k(jnp.dot(x, router, precision=lax.Precision.HIGHEST), 2)
+    np.testing.assert_array_equal(np.asarray(fp32_choice),
+                                  np.argsort(-logits, axis=1, kind="stable")[:, :2])
 
     def dense_loss(*a):
         y, lb = dense_form(*a, top_k=2, keep=want_stats["keep"])
@@ -696,8 +719,11 @@ def test_fp8_natural_weights_match_transposed(hidden, rng, monkeypatch):
         results.append((f(x, router, w_up, w_down, w_gate), g(x, router, w_up, w_down, w_gate)))
     (y0, g0), (y1, g1) = results
     np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
-    for name, a, b in zip(("x", "router", "w_up", "w_down", "w_gate"), g1, g0):
-        assert rel_error(a, b) <= 1e-5, name
+    # The weights' gradients are bf16 products in two layouts ([G, K, N] and [G, N, K]): on a
+    # GPU each its own tiles, so a few values one bf16 rounding step apart.
+    for name, a, b, tol in zip(("x", "router", "w_up", "w_down", "w_gate"), g1, g0,
+                               (1e-5, 1e-5, 1e-3, 1e-3, 1e-3)):
+        assert rel_error(a, b) <= tol, name
 
 
 @NATURAL
