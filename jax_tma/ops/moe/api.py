@@ -397,8 +397,8 @@ def _fp8_product_fwd(rows, ws, group_sizes, dtype):
 
 def _fp8_product_bwd(dtype, saved, ct):
     """As fp8_ragged_dot's backward (the rows' gradient in FP8 against the weights' e4m3
-    blocks, the weights' in bf16 from the rows' FP8 values), with the weights' gradients in
-    their own [E, K, N_i] layout: no transposes of the weights or their gradients."""
+    blocks, the weights' a bf16 product of the rows' FP8 values), with the weights' gradients
+    in their own [E, K, N_i] layout: no transposes of the weights or their gradients."""
     del dtype
     xq, xs, wq, wsc, group_sizes, refs = saved
     bf16 = jnp.bfloat16
@@ -408,7 +408,11 @@ def _fp8_product_bwd(dtype, saved, ct):
     dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
                                          lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
     gs = clamp_sizes(group_sizes, xq.shape[0])
-    d_w = ragged_dot_general(x, ct.astype(bf16), gs, dims, preferred_element_type=bf16)
+    # fp32 weights (the usual parameters) take the kernel's fp32 sums as they are: no bf16
+    # gradient to convert in another pass.
+    wide = any(r.dtype == _F32 for r in refs[1:])
+    d_w = ragged_dot_general(x, ct.astype(bf16), gs, dims,
+                             preferred_element_type=_F32 if wide else bf16)
     d_ws, start = [], 0
     for ref in refs[1:]:
         width = ref.shape[-1]

@@ -706,8 +706,8 @@ def test_fp8_gradients_match_dense_form(gated, hidden, natural, rng, monkeypatch
 @pytest.mark.parametrize("hidden", [128, 192])
 def test_fp8_natural_weights_match_transposed(hidden, rng, monkeypatch):
     """_fp8_product (the weights quantised in their own layout) against the transposed form:
-    the same e4m3 blocks and scales, so the same forward bit for bit, and the same gradients
-    up to the weight gradients' summation order."""
+    the same e4m3 blocks and scales, so the same forward and rows' gradients bit for bit, and
+    the weights' gradients up to their rounding."""
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 128, 256, 8, hidden, top_k=2)
     ct = rng.standard_normal(x.shape).astype(F32)
     kw = dict(top_k=2, dtype=jnp.float32, implementation="jax_tma_fp8")
@@ -719,10 +719,10 @@ def test_fp8_natural_weights_match_transposed(hidden, rng, monkeypatch):
         results.append((f(x, router, w_up, w_down, w_gate), g(x, router, w_up, w_down, w_gate)))
     (y0, g0), (y1, g1) = results
     np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
-    # The weights' gradients are bf16 products in two layouts ([G, K, N] and [G, N, K]): on a
-    # GPU each its own tiles, so a few values one bf16 rounding step apart.
+    # The weights' gradients: the natural form keeps the product's fp32 sums for fp32 weights,
+    # the transposed form rounds them to bf16 first (2^-9 relative at most).
     for name, a, b, tol in zip(("x", "router", "w_up", "w_down", "w_gate"), g1, g0,
-                               (1e-5, 1e-5, 1e-3, 1e-3, 1e-3)):
+                               (1e-5, 1e-5, 4e-3, 4e-3, 4e-3)):
         assert rel_error(a, b) <= tol, name
 
 
