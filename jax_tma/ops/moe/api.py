@@ -95,7 +95,7 @@ from jax_tma.ops.fp8.quantize import dequantize_fp8, quantize_fp8
 from jax_tma.ops.fp8.ragged import fp8_ragged_dot
 from jax_tma.ops.ragged.api import ragged_dot, ragged_dot_general
 from jax_tma.ops.ragged.config import clamp_sizes
-from jax_tma.ops.ragged.gated_mlp import gated_ragged_mlp
+from jax_tma.ops.ragged.gated_mlp import _cast_weights_mlp, gated_ragged_mlp
 
 ROUTERS = ("softmax_topk", "sigmoid_topk")
 IMPLEMENTATIONS = ("jax_tma", "jax_tma_fp8", "xla")
@@ -456,6 +456,13 @@ def _fp8_experts(rows: jax.Array, group_sizes: jax.Array, weights, o: _Options) 
     return product(h, (w_down,), group_sizes, o.dtype)
 
 
+# Gated experts' weights cast to the compute type inside the grouped MLP (_cast_weights_mlp) in
+# place of before it: fp32 parameters then get their gradients in fp32 from the weight-gradient
+# kernels, where the cast's transpose converts the kernels' bf16 gradients in another pass (an
+# XLA convert the size of the weights in fp32, each step). Off until timed on a GPU.
+_WEIGHTS_CAST_INSIDE = False
+
+
 def _experts(rows: jax.Array, group_sizes: jax.Array, weights, o: _Options) -> jax.Array:
     """Every expert's MLP on its run of `rows` (rows past the groups come out zero)."""
     if o.implementation == "jax_tma_fp8":
@@ -469,6 +476,9 @@ def _experts(rows: jax.Array, group_sizes: jax.Array, weights, o: _Options) -> j
         h = activate(o.activation, h.astype(_F32)).astype(dtype)
     elif kernels:
         # o.activation is already canonical ("gelu" -> "gelu_tanh"), a name both take alike.
+        if _WEIGHTS_CAST_INSIDE:
+            return _cast_weights_mlp(rows, jnp.asarray(w_gate), jnp.asarray(w_up),
+                                     jnp.asarray(w_down), group_sizes, o.activation)
         return gated_ragged_mlp(rows, jnp.asarray(w_gate, dtype), jnp.asarray(w_up, dtype),
                                 jnp.asarray(w_down, dtype), group_sizes, o.activation)
     else:

@@ -64,26 +64,36 @@ def _gated_mlp(x, wg, wu, wd, gs, activation, config):
 
 
 def _gated_mlp_fwd(x, wg, wu, wd, gs, activation, config):
+    # The weights compute in x's type; wider ones (_cast_weights_mlp) keep theirs for the
+    # gradients, whose zero-size slices carry it.
+    refs = tuple(w[:0] for w in (wg, wu, wd))
+    wg, wu, wd = (w.astype(x.dtype) for w in (wg, wu, wd))
     h, pre = gated_primitive.bind(x[None], wg[None], wu[None], gs[None], activation=activation,
                                   save_pre=True, out_dtype=x.dtype, config=config)
     h, pre = h[0], pre[:, 0]
     y = _rows(h, wd, gs, False, x.dtype)
-    return y, (x, wg, wu, wd, gs, h, pre)
+    return y, (x, wg, wu, wd, gs, h, pre, refs)
+
+
+def _weight_grad(rows, ct, gs, ref, dtype):
+    """A weight's gradient in its own type: fp32 weights take the kernel's fp32 sums."""
+    wide = ref.dtype == jnp.float32
+    return _contraction(rows, ct, gs, jnp.float32 if wide else dtype).astype(ref.dtype)
 
 
 def _gated_mlp_bwd(activation, config, saved, dy):
     del config
-    x, wg, wu, wd, gs, h, pre = saved
+    x, wg, wu, wd, gs, h, pre, refs = saved
     dy = dy.astype(x.dtype)
     # The gate's and the up's cotangents straight from the down product's epilogue.
     d_gate, d_up = _gated_grad(dy, wd, gs, pre, activation)
     dx = (_rows(d_gate, wg, gs, True, jnp.float32)
           + _rows(d_up, wu, gs, True, jnp.float32)).astype(x.dtype)
-    dwg = _contraction(x, d_gate, gs, wg.dtype)
-    dwu = _contraction(x, d_up, gs, wu.dtype)
-    dwd = _contraction(h, dy, gs, wd.dtype)
-    cts = (dx, dwg, dwu, dwd)
-    return (*(_aval.sum_to_varying(c, p) for c, p in zip(cts, (x, wg, wu, wd))), None)
+    dws = (_weight_grad(x, d_gate, gs, refs[0], x.dtype),
+           _weight_grad(x, d_up, gs, refs[1], x.dtype),
+           _weight_grad(h, dy, gs, refs[2], x.dtype))
+    cts = (dx, *dws)
+    return (*(_aval.sum_to_varying(c, p) for c, p in zip(cts, (x, *refs))), None)
 
 
 _gated_mlp.defvjp(_gated_mlp_fwd, _gated_mlp_bwd)
@@ -103,6 +113,17 @@ def _check(x, w_gate, w_up, w_down, group_sizes):
     if bad:
         raise ValueError(f"jax_tma.{_NAME}: x and the weights must be floating point, got "
                          f"{bad}")
+
+
+def _cast_weights_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+                     group_sizes: jax.Array, activation: str) -> jax.Array:
+    """gated_ragged_mlp computing in x's type with weights of any float type cast to it inside,
+    so that fp32 weights of bf16 products get their gradients in fp32 from the kernels (no
+    bf16 gradient converted after): the MoE layer's form for fp32 parameters."""
+    activation = _canonical(activation, GATED_ACTIVATIONS, _NAME)
+    _check(x, w_gate, w_up, w_down, group_sizes)
+    _ext.warn_if_unavailable()
+    return _gated_mlp(x, w_gate, w_up, w_down, jnp.asarray(group_sizes), activation, None)
 
 
 def gated_ragged_mlp(x: Any, w_gate: Any, w_up: Any, w_down: Any, group_sizes: Any,

@@ -575,9 +575,14 @@ def _step_fn(implementation="jax_tma", gated=True, **kw):
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4) if gated else (0, 1, 2, 3))
 
 
+CAST_INSIDE = pytest.mark.parametrize("cast_inside", [False, True],
+                                     ids=["cast_before", "cast_inside"])
+
+
 @needs_extension
+@CAST_INSIDE
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-def test_cuda_lowering_kernel_calls(gated):
+def test_cuda_lowering_kernel_calls(gated, cast_inside, monkeypatch):
     """Gated experts (gated_ragged_mlp): forward, the gated kernel (saving the
     pre-activations) and ragged_dot's down product; backward, the gated gradient kernel (dy @
     w_down^T with the gate's and the up's cotangents from its epilogue), the rows' gradient
@@ -585,6 +590,7 @@ def test_cuda_lowering_kernel_calls(gated):
     gradient call and 6 ragged_dot calls. Plain experts: the up and the down product, each
     one's weight and input gradient (the first's reaches x): 6 ragged_dot calls.
     implementation="xla": none of them."""
+    monkeypatch.setattr(moe_api, "_WEIGHTS_CAST_INSIDE", cast_inside)
     specs = [jax.ShapeDtypeStruct(s, F32) for s in
              ((512, 64), (64, 8), (8, 64, 128), (8, 128, 64), (8, 64, 128))]
     args = specs if gated else specs[:4]
@@ -598,7 +604,9 @@ def test_cuda_lowering_kernel_calls(gated):
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_step_runs_kernel(rng):
+@CAST_INSIDE
+def test_gpu_bf16_step_runs_kernel(cast_inside, rng, monkeypatch):
+    monkeypatch.setattr(moe_api, "_WEIGHTS_CAST_INSIDE", cast_inside)
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 2048, 256, 16, 512, top_k=2)
     args = tuple(jnp.asarray(a) for a in (x, router, w_up, w_down, w_gate))
     step = jax.jit(_step_fn())
@@ -637,6 +645,29 @@ def test_gpu_expert_parallel_matches_one_gpu(slices, rng, monkeypatch):
     assert abs(float(loss) - float(loss1)) <= 1e-3 * abs(float(loss1))
     for name, g, w in zip(("x", "router", "w_up", "w_down", "w_gate"), grads, grads1):
         assert rel_error(g, w) <= 1e-2, name
+
+
+@pytest.mark.parametrize("layout", ["one", "ep4"])
+def test_weights_cast_inside_match_cast_before(layout, rng, monkeypatch):
+    """_WEIGHTS_CAST_INSIDE (fp32 weights cast to bf16 inside the gated grouped MLP): the same
+    forward and input gradient bit for bit as the cast before it, and the weights' gradients
+    up to the bf16 rounding the cast before applies to them (2^-9 relative at most)."""
+    x, router, w_up, w_down, w_gate = _routable_operands(rng, 128, 64, 8, 128, top_k=2)
+    args = _host(x, router, w_up, w_down, w_gate)
+    kw = dict(expert_axis="ep", mesh=_cpu_mesh((4,), ("ep",))) if layout == "ep4" else {}
+    results = []
+    for inside in (False, True):
+        monkeypatch.setattr(moe_api, "_WEIGHTS_CAST_INSIDE", inside)
+        step = jax.jit(_step_fn(**kw))
+        results.append(step(*args))
+    (l0, g0), (l1, g1) = results
+    assert float(l1) == float(l0)
+    for name, a, b in zip(("x", "router", "w_up", "w_down", "w_gate"), g1, g0):
+        assert a.dtype == b.dtype == jnp.float32, name
+        tol = 0.0 if name in ("x", "router") else 4e-3
+        assert rel_error(a, b) <= tol, name
+        if name not in ("x", "router"):
+            assert rel_error(a, b) > 0, name  # the fp32 sums, not the bf16 ones
 
 
 # ---------------------------------------------------------------- FP8 experts
