@@ -164,24 +164,35 @@ def _product_fwd(lhs, rhs, sa, sb, gs, sa_block, sb_block, out_dtype, config):
     return out, (lhs, rhs, sa, sb, gs)
 
 
+def gradients(lhs, sa, sa_block: bool, w_kn, s_kn, sb_block: bool, gs, ct, *, rhs_kn: bool,
+              rhs_dtype) -> tuple[jax.Array, jax.Array]:
+    """The product's gradients as DeepSeek-V3 takes them (module docstring), given its weights
+    as [G, K, N] (`w_kn`, scales `s_kn` [G, Nb, Kb] or one; the layout whose N the rows'
+    gradient contracts): (dx [M, K] in FP8 against those blocks, dy quantised per 1 x 128, in
+    bf16; dW a bf16 grouped product of the dequantised rows and dy, [G, K, N] where `rhs_kn`
+    else [G, N, K], in `rhs_dtype`)."""
+    bf16 = jnp.bfloat16
+    # Sizes as the forward kernel read them (the bf16 product clamps alike on Hopper; lax, on
+    # other platforms, gives negative sizes no meaning).
+    gs = clamp_sizes(gs, lhs.shape[0])
+    dyq, dys = quantize_fp8(ct, (1, SCALE_BLOCK), w_kn.dtype)         # [M, N], [Nb, M]
+    d_lhs = _forward(dyq, w_kn, dys, s_kn, gs, True, sb_block, jnp.dtype(bf16), None)
+    x = dequantize_fp8(lhs, sa, (1, SCALE_BLOCK) if sa_block else None).astype(bf16)
+    dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
+                                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+    a, b = (x, ct.astype(bf16)) if rhs_kn else (ct.astype(bf16), x)
+    return d_lhs, ragged_dot_general(a, b, gs, dims, preferred_element_type=rhs_dtype)
+
+
 def _product_bwd(sa_block, sb_block, out_dtype, config, saved, ct):
     """dx in FP8 (dy quantised per 1 x 128, W's FP8 blocks transposed), dW in bf16 (module
     docstring)."""
     del out_dtype, config
     lhs, rhs, sa, sb, gs = saved
-    bf16 = jnp.bfloat16
-    m = lhs.shape[0]
-    # Sizes as the forward kernel read them (the bf16 product clamps alike on Hopper; lax, on
-    # other platforms, gives negative sizes no meaning).
-    gs = clamp_sizes(gs, m)
-    dyq, dys = quantize_fp8(ct, (1, SCALE_BLOCK), rhs.dtype)          # [M, N], [Nb, M]
     w_t = jnp.swapaxes(rhs, 1, 2)                                    # [G, K, N]
     s_t = jnp.swapaxes(sb, 1, 2) if sb_block else sb                 # [G, Nb, Kb]
-    d_lhs = _forward(dyq, w_t, dys, s_t, gs, True, sb_block, jnp.dtype(bf16), None)
-    x = dequantize_fp8(lhs, sa, (1, SCALE_BLOCK) if sa_block else None).astype(bf16)
-    dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
-                                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    d_rhs = ragged_dot_general(ct.astype(bf16), x, gs, dims, preferred_element_type=bf16)
+    d_lhs, d_rhs = gradients(lhs, sa, sa_block, w_t, s_t, sb_block, gs, ct, rhs_kn=False,
+                             rhs_dtype=jnp.bfloat16)
     cts = (d_lhs, d_rhs, jnp.zeros_like(sa), jnp.zeros_like(sb), None)
     return tuple(c if c is None else _aval.sum_to_varying(c, p) for c, p in zip(cts, saved))
 

@@ -91,10 +91,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_tma._core import aval as _aval
 from jax_tma._core.activations import ACTIVATIONS, GATED_ACTIVATIONS, activate
-from jax_tma.ops.fp8.quantize import dequantize_fp8, quantize_fp8
+from jax_tma.ops.fp8.quantize import quantize_fp8
 from jax_tma.ops.fp8.ragged import fp8_ragged_dot
-from jax_tma.ops.ragged.api import ragged_dot, ragged_dot_general
-from jax_tma.ops.ragged.config import clamp_sizes
+from jax_tma.ops.fp8.ragged import gradients as fp8_gradients
+from jax_tma.ops.ragged.api import ragged_dot
 from jax_tma.ops.ragged.gated_mlp import _cast_weights_mlp, gated_ragged_mlp
 
 ROUTERS = ("softmax_topk", "sigmoid_topk")
@@ -396,23 +396,17 @@ def _fp8_product_fwd(rows, ws, group_sizes, dtype):
 
 
 def _fp8_product_bwd(dtype, saved, ct):
-    """As fp8_ragged_dot's backward (the rows' gradient in FP8 against the weights' e4m3
-    blocks, the weights' a bf16 product of the rows' FP8 values), with the weights' gradients
-    in their own [E, K, N_i] layout: no transposes of the weights or their gradients."""
+    """fp8_ragged_dot's gradients (fp8.ragged.gradients: the rows' in FP8 against the weights'
+    e4m3 blocks, the weights' a bf16 product of the rows' FP8 values), with the weights'
+    gradients in their own [E, K, N_i] layout: no transposes of the weights or their
+    gradients."""
     del dtype
     xq, xs, wq, wsc, group_sizes, refs = saved
-    bf16 = jnp.bfloat16
-    dyq, dys = quantize_fp8(ct, (1, 128))
-    d_rows = fp8_ragged_dot(dyq, wq, dys, wsc, group_sizes, preferred_element_type=bf16)
-    x = dequantize_fp8(xq, xs, (1, 128)).astype(bf16)
-    dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
-                                         lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    gs = clamp_sizes(group_sizes, xq.shape[0])
     # fp32 weights (the usual parameters) take the kernel's fp32 sums as they are: no bf16
     # gradient to convert in another pass.
     wide = any(r.dtype == _F32 for r in refs[1:])
-    d_w = ragged_dot_general(x, ct.astype(bf16), gs, dims,
-                             preferred_element_type=_F32 if wide else bf16)
+    d_rows, d_w = fp8_gradients(xq, xs, True, wq, wsc, True, group_sizes, ct, rhs_kn=True,
+                                rhs_dtype=_F32 if wide else jnp.bfloat16)
     d_ws, start = [], 0
     for ref in refs[1:]:
         width = ref.shape[-1]
