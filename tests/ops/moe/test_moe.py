@@ -575,14 +575,16 @@ def _step_fn(implementation="jax_tma", gated=True, **kw):
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4) if gated else (0, 1, 2, 3))
 
 
-CAST_INSIDE = pytest.mark.parametrize("cast_inside", [False, True],
-                                     ids=["cast_before", "cast_inside"])
+@pytest.fixture(params=[False, True], ids=["cast_before", "cast_inside"])
+def cast_inside(request, monkeypatch):
+    """Each value of the staged _WEIGHTS_CAST_INSIDE, set for the test."""
+    monkeypatch.setattr(moe_api, "_WEIGHTS_CAST_INSIDE", request.param)
+    return request.param
 
 
 @needs_extension
-@CAST_INSIDE
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-def test_cuda_lowering_kernel_calls(gated, cast_inside, monkeypatch):
+def test_cuda_lowering_kernel_calls(gated, cast_inside):
     """Gated experts (gated_ragged_mlp): forward, the gated kernel (saving the
     pre-activations) and ragged_dot's down product; backward, the gated gradient kernel (dy @
     w_down^T with the gate's and the up's cotangents from its epilogue), the rows' gradient
@@ -590,7 +592,6 @@ def test_cuda_lowering_kernel_calls(gated, cast_inside, monkeypatch):
     gradient call and 6 ragged_dot calls. Plain experts: the up and the down product, each
     one's weight and input gradient (the first's reaches x): 6 ragged_dot calls.
     implementation="xla": none of them."""
-    monkeypatch.setattr(moe_api, "_WEIGHTS_CAST_INSIDE", cast_inside)
     specs = [jax.ShapeDtypeStruct(s, F32) for s in
              ((512, 64), (64, 8), (8, 64, 128), (8, 128, 64), (8, 64, 128))]
     args = specs if gated else specs[:4]
@@ -604,9 +605,7 @@ def test_cuda_lowering_kernel_calls(gated, cast_inside, monkeypatch):
 
 
 @pytest.mark.gpu
-@CAST_INSIDE
-def test_gpu_bf16_step_runs_kernel(cast_inside, rng, monkeypatch):
-    monkeypatch.setattr(moe_api, "_WEIGHTS_CAST_INSIDE", cast_inside)
+def test_gpu_bf16_step_runs_kernel(cast_inside, rng):
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 2048, 256, 16, 512, top_k=2)
     args = tuple(jnp.asarray(a) for a in (x, router, w_up, w_down, w_gate))
     step = jax.jit(_step_fn())
@@ -680,13 +679,15 @@ FP8_TOL = 0.1
 EP_FP8_TOL = 3e-3
 
 
-NATURAL = pytest.mark.parametrize("natural", [False, True], ids=["transposed", "natural"])
+@pytest.fixture(params=[False, True], ids=["transposed", "natural"])
+def natural(request, monkeypatch):
+    """Each value of the staged _FP8_NATURAL_WEIGHTS, set for the test."""
+    monkeypatch.setattr(moe_api, "_FP8_NATURAL_WEIGHTS", request.param)
+    return request.param
 
 
-@NATURAL
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-def test_fp8_experts_match_float64(gated, natural, rng, monkeypatch):
-    monkeypatch.setattr(moe_api, "_FP8_NATURAL_WEIGHTS", natural)
+def test_fp8_experts_match_float64(gated, natural, rng):
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 160, 256, 8, 192, top_k=2)
     w_gate = w_gate if gated else None
     act = "silu" if gated else "gelu"
@@ -705,12 +706,10 @@ def test_fp8_experts_match_float64(gated, natural, rng, monkeypatch):
     assert rel_error(fp8_y, f32_y) > 1e-2
 
 
-@NATURAL
 @pytest.mark.parametrize("gated,hidden", [(True, 128), (True, 192), (False, 128)],
                          ids=["gated", "gated-straddle", "plain"])
-def test_fp8_gradients_match_dense_form(gated, hidden, natural, rng, monkeypatch):
+def test_fp8_gradients_match_dense_form(gated, hidden, natural, rng):
     """hidden 192: a 128-column block of the gate and up weights side by side spans both."""
-    monkeypatch.setattr(moe_api, "_FP8_NATURAL_WEIGHTS", natural)
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 128, 256, 8, hidden, top_k=2)
     w_gate = w_gate if gated else None
     act = "silu" if gated else "gelu"
@@ -757,9 +756,7 @@ def test_fp8_natural_weights_match_transposed(hidden, rng, monkeypatch):
         assert rel_error(a, b) <= tol, name
 
 
-@NATURAL
-def test_fp8_expert_parallel_matches_one_device(natural, rng, monkeypatch):
-    monkeypatch.setattr(moe_api, "_FP8_NATURAL_WEIGHTS", natural)
+def test_fp8_expert_parallel_matches_one_device(natural, rng):
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 128, 256, 8, 128, top_k=2)
     kw = dict(top_k=2, dtype=jnp.float32, implementation="jax_tma_fp8")
     # One CPU device against the CPU mesh: the same XLA products on either side (on a GPU the
@@ -792,13 +789,11 @@ def test_fp8_expert_parallel_matches_one_device(natural, rng, monkeypatch):
 
 
 @needs_extension
-@NATURAL
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-def test_fp8_cuda_lowering_kernel_calls(gated, natural, monkeypatch):
+def test_fp8_cuda_lowering_kernel_calls(gated, natural):
     """FP8 experts: forward, the up (gated: gate and up together) and the down product on the
     FP8 grouped kernel; backward, each one's input gradient on it too and each one's weight
     gradient on the bf16 grouped kernel: 4 FP8 calls and 2 ragged_dot calls."""
-    monkeypatch.setattr(moe_api, "_FP8_NATURAL_WEIGHTS", natural)
     specs = [jax.ShapeDtypeStruct(s, F32) for s in
              ((512, 256), (256, 8), (8, 256, 128), (8, 128, 256), (8, 256, 128))]
     hlo = cuda_hlo(_step_fn("jax_tma_fp8", gated), *(specs if gated else specs[:4]))
@@ -808,9 +803,7 @@ def test_fp8_cuda_lowering_kernel_calls(gated, natural, monkeypatch):
 
 
 @pytest.mark.gpu
-@NATURAL
-def test_gpu_fp8_step_runs_kernel(natural, rng, monkeypatch):
-    monkeypatch.setattr(moe_api, "_FP8_NATURAL_WEIGHTS", natural)
+def test_gpu_fp8_step_runs_kernel(natural, rng):
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 2048, 256, 16, 512, top_k=2)
     args = tuple(jnp.asarray(a) for a in (x, router, w_up, w_down, w_gate))
     step = jax.jit(_step_fn("jax_tma_fp8"))
