@@ -19,7 +19,9 @@ product). Differentiated, the gated kernel also saves the two pre-activations, a
 product dy @ w_down^T writes the gate's and the up's cotangents from its epilogue (the gated
 gradient kernel): a bf16 training step of gated experts is the gated call, the gated gradient
 call and 6 ragged_dot calls (forward: the down product; backward: the rows' gradient against
-w_gate and w_up and the three weight gradients), of plain experts 6 ragged_dot calls.
+w_gate and w_up and the three weight gradients), of plain experts 6 ragged_dot calls. Gated
+experts' weights are cast to the compute type inside that call, so that fp32 parameters take
+their gradients from the kernels' fp32 sums.
 The results are gathered back into token order and mixed by the weights in fp32:
 y [..., d] = sum over a token's choices of weight * expert output, in the compute type. No
 residual is added.
@@ -61,14 +63,17 @@ drops the result equals the one-device layer's up to summation order; the statis
 global ones. Other mesh axes are left to the compiler.
 
 ``implementation="jax_tma_fp8"`` runs every expert product in FP8, DeepSeek-V3's recipe, on
-``jax_tma.fp8_ragged_dot``: the rows quantised per row and 128 columns (e4m3, one XLA fusion
-each) and every expert's weights per 128 x 128 block, read K-major (``quantize_fp8`` of the
-transposed weights, each step: the weights stay in their own type); the gated half as one
-product of the concatenated [E, 2F, d] weights (where F is not a multiple of 128, one block of
-128 rows holds gate and up rows and shares their scale) and the elementwise combination in fp32. Its
-gradients are fp8_ragged_dot's (the rows' in FP8, the weights' in bf16) straight through the
-quantisation. Results differ from the bf16 layer's by FP8's rounding (about 3 % relative per
-product with e4m3's 3 mantissa bits, at random data).
+``jax_tma.fp8_ragged_dot``'s kernel: the rows quantised per row and 128 columns (e4m3, one XLA
+fusion each) and every expert's weights per 128 x 128 block in their own [E, K, N] layout
+(``quantize_fp8`` each step: the weights stay in their own type), of which only the e4m3 values
+are transposed for the kernel; the gated half as one product of the gate and up weights side by
+side (where F is not a multiple of 128 they are concatenated first, and one block holds gate and
+up columns and shares their scale), then the elementwise combination in fp32. Its gradients are
+``fp8_ragged_dot``'s (the rows' in FP8 against the weights' e4m3 blocks, the weights' a bf16
+product of the rows' FP8 values) straight through the quantisation, the weights' made in their
+own layout and type (fp32 weights take the kernel's fp32 sums). Results differ from the bf16
+layer's by FP8's rounding (about 3 % relative per product with e4m3's 3 mantissa bits, at random
+data).
 
 ``implementation="xla"`` runs the same layer with ``lax.ragged_dot`` (for comparisons; the gated
 half as one product of the concatenated weights [E, d, 2F] and the elementwise combination).
@@ -95,7 +100,7 @@ from jax_tma.ops.fp8.quantize import quantize_fp8
 from jax_tma.ops.fp8.ragged import fp8_ragged_dot
 from jax_tma.ops.fp8.ragged import gradients as fp8_gradients
 from jax_tma.ops.ragged.api import ragged_dot
-from jax_tma.ops.ragged.gated_mlp import _cast_weights_mlp, gated_ragged_mlp
+from jax_tma.ops.ragged.gated_mlp import _cast_weights_mlp
 
 ROUTERS = ("softmax_topk", "sigmoid_topk")
 IMPLEMENTATIONS = ("jax_tma", "jax_tma_fp8", "xla")
@@ -419,42 +424,17 @@ def _fp8_product_bwd(dtype, saved, ct):
 _fp8_product.defvjp(_fp8_product_fwd, _fp8_product_bwd)
 
 
-def _fp8_product_transposed(rows: jax.Array, ws: tuple, group_sizes: jax.Array, dtype):
-    """The same product through fp8_ragged_dot's own backward: the weights concatenated and
-    transposed in their own type, then quantised; their gradients transposed back."""
-    w = ws[0] if len(ws) == 1 else jnp.concatenate(ws, axis=-1)
-    xq, xs = quantize_fp8(rows, (1, 128))
-    wq, wsc = quantize_fp8(jnp.swapaxes(w, 1, 2), (128, 128))
-    return fp8_ragged_dot(xq, wq, xs, wsc, group_sizes, preferred_element_type=dtype)
-
-
-# _fp8_product (the weights quantised in their own layout, their gradients made in it) in place
-# of _fp8_product_transposed, whose concatenation and transposes of the weights (in their type)
-# and of their gradients are XLA copies the bf16 layer does not make (docs/notebook/
-# 2026-11-30-gather-backward.md). Off until the two are timed in one run on a GPU; the module
-# docstring's FP8 paragraph describes the transposed form.
-_FP8_NATURAL_WEIGHTS = False
-
-
 def _fp8_experts(rows: jax.Array, group_sizes: jax.Array, weights, o: _Options) -> jax.Array:
     _, w_gate, w_up, w_down = weights
-    product = _fp8_product if _FP8_NATURAL_WEIGHTS else _fp8_product_transposed
     if w_gate is None:
-        h = product(rows, (w_up,), group_sizes, o.dtype)
+        h = _fp8_product(rows, (w_up,), group_sizes, o.dtype)
         h = activate(o.activation, h.astype(_F32)).astype(o.dtype)
     else:
         hidden = w_up.shape[-1]
-        gu = product(rows, (w_gate, w_up), group_sizes, o.dtype)
+        gu = _fp8_product(rows, (w_gate, w_up), group_sizes, o.dtype)
         gate = activate(o.activation, gu[:, :hidden].astype(_F32))
         h = (gate * gu[:, hidden:].astype(_F32)).astype(o.dtype)
-    return product(h, (w_down,), group_sizes, o.dtype)
-
-
-# Gated experts' weights cast to the compute type inside the grouped MLP (_cast_weights_mlp) in
-# place of before it: fp32 parameters then get their gradients in fp32 from the weight-gradient
-# kernels, where the cast's transpose converts the kernels' bf16 gradients in another pass (an
-# XLA convert the size of the weights in fp32, each step). Off until timed on a GPU.
-_WEIGHTS_CAST_INSIDE = False
+    return _fp8_product(h, (w_down,), group_sizes, o.dtype)
 
 
 def _experts(rows: jax.Array, group_sizes: jax.Array, weights, o: _Options) -> jax.Array:
@@ -469,12 +449,12 @@ def _experts(rows: jax.Array, group_sizes: jax.Array, weights, o: _Options) -> j
         h = dot(rows, jnp.asarray(w_up, dtype), group_sizes)
         h = activate(o.activation, h.astype(_F32)).astype(dtype)
     elif kernels:
-        # o.activation is already canonical ("gelu" -> "gelu_tanh"), a name both take alike.
-        if _WEIGHTS_CAST_INSIDE:
-            return _cast_weights_mlp(rows, jnp.asarray(w_gate), jnp.asarray(w_up),
-                                     jnp.asarray(w_down), group_sizes, o.activation)
-        return gated_ragged_mlp(rows, jnp.asarray(w_gate, dtype), jnp.asarray(w_up, dtype),
-                                jnp.asarray(w_down, dtype), group_sizes, o.activation)
+        # The weights are cast to the compute type inside the grouped MLP, so that fp32
+        # parameters get their gradients from the kernels' fp32 sums: a cast before it would
+        # convert bf16 gradients in another pass the size of the weights, each step.
+        # (o.activation is already canonical: "gelu" -> "gelu_tanh".)
+        return _cast_weights_mlp(rows, jnp.asarray(w_gate), jnp.asarray(w_up),
+                                 jnp.asarray(w_down), group_sizes, o.activation)
     else:
         # One lax.ragged_dot of the concatenated weights [E, d, 2F] (one read of the rows; the
         # concatenation fuses into the cast to the compute type), rounded as the kernel rounds.

@@ -575,16 +575,9 @@ def _step_fn(implementation="jax_tma", gated=True, **kw):
     return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4) if gated else (0, 1, 2, 3))
 
 
-@pytest.fixture(params=[False, True], ids=["cast_before", "cast_inside"])
-def cast_inside(request, monkeypatch):
-    """Each value of the staged _WEIGHTS_CAST_INSIDE, set for the test."""
-    monkeypatch.setattr(moe_api, "_WEIGHTS_CAST_INSIDE", request.param)
-    return request.param
-
-
 @needs_extension
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-def test_cuda_lowering_kernel_calls(gated, cast_inside):
+def test_cuda_lowering_kernel_calls(gated):
     """Gated experts (gated_ragged_mlp): forward, the gated kernel (saving the
     pre-activations) and ragged_dot's down product; backward, the gated gradient kernel (dy @
     w_down^T with the gate's and the up's cotangents from its epilogue), the rows' gradient
@@ -605,7 +598,7 @@ def test_cuda_lowering_kernel_calls(gated, cast_inside):
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_step_runs_kernel(cast_inside, rng):
+def test_gpu_bf16_step_runs_kernel(rng):
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 2048, 256, 16, 512, top_k=2)
     args = tuple(jnp.asarray(a) for a in (x, router, w_up, w_down, w_gate))
     step = jax.jit(_step_fn())
@@ -647,26 +640,25 @@ def test_gpu_expert_parallel_matches_one_gpu(slices, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("layout", ["one", "ep4"])
-def test_weights_cast_inside_match_cast_before(layout, rng, monkeypatch):
-    """_WEIGHTS_CAST_INSIDE (fp32 weights cast to bf16 inside the gated grouped MLP): the same
-    forward and input gradient bit for bit as the cast before it, and the weights' gradients
-    up to the bf16 rounding the cast before applies to them (2^-9 relative at most)."""
+def test_fp32_weights_take_fp32_gradients(layout, rng):
+    """fp32 weights of a bf16 layer are cast inside the gated grouped MLP: the same forward and
+    input gradient bit for bit as the same weights cast to bf16 by the caller, and fp32 weight
+    gradients within bf16's rounding of the bf16 weights' (2^-9 relative at most) but not
+    equal to them (the kernels' fp32 sums, not rounded to bf16)."""
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 128, 64, 8, 128, top_k=2)
     args = _host(x, router, w_up, w_down, w_gate)
+    cast = args[:2] + tuple(w.astype(jnp.bfloat16) for w in args[2:])
     kw = dict(expert_axis="ep", mesh=_cpu_mesh((4,), ("ep",))) if layout == "ep4" else {}
-    results = []
-    for inside in (False, True):
-        monkeypatch.setattr(moe_api, "_WEIGHTS_CAST_INSIDE", inside)
-        step = jax.jit(_step_fn(**kw))
-        results.append(step(*args))
-    (l0, g0), (l1, g1) = results
+    step = jax.jit(_step_fn(**kw))
+    (l0, g0), (l1, g1) = step(*cast), step(*args)
     assert float(l1) == float(l0)
     for name, a, b in zip(("x", "router", "w_up", "w_down", "w_gate"), g1, g0):
-        assert a.dtype == b.dtype == jnp.float32, name
-        tol = 0.0 if name in ("x", "router") else 4e-3
-        assert rel_error(a, b) <= tol, name
-        if name not in ("x", "router"):
-            assert rel_error(a, b) > 0, name  # the fp32 sums, not the bf16 ones
+        assert a.dtype == jnp.float32, name
+        if name in ("x", "router"):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+        else:
+            assert b.dtype == jnp.bfloat16, name
+            assert 0 < rel_error(a, b.astype(jnp.float32)) <= 4e-3, name
 
 
 # ---------------------------------------------------------------- FP8 experts
@@ -679,15 +671,8 @@ FP8_TOL = 0.1
 EP_FP8_TOL = 3e-3
 
 
-@pytest.fixture(params=[False, True], ids=["transposed", "natural"])
-def natural(request, monkeypatch):
-    """Each value of the staged _FP8_NATURAL_WEIGHTS, set for the test."""
-    monkeypatch.setattr(moe_api, "_FP8_NATURAL_WEIGHTS", request.param)
-    return request.param
-
-
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-def test_fp8_experts_match_float64(gated, natural, rng):
+def test_fp8_experts_match_float64(gated, rng):
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 160, 256, 8, 192, top_k=2)
     w_gate = w_gate if gated else None
     act = "silu" if gated else "gelu"
@@ -708,7 +693,7 @@ def test_fp8_experts_match_float64(gated, natural, rng):
 
 @pytest.mark.parametrize("gated,hidden", [(True, 128), (True, 192), (False, 128)],
                          ids=["gated", "gated-straddle", "plain"])
-def test_fp8_gradients_match_dense_form(gated, hidden, natural, rng):
+def test_fp8_gradients_match_dense_form(gated, hidden, rng):
     """hidden 192: a 128-column block of the gate and up weights side by side spans both."""
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 128, 256, 8, hidden, top_k=2)
     w_gate = w_gate if gated else None
@@ -734,29 +719,41 @@ def test_fp8_gradients_match_dense_form(gated, hidden, natural, rng):
 
 
 @pytest.mark.parametrize("hidden", [128, 192])
-def test_fp8_natural_weights_match_transposed(hidden, rng, monkeypatch):
-    """_fp8_product (the weights quantised in their own layout) against the transposed form:
-    the same e4m3 blocks and scales, so the same forward and rows' gradients bit for bit, and
-    the weights' gradients up to their rounding."""
-    x, router, w_up, w_down, w_gate = _routable_operands(rng, 128, 256, 8, hidden, top_k=2)
-    ct = rng.standard_normal(x.shape).astype(F32)
-    kw = dict(top_k=2, dtype=jnp.float32, implementation="jax_tma_fp8")
+def test_fp8_product_matches_fp8_ragged_dot(hidden, rng):
+    """The layer's FP8 product (the weights quantised in their own [E, K, N] layout, side by
+    side) against fp8_ragged_dot of the same rows and the concatenated weights quantised
+    K-major: the same e4m3 blocks and scales, so the same forward and rows' gradient bit for
+    bit, and the weights' gradients up to the bf16 rounding fp8_ragged_dot's give them (the
+    layer's keep the fp32 sums for fp32 weights). hidden 192: a block spans gate and up."""
+    g, d = 8, 256
+    rows = jnp.asarray(rng.standard_normal((160, d)).astype(F32))
+    ws = tuple(jnp.asarray(rng.standard_normal((g, d, hidden)).astype(F32) / 16)
+               for _ in range(2))
+    sizes = jnp.asarray([30, 0, 1, 50, 7, 40, 12, 20], jnp.int32)  # 160 rows, an empty group
+    ct = jnp.asarray(rng.standard_normal((160, 2 * hidden)).astype(F32))
+
+    def ours(rows, w0, w1):
+        return moe_api._fp8_product(rows, (w0, w1), sizes, jnp.float32)
+
+    def public(rows, w0, w1):
+        xq, xs = jax_tma.quantize_fp8(rows, (1, 128))
+        wq, wsc = jax_tma.quantize_fp8(jnp.swapaxes(jnp.concatenate([w0, w1], -1), 1, 2),
+                                       (128, 128))
+        return jax_tma.fp8_ragged_dot(xq, wq, xs, wsc, sizes, preferred_element_type=F32)
+
     results = []
-    for natural in (False, True):
-        monkeypatch.setattr(moe_api, "_FP8_NATURAL_WEIGHTS", natural)
-        f = jax.jit(lambda *a: jax_tma.moe_mlp(*a, **kw)[0])
-        g = jax.jit(jax.grad(lambda *a: jnp.sum(jax_tma.moe_mlp(*a, **kw)[0] * ct), range(5)))
-        results.append((f(x, router, w_up, w_down, w_gate), g(x, router, w_up, w_down, w_gate)))
-    (y0, g0), (y1, g1) = results
+    for f in (ours, public):
+        y, vjp = jax.vjp(jax.jit(f), rows, *ws)
+        results.append((y, vjp(ct)))
+    (y1, g1), (y0, g0) = results
     np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
-    # The weights' gradients: the natural form keeps the product's fp32 sums for fp32 weights,
-    # the transposed form rounds them to bf16 first (2^-9 relative at most).
-    for name, a, b, tol in zip(("x", "router", "w_up", "w_down", "w_gate"), g1, g0,
-                               (1e-5, 1e-5, 4e-3, 4e-3, 4e-3)):
-        assert rel_error(a, b) <= tol, name
+    assert rel_error(g1[0], g0[0]) <= 1e-5
+    for a, b in zip(g1[1:], g0[1:]):
+        assert a.dtype == b.dtype == jnp.float32
+        assert rel_error(a, b) <= 4e-3
 
 
-def test_fp8_expert_parallel_matches_one_device(natural, rng):
+def test_fp8_expert_parallel_matches_one_device(rng):
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 128, 256, 8, 128, top_k=2)
     kw = dict(top_k=2, dtype=jnp.float32, implementation="jax_tma_fp8")
     # One CPU device against the CPU mesh: the same XLA products on either side (on a GPU the
@@ -790,7 +787,7 @@ def test_fp8_expert_parallel_matches_one_device(natural, rng):
 
 @needs_extension
 @pytest.mark.parametrize("gated", [True, False], ids=["gated", "plain"])
-def test_fp8_cuda_lowering_kernel_calls(gated, natural):
+def test_fp8_cuda_lowering_kernel_calls(gated):
     """FP8 experts: forward, the up (gated: gate and up together) and the down product on the
     FP8 grouped kernel; backward, each one's input gradient on it too and each one's weight
     gradient on the bf16 grouped kernel: 4 FP8 calls and 2 ragged_dot calls."""
@@ -803,7 +800,7 @@ def test_fp8_cuda_lowering_kernel_calls(gated, natural):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_step_runs_kernel(natural, rng):
+def test_gpu_fp8_step_runs_kernel(rng):
     x, router, w_up, w_down, w_gate = _routable_operands(rng, 2048, 256, 16, 512, top_k=2)
     args = tuple(jnp.asarray(a) for a in (x, router, w_up, w_down, w_gate))
     step = jax.jit(_step_fn("jax_tma_fp8"))
