@@ -102,8 +102,8 @@ def expected_kernel_calls(fp8: bool = False) -> int:
     projection's, the down projection's input gradient (the gated gradient call: the gate's and
     the up's cotangents from its epilogue), and the weight gradients of w_gate, w_up and
     w_down. FP8: the gate-and-up and the down product, the down product's input gradient and
-    the two products' weight gradients."""
-    return 5 if fp8 else 6
+    the three weight gradients."""
+    return 6
 
 
 def kernel_calls(fn: Callable, *args) -> int:

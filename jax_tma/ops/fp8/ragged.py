@@ -165,12 +165,14 @@ def _product_fwd(lhs, rhs, sa, sb, gs, sa_block, sb_block, out_dtype, config):
 
 
 def gradients(lhs, sa, sa_block: bool, w_kn, s_kn, sb_block: bool, gs, ct, *, rhs_kn: bool,
-              rhs_dtype) -> tuple[jax.Array, jax.Array]:
+              rhs_dtype, rhs_widths: tuple[int, ...] | None = None):
     """The product's gradients as DeepSeek-V3 takes them (module docstring), given its weights
     as [G, K, N] (`w_kn`, scales `s_kn` [G, Nb, Kb] or one; the layout whose N the rows'
     gradient contracts): (dx [M, K] in FP8 against those blocks, dy quantised per 1 x 128, in
     bf16; dW a bf16 grouped product of the dequantised rows and dy, [G, K, N] where `rhs_kn`
-    else [G, N, K], in `rhs_dtype`)."""
+    else [G, N, K], in `rhs_dtype`). With `rhs_widths` (rhs_kn only: weights stored side by
+    side along N), dW is a tuple of [G, K, N_i], one grouped product each over its columns of
+    dy (a copy of dy's columns, not of the larger dW)."""
     bf16 = jnp.bfloat16
     # Sizes as the forward kernel read them (the bf16 product clamps alike on Hopper; lax, on
     # other platforms, gives negative sizes no meaning).
@@ -180,8 +182,17 @@ def gradients(lhs, sa, sa_block: bool, w_kn, s_kn, sb_block: bool, gs, ct, *, rh
     x = dequantize_fp8(lhs, sa, (1, SCALE_BLOCK) if sa_block else None).astype(bf16)
     dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])),
                                          lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
-    a, b = (x, ct.astype(bf16)) if rhs_kn else (ct.astype(bf16), x)
-    return d_lhs, ragged_dot_general(a, b, gs, dims, preferred_element_type=rhs_dtype)
+
+    def d_rhs(dy):
+        a, b = (x, dy) if rhs_kn else (dy, x)
+        return ragged_dot_general(a, b, gs, dims, preferred_element_type=rhs_dtype)
+
+    dy = ct.astype(bf16)
+    if rhs_widths is None:
+        return d_lhs, d_rhs(dy)
+    assert rhs_kn and sum(rhs_widths) == dy.shape[1], (rhs_widths, dy.shape)
+    starts = [sum(rhs_widths[:i]) for i in range(len(rhs_widths))]
+    return d_lhs, tuple(d_rhs(dy[:, s:s + w]) for s, w in zip(starts, rhs_widths))
 
 
 def _product_bwd(sa_block, sb_block, out_dtype, config, saved, ct):

@@ -70,8 +70,8 @@ are transposed for the kernel; the gated half as one product of the gate and up 
 side (where F is not a multiple of 128 they are concatenated first, and one block holds gate and
 up columns and shares their scale), then the elementwise combination in fp32. Its gradients are
 ``fp8_ragged_dot``'s (the rows' in FP8 against the weights' e4m3 blocks, the weights' a bf16
-product of the rows' FP8 values) straight through the quantisation, the weights' made in their
-own layout and type (fp32 weights take the kernel's fp32 sums). Results differ from the bf16
+product of the rows' FP8 values, one per weight) straight through the quantisation, the
+weights' made in their own layout and type (fp32 weights take the kernel's fp32 sums). Results differ from the bf16
 layer's by FP8's rounding (about 3 % relative per product with e4m3's 3 mantissa bits, at random
 data).
 
@@ -410,13 +410,12 @@ def _fp8_product_bwd(dtype, saved, ct):
     # fp32 weights (the usual parameters) take the kernel's fp32 sums as they are: no bf16
     # gradient to convert in another pass.
     wide = any(r.dtype == _F32 for r in refs[1:])
+    # One weight-gradient product per weight: no slicing of a concatenated [E, K, N] gradient
+    # (a copy the size of the weights in fp32).
     d_rows, d_w = fp8_gradients(xq, xs, True, wq, wsc, True, group_sizes, ct, rhs_kn=True,
-                                rhs_dtype=_F32 if wide else jnp.bfloat16)
-    d_ws, start = [], 0
-    for ref in refs[1:]:
-        width = ref.shape[-1]
-        d_ws.append(_aval.sum_to_varying(d_w[..., start:start + width].astype(ref.dtype), ref))
-        start += width
+                                rhs_dtype=_F32 if wide else jnp.bfloat16,
+                                rhs_widths=tuple(r.shape[-1] for r in refs[1:]))
+    d_ws = [_aval.sum_to_varying(g.astype(r.dtype), r) for g, r in zip(d_w, refs[1:])]
     d_rows = _aval.sum_to_varying(d_rows.astype(refs[0].dtype), refs[0])
     return d_rows, tuple(d_ws), None
 
