@@ -5,6 +5,7 @@
 #include "ffi/dense.h"
 #include "ffi/device_info.h"
 #include "ffi/fp8.h"
+#include "ffi/fp8_quantize.h"
 #include "ffi/gemm.h"
 #include "ffi/nb_module.h"
 #include "ffi/ragged_dot.h"
@@ -26,6 +27,7 @@ NB_MODULE(_jax_tma, m) {
         handler_capsule(jax_tma::ffi_handlers::GatedRaggedGradSm90);
     targets["jax_tma_fp8_ragged_dot_sm90"] =
         handler_capsule(jax_tma::ffi_handlers::Fp8RaggedDotSm90);
+    targets["jax_tma_fp8_quantize_sm90"] = handler_capsule(jax_tma::ffi_handlers::Fp8QuantizeSm90);
     return targets;
   });
   // Device facts for the configuration heuristic (jax_tma.ops.gemm.config), by CUDA ordinal:

@@ -5,6 +5,7 @@
 // the copy benchmark. A wheel for users is built without it (JAX_TMA_BUILD_TESTING=OFF).
 #include "ffi/dense.h"
 #include "ffi/fp8.h"
+#include "ffi/fp8_quantize.h"
 #include "ffi/gemm.h"
 #include "ffi/nb_module.h"
 #include "ffi/ragged_dot.h"
@@ -27,6 +28,7 @@ NB_MODULE(_jax_tma_testing, m) {
     targets["jax_tma_gated_ragged_dot_sm90_into"] = handler_capsule(h::GatedRaggedDotSm90Into);
     targets["jax_tma_gated_ragged_grad_sm90_into"] = handler_capsule(h::GatedRaggedGradSm90Into);
     targets["jax_tma_fp8_ragged_dot_sm90_into"] = handler_capsule(h::Fp8RaggedDotSm90Into);
+    targets["jax_tma_fp8_quantize_sm90_into"] = handler_capsule(h::Fp8QuantizeSm90Into);
     // The primitive test kernels.
     targets["jax_tma_test_tma_round_trip"] = handler_capsule(h::TestTmaRoundTrip);
     targets["jax_tma_test_tma_reduce_add"] = handler_capsule(h::TestTmaReduceAdd);

@@ -45,8 +45,8 @@ def _pad_to(x, axis: int, multiple: int):
     return jnp.pad(x, widths)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
-def _quantize(x, block, dtype):
+def _quantize_values(x, block, dtype):
+    """(values, scales) of x for `block` (quantize_fp8's XLA form)."""
     x32 = x.astype(jnp.float32)
     limit = _fp8_max(dtype)
     rows, cols = x.shape[-2:] if x.ndim >= 2 else (1, x.shape[-1] if x.ndim else 1)
@@ -76,6 +76,11 @@ def _quantize(x, block, dtype):
         scale = jnp.swapaxes(s, -1, -2)                                   # [.., Cb, Rb]
     values = jnp.clip(scaled, -limit, limit).astype(dtype)
     return values, scale
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def _quantize(x, block, dtype):
+    return _quantize_values(x, block, dtype)
 
 
 def _quantize_fwd(x, block, dtype):

@@ -64,11 +64,13 @@ global ones. Other mesh axes are left to the compiler.
 
 ``implementation="jax_tma_fp8"`` runs every expert product in FP8, DeepSeek-V3's recipe, on
 ``jax_tma.fp8_ragged_dot``'s kernel: the rows quantised per row and 128 columns (e4m3, one XLA
-fusion each) and every expert's weights per 128 x 128 block in their own [E, K, N] layout
-(``quantize_fp8`` each step: the weights stay in their own type), of which only the e4m3 values
-are transposed for the kernel; the gated half as one product of the gate and up weights side by
-side (where F is not a multiple of 128 they are concatenated first, and one block holds gate and
-up columns and shares their scale), then the elementwise combination in fp32. Its gradients are
+fusion each) and every expert's weights per 128 x 128 block, each step (the weights stay in
+their own type), by a one-pass quantiser on Hopper that reads each weight once and writes its
+e4m3 values in its own [E, K, N] layout (for the gradients) and K-major (for the forward
+kernel) with the scales, bit for bit ``quantize_fp8``'s; the gated half as one product of the
+gate and up weights side by side (where F is not a multiple of 128 they are concatenated first,
+and one block holds gate and up columns and shares their scale), then the elementwise
+combination in fp32. Its gradients are
 ``fp8_ragged_dot``'s (the rows' in FP8 against the weights' e4m3 blocks, the weights' a bf16
 product of the rows' FP8 values, one per weight) straight through the quantisation, the
 weights' made in their own layout and type (fp32 weights take the kernel's fp32 sums). Results differ from the bf16
@@ -97,6 +99,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_tma._core import aval as _aval
 from jax_tma._core.activations import ACTIVATIONS, GATED_ACTIVATIONS, activate
 from jax_tma.ops.fp8.quantize import quantize_fp8
+from jax_tma.ops.fp8.quantize_primitive import quantize_blocks
 from jax_tma.ops.fp8.ragged import fp8_ragged_dot
 from jax_tma.ops.fp8.ragged import gradients as fp8_gradients
 from jax_tma.ops.ragged.api import ragged_dot
@@ -370,31 +373,25 @@ def _pairs(r: _Routing) -> tuple[jax.Array, jax.Array]:
 
 
 # --- Experts ------------------------------------------------------------------------------------
-def _fp8_weights(ws: tuple) -> tuple[jax.Array, jax.Array]:
-    """The weights [E, K, N_i] side by side along N as e4m3 [E, K, N] per 128 x 128 block, and
-    their scales [E, ceil(N / 128), ceil(K / 128)]: each quantised in its own layout (no
-    concatenation or transpose in the weights' type), unless an N_i is not a multiple of 128 (a
-    block then spans two of them)."""
-    if len(ws) > 1 and any(w.shape[-1] % 128 for w in ws):
-        ws = (jnp.concatenate(ws, axis=-1),)
-    parts = [quantize_fp8(w, (128, 128)) for w in ws]
-    if len(parts) == 1:
-        return parts[0]
-    return (jnp.concatenate([v for v, _ in parts], axis=-1),
-            jnp.concatenate([s for _, s in parts], axis=1))
+def _fp8_weights(ws: tuple) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The weights [E, K, N_i] side by side along N, quantised per 128 x 128 block in one pass
+    (fp8.quantize_primitive: each weight read once): e4m3 [E, K, N], the same values K-major
+    [E, N, K] for the forward kernel, and the scales [E, ceil(N / 128), ceil(K / 128)]. Where
+    an N_i is not a multiple of 128, a block spans two weights."""
+    return quantize_blocks(*ws, with_transpose=True)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _fp8_product(rows: jax.Array, ws: tuple, group_sizes: jax.Array, dtype) -> jax.Array:
     """ragged_dot(rows, concat(ws, N)) for weights [E, K, N_i] in FP8: rows per 1 x 128, the
-    weights per 128 x 128 block, K-major for the kernel (a transpose of their e4m3 values)."""
+    weights per 128 x 128 block, K-major for the kernel."""
     return _fp8_product_fwd(rows, ws, group_sizes, dtype)[0]
 
 
 def _fp8_product_fwd(rows, ws, group_sizes, dtype):
     xq, xs = quantize_fp8(rows, (1, 128))
-    wq, wsc = _fp8_weights(ws)
-    out = fp8_ragged_dot(xq, jnp.swapaxes(wq, 1, 2), xs, jnp.swapaxes(wsc, 1, 2), group_sizes,
+    wq, wq_t, wsc = _fp8_weights(ws)
+    out = fp8_ragged_dot(xq, wq_t, xs, jnp.swapaxes(wsc, 1, 2), group_sizes,
                          preferred_element_type=dtype)
     refs = (rows.reshape(-1)[:0],) + tuple(w[:0, :1, :] for w in ws)  # types and widths, no data
     return out, (xq, xs, wq, wsc, group_sizes, refs)

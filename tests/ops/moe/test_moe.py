@@ -22,7 +22,7 @@ from jax.sharding import AxisType, Mesh, PartitionSpec as P
 
 import jax_tma
 import jax_tma.flax as jtf
-from jax_tma.ops.fp8 import ragged_primitive as fp8r
+from jax_tma.ops.fp8 import quantize_primitive as fp8q, ragged_primitive as fp8r
 from jax_tma.ops.moe import api as moe_api
 from jax_tma.ops.ragged import gated_grad_primitive as ggp, gated_primitive as gp, primitive as rd
 from support import cuda_hlo, needs_extension, rel_error, target_calls
@@ -791,12 +791,14 @@ def test_fp8_cuda_lowering_kernel_calls(gated):
     """FP8 experts: forward, the up (gated: gate and up together) and the down product on the
     FP8 grouped kernel; backward, each one's input gradient on it too and each weight's
     gradient on the bf16 grouped kernel (gated: the gate's and the up's apart): 4 FP8 calls
-    and 3 (gated) or 2 ragged_dot calls."""
+    and 3 (gated) or 2 ragged_dot calls; the up (gate and up) and the down weights each
+    quantised by one call of the one-pass quantiser."""
     specs = [jax.ShapeDtypeStruct(s, F32) for s in
              ((512, 256), (256, 8), (8, 256, 128), (8, 128, 256), (8, 256, 128))]
     hlo = cuda_hlo(_step_fn("jax_tma_fp8", gated), *(specs if gated else specs[:4]))
     assert _kernel_calls(hlo, fp8r.KERNEL_TARGET) == 4
     assert _kernel_calls(hlo) == (3 if gated else 2)
+    assert _kernel_calls(hlo, fp8q.KERNEL_TARGET) == 2  # the weights' one-pass quantiser
     assert _kernel_calls(hlo, gp.KERNEL_TARGET) == _kernel_calls(hlo, ggp.KERNEL_TARGET) == 0
 
 
