@@ -2,10 +2,10 @@
 // reads one 128 x 128 block of x [batch, rows, cols] once and writes its scale (the block's
 // largest magnitude over 448, 1 for a block of zeros or one holding a NaN), its e4m3 values in
 // x's layout and, where asked, the same values transposed ([batch, cols, rows]: the K-major
-// form the FP8 kernels read of a weight stored [K, N]). Bit for bit the XLA form's
-// (ops/fp8/quantize.py): the scale the block maximum times the fp32 reciprocal of 448 (XLA's
-// form of its division by that constant), the values divided by it (IEEE fp32), clamped to
-// +-448 and rounded to nearest even.
+// form the FP8 kernels read of a weight stored [K, N]). Bit for bit the XLA form's as XLA:CPU
+// computes it (ops/fp8/quantize.py): the scale the block maximum times the fp32 reciprocal of
+// 448 (XLA's form of its division by that constant), the values divided by it (IEEE fp32; XLA's
+// GPU division is not correctly rounded), clamped to +-448 and rounded to nearest even.
 // x may come in two parts side by side along cols (a gated expert's gate and up weights, the
 // first part's columns a multiple of 128): the outputs are those of their concatenation.
 #pragma once

@@ -6,8 +6,10 @@ FP8 experts' weights with it each step, where XLA reads them twice (a reduction 
 maxima, then the values) and transposes the values in a third pass.
 
 Results: (values [B, R, C] e4m3, values_t [B, C, R] e4m3 with ``with_transpose``, scales
-[B, ceil(C / 128), ceil(R / 128)] fp32), bit for bit quantize_fp8's (its XLA form is the
-reference off Hopper). vmap folds the mapped axis into B; sharding keeps B's mesh axes, and R's
+[B, ceil(C / 128), ceil(R / 128)] fp32): quantize_fp8's (its XLA form is the reference off
+Hopper), bit for bit as XLA computes it on the CPU. XLA's GPU division is not correctly
+rounded: on an H200 a few values of a large array differ from XLA's GPU quantize_fp8 by one
+e4m3 step, where the kernel's division is IEEE's. vmap folds the mapped axis into B; sharding keeps B's mesh axes, and R's
 and C's where each device holds whole 128-blocks of them (others are gathered).
 """
 

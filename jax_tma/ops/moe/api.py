@@ -63,19 +63,18 @@ drops the result equals the one-device layer's up to summation order; the statis
 global ones. Other mesh axes are left to the compiler.
 
 ``implementation="jax_tma_fp8"`` runs every expert product in FP8, DeepSeek-V3's recipe, on
-``jax_tma.fp8_ragged_dot``'s kernel: the rows quantised per row and 128 columns (e4m3, one XLA
-fusion each) and every expert's weights per 128 x 128 block, each step (the weights stay in
-their own type), by a one-pass quantiser on Hopper that reads each weight once and writes its
+``jax_tma.fp8_ragged_dot``'s kernel. The rows are quantised per row and 128 columns (e4m3, one
+XLA fusion each). Every expert's weights are quantised per 128 x 128 block each step (they stay
+in their own type) by a one-pass quantiser on Hopper: it reads each weight once and writes its
 e4m3 values in its own [E, K, N] layout (for the gradients) and K-major (for the forward
-kernel) with the scales, bit for bit ``quantize_fp8``'s; the gated half as one product of the
-gate and up weights side by side (where F is not a multiple of 128 they are concatenated first,
-and one block holds gate and up columns and shares their scale), then the elementwise
-combination in fp32. Its gradients are
-``fp8_ragged_dot``'s (the rows' in FP8 against the weights' e4m3 blocks, the weights' a bf16
-product of the rows' FP8 values, one per weight) straight through the quantisation, the
-weights' made in their own layout and type (fp32 weights take the kernel's fp32 sums). Results differ from the bf16
-layer's by FP8's rounding (about 3 % relative per product with e4m3's 3 mantissa bits, at random
-data).
+kernel), with the scales (``quantize_fp8``'s, with IEEE division). The gated half is one
+product of the gate and up weights side by side (where F is not a multiple of 128 they are
+concatenated first, and one block holds gate and up columns and shares their scale), then the
+elementwise combination in fp32. Its gradients are ``fp8_ragged_dot``'s (the rows' in FP8
+against the weights' e4m3 blocks, the weights' a bf16 product of the rows' FP8 values, one per
+weight) straight through the quantisation, the weights' made in their own layout and type (fp32
+weights take the kernel's fp32 sums). Results differ from the bf16 layer's by FP8's rounding
+(about 3 % relative per product with e4m3's 3 mantissa bits, at random data).
 
 ``implementation="xla"`` runs the same layer with ``lax.ragged_dot`` (for comparisons; the gated
 half as one product of the concatenated weights [E, d, 2F] and the elementwise combination).

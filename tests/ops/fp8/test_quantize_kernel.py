@@ -1,6 +1,8 @@
-"""The one-pass e4m3 block quantiser (jax_tma/ops/fp8/quantize_primitive.py): against
-quantize_fp8 (its XLA form) everywhere, against a numpy reference on the GPU (float32 IEEE
-division, ml_dtypes' rounding to e4m3), with poisoned outputs, vmap and sharding."""
+"""The one-pass e4m3 block quantiser (jax_tma/ops/fp8/quantize_primitive.py): its XLA form
+against quantize_fp8 on the CPU (vmap and sharding too), the kernel on the GPU against a numpy
+reference (float32 IEEE division, ml_dtypes' rounding to e4m3) with poisoned outputs. Not the
+kernel against quantize_fp8 on the GPU: XLA's GPU division is not correctly rounded, and a few
+values of a large array land one e4m3 step apart (bench notes in docs/notebook/)."""
 
 from __future__ import annotations
 
@@ -69,20 +71,27 @@ def _parts(rng, shapes, dtype):
     return [jnp.asarray(rng.standard_normal(s).astype(np.float32) * 3, dtype) for s in shapes]
 
 
+def _on_cpu():
+    return jax.default_device(jax.devices("cpu")[0])
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_quantize_fp8(case, rng):
     shapes, dtype = CASES[case]
-    parts = _parts(rng, shapes, dtype)
-    _assert_same(jax.jit(qp.quantize_blocks)(*parts), _public(parts))
-    values, scales = qp.quantize_blocks(*parts, with_transpose=False)
-    _assert_same((values, scales), _public(parts)[::2])
+    with _on_cpu():
+        parts = _parts(rng, shapes, dtype)
+        _assert_same(jax.jit(qp.quantize_blocks)(*parts), _public(parts))
+        values, scales = qp.quantize_blocks(*parts, with_transpose=False)
+        _assert_same((values, scales), _public(parts)[::2])
+        _assert_same(_public(parts), _numpy(parts))  # the GPU tests' reference
 
 
 def test_vmap_and_leading_dims(rng):
-    x = jnp.asarray(rng.standard_normal((2, 3, 130, 260)).astype(np.float32))
-    got = jax.jit(jax.vmap(qp.quantize_blocks))(x)
-    _assert_same(got, _public([x]))
-    _assert_same(qp.quantize_blocks(x), _public([x]))  # [2, 3] folded into B
+    with _on_cpu():
+        x = jnp.asarray(rng.standard_normal((2, 3, 130, 260)).astype(np.float32))
+        got = jax.jit(jax.vmap(qp.quantize_blocks))(x)
+        _assert_same(got, _public([x]))
+        _assert_same(qp.quantize_blocks(x), _public([x]))  # [2, 3] folded into B
 
 
 @pytest.mark.parametrize("spec", [P("a", None, "b"), P("a", "b", None), P(None, None, ("a", "b"))],
@@ -92,7 +101,8 @@ def test_sharded_matches(spec, two, rng):
     mesh = cpu_mesh((2, 2), ("a", "b"))
     parts = _parts(rng, [(4, 256, 512)] + ([(4, 256, 256)] if two else []), F32)
     placed = [jax.device_put(p, NamedSharding(mesh, spec)) for p in parts]
-    _assert_same(jax.jit(qp.quantize_blocks)(*placed), _public(parts))
+    with _on_cpu():
+        _assert_same(jax.jit(qp.quantize_blocks)(*placed), _public(parts))
 
 
 def test_bad_parts():

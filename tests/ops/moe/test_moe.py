@@ -718,13 +718,25 @@ def test_fp8_gradients_match_dense_form(gated, hidden, rng):
         assert rel_error(g, w) <= FP8_TOL, name
 
 
+@jax.custom_vjp
+def _straight_through_blocks(w):
+    """The one-pass quantiser's (values, scales) of w [E, K, N], its values' cotangent reaching
+    w unchanged (quantize_fp8's straight-through rule)."""
+    return fp8q.quantize_blocks(w, with_transpose=False)
+
+
+_straight_through_blocks.defvjp(lambda w: (_straight_through_blocks(w), None),
+                                lambda _, cts: (cts[0].astype(F32),))
+
+
 @pytest.mark.parametrize("hidden", [128, 192])
 def test_fp8_product_matches_fp8_ragged_dot(hidden, rng):
-    """The layer's FP8 product (the weights quantised in their own [E, K, N] layout, side by
-    side) against fp8_ragged_dot of the same rows and the concatenated weights quantised
-    K-major: the same e4m3 blocks and scales, so the same forward and rows' gradient bit for
-    bit, and the weights' gradients up to the bf16 rounding fp8_ragged_dot's give them (the
-    layer's keep the fp32 sums for fp32 weights). hidden 192: a block spans gate and up."""
+    """The layer's FP8 product (the weights side by side, quantised in one pass with their
+    K-major copy) against fp8_ragged_dot of the same rows and e4m3 blocks read K-major: the
+    same forward and rows' gradient bit for bit, and the weights' gradients up to the bf16
+    rounding fp8_ragged_dot's give them (the layer's keep the fp32 sums for fp32 weights).
+    hidden 192: a block spans gate and up. (The quantiser against quantize_fp8:
+    tests/ops/fp8/test_quantize_kernel.py.)"""
     g, d = 8, 256
     rows = jnp.asarray(rng.standard_normal((160, d)).astype(F32))
     ws = tuple(jnp.asarray(rng.standard_normal((g, d, hidden)).astype(F32) / 16)
@@ -737,9 +749,9 @@ def test_fp8_product_matches_fp8_ragged_dot(hidden, rng):
 
     def public(rows, w0, w1):
         xq, xs = jax_tma.quantize_fp8(rows, (1, 128))
-        wq, wsc = jax_tma.quantize_fp8(jnp.swapaxes(jnp.concatenate([w0, w1], -1), 1, 2),
-                                       (128, 128))
-        return jax_tma.fp8_ragged_dot(xq, wq, xs, wsc, sizes, preferred_element_type=F32)
+        wq, wsc = _straight_through_blocks(jnp.concatenate([w0, w1], -1))
+        return jax_tma.fp8_ragged_dot(xq, jnp.swapaxes(wq, 1, 2), xs, jnp.swapaxes(wsc, 1, 2),
+                                      sizes, preferred_element_type=F32)
 
     results = []
     for f in (ours, public):
