@@ -12,6 +12,7 @@ import jax
 
 from jax_tma.ops.dense import primitive as dense
 from jax_tma.ops.fp8 import primitive as fp8
+from jax_tma.ops.fp8 import quantize_primitive as fp8_quantize
 from jax_tma.ops.fp8 import ragged_primitive as fp8_ragged
 from jax_tma.ops.gemm import primitive as gemm
 from jax_tma.ops.ragged import gated_grad_primitive as gated_ragged_grad
@@ -23,7 +24,7 @@ from jax_tma.ops.ragged import primitive as ragged
 FFI_TARGETS: tuple[str, ...] = (
     *gemm.FFI_TARGETS,
     *(op.KERNEL_TARGET + suffix
-      for op in (dense, fp8, fp8_ragged, ragged, gated_ragged, gated_ragged_grad)
+      for op in (dense, fp8, fp8_ragged, fp8_quantize, ragged, gated_ragged, gated_ragged_grad)
       for suffix in ("", "_into")),
 )
 

@@ -34,7 +34,8 @@ __device__ __forceinline__ void load4(const T* p, float* out) {  // 16-bit: 8 by
 // e4m3 bytes of (a, b): rounded to nearest even; beyond +-448 (infinities too) +-448, as the
 // XLA form's clamp before its conversion; NaN stays NaN.
 __device__ __forceinline__ uint32_t e4m3_pair(float a, float b) {
-  return static_cast<uint32_t>(__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
+  return static_cast<uint32_t>(
+      __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3));
 }
 
 // The block in fp32, [row][col]: the values wait here between the maximum and the division

@@ -1,8 +1,8 @@
 """The one-pass e4m3 block quantiser (jax_tma/ops/fp8/quantize_primitive.py): its XLA form
 against quantize_fp8 on the CPU (vmap and sharding too), the kernel on the GPU against a numpy
 reference (float32 IEEE division, ml_dtypes' rounding to e4m3) with poisoned outputs. Not the
-kernel against quantize_fp8 on the GPU: XLA's GPU division is not correctly rounded, and a few
-values of a large array land one e4m3 step apart (bench notes in docs/notebook/)."""
+kernel against quantize_fp8 on the GPU: XLA's GPU division is not correctly rounded, and some
+values of large arrays differ (docs/notebook/2026-11-30-layer-defaults-and-dw-peers.md)."""
 
 from __future__ import annotations
 
