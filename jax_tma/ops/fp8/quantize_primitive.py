@@ -11,7 +11,8 @@ Hopper), bit for bit as XLA computes it on the CPU. XLA's GPU division is not co
 rounded: on an H200, arrays of 470M elements had values that differ from XLA's GPU
 quantize_fp8 (not counted), where the kernel's division is IEEE's. vmap folds the mapped axis into B; sharding
 keeps B's mesh axes, and R's and C's where each device holds whole 128-blocks of them (others
-are gathered; the columns of two parts always are).
+are gathered; the columns of two parts always are). JAX_TMA_FP8_KERNEL=0 turns it off with the
+FP8 products (the XLA form runs).
 """
 
 from __future__ import annotations
