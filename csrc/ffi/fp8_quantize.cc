@@ -1,4 +1,4 @@
-// XLA FFI handler of the one-pass e4m3 block quantiser (kernels/sm90_fp8_quantize.cuh):
+// XLA FFI handler of the one-pass e4m3 block quantiser (contract/sm90_fp8_quantize.h):
 //   x         [batch, rows, cols0]          fp32, bf16 or fp16, contiguous
 //   x2        [batch, rows, cols - cols0]   x's type: two_parts = 1 (cols0 a multiple of 128),
 //                                           else any placeholder
@@ -17,7 +17,7 @@
 #include "ffi/cuda_check.h"
 #include "ffi/device_info.h"
 #include "ffi/dispatch.h"
-#include "kernels/sm90_fp8_quantize.cuh"
+#include "contract/sm90_fp8_quantize.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

@@ -1,5 +1,5 @@
-// The one-pass block quantiser; see sm90_fp8_quantize.cuh.
-#include "kernels/sm90_fp8_quantize.cuh"
+// The one-pass block quantiser; see contract/sm90_fp8_quantize.h.
+#include "contract/sm90_fp8_quantize.h"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>

@@ -1,4 +1,4 @@
-"""The one-pass e4m3 block quantiser ``jax_tma_fp8_quantize`` (csrc/kernels/sm90_fp8_quantize.cuh):
+"""The one-pass e4m3 block quantiser ``jax_tma_fp8_quantize`` (csrc/kernels/sm90_fp8_quantize.cu):
 ``quantize_fp8(x, (128, 128))`` of x [B, R, C] (or of two such arrays side by side along C) with
 each block read once, its values written in x's layout and, where asked, transposed [B, C, R]
 (the K-major form the FP8 kernels read of weights stored [K, N]). The MoE layer quantises its
@@ -9,10 +9,10 @@ Results: (values [B, R, C] e4m3, values_t [B, C, R] e4m3 with ``with_transpose``
 [B, ceil(C / 128), ceil(R / 128)] fp32): quantize_fp8's (its XLA form is the reference off
 Hopper), bit for bit as XLA computes it on the CPU. XLA's GPU division is not correctly
 rounded: on an H200, arrays of 470M elements had values that differ from XLA's GPU
-quantize_fp8 (not counted), where the kernel's division is IEEE's. vmap folds the mapped axis into B; sharding
-keeps B's mesh axes, and R's and C's where each device holds whole 128-blocks of them (others
-are gathered; the columns of two parts always are). JAX_TMA_FP8_KERNEL=0 turns it off with the
-FP8 products (the XLA form runs).
+quantize_fp8 (not counted), where the kernel's division is IEEE's. vmap folds the mapped axis
+into B; sharding keeps B's mesh axes, and R's and C's where each device holds whole 128-blocks
+of them (others are gathered; the columns of two parts always are). JAX_TMA_FP8_KERNEL=0 turns
+it off with the FP8 products (the XLA form runs).
 """
 
 from __future__ import annotations
