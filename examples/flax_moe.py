@@ -97,12 +97,12 @@ def loss_fn(model: nn.Module) -> Callable:
     return loss
 
 
-def expected_kernel_calls(fp8: bool = False) -> int:
-    """jax_tma calls per step: the gated forward (one call for gate and up) and the down
-    projection's, the down projection's input gradient (the gated gradient call: the gate's and
-    the up's cotangents from its epilogue), and the weight gradients of w_gate, w_up and
-    w_down. FP8: the gate-and-up and the down product, the down product's input gradient and
-    the three weight gradients."""
+def expected_kernel_calls() -> int:
+    """jax_tma's grouped calls per step, bf16 or FP8 alike. bf16: the gated forward (one call
+    for gate and up) and the down projection's, the down projection's input gradient (the gated
+    gradient call: the gate's and the up's cotangents from its epilogue), and the weight
+    gradients of w_gate, w_up and w_down. FP8: the gate-and-up and the down product, the down
+    product's input gradient and the three weight gradients."""
     return 6
 
 
@@ -232,7 +232,7 @@ def main(argv=None) -> int:
 
     # FP8 runs its kernels in float32 too (the weight gradients always in bf16).
     kernels = status.available and (args.fp8 or args.dtype != "float32")
-    expected = expected_kernel_calls(args.fp8) if kernels else 0
+    expected = expected_kernel_calls() if kernels else 0
     print(f"\nkernel calls per step: {calls[ours]} ({expected} expected: "
           + ("the gate-and-up and the down product and the down product's input gradient in "
              "FP8, the two weight gradients in bf16)" if args.fp8 else

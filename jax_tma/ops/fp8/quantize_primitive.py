@@ -31,6 +31,7 @@ from jax_tma._core.sharding import AxisClaims, Params, one, partitioned_call, sp
 from jax_tma.ops.fp8 import primitive as fp8_primitive
 from jax_tma.ops.fp8.config import SCALE_BLOCK
 from jax_tma.ops.fp8.quantize import _quantize_values
+from jax_tma.ops.ragged.primitive import fold_vmapped
 
 KERNEL_TARGET = "jax_tma_fp8_quantize_sm90"
 _E4M3 = jnp.dtype(jnp.float8_e4m3fn)
@@ -147,14 +148,10 @@ def _partitioned(params):
 
 
 def _batch_rule(args, dims, *, with_transpose, local):
-    """vmap: the mapped axis joins B (every part moved to it, unmapped ones broadcast)."""
-    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    folded = []
-    for a, d in zip(args, dims):
-        a = jnp.broadcast_to(a, (size, *a.shape)) if d is None else jnp.moveaxis(a, d, 0)
-        folded.append(a.reshape(size * a.shape[1], *a.shape[2:]))
+    """vmap: the mapped axis joins B (an unmapped part is broadcast)."""
+    folded, size, batch = fold_vmapped(args, dims, (False,) * len(args))
     outs = fp8_quantize_p.bind(*folded, with_transpose=with_transpose, local=local)
-    return [o.reshape(size, o.shape[0] // size, *o.shape[1:]) for o in outs], [0] * len(outs)
+    return [o.reshape(size, batch, *o.shape[1:]) for o in outs], [0] * len(outs)
 
 
 fp8_quantize_p = define_primitive("jax_tma_fp8_quantize", abstract_eval=_abstract_eval,

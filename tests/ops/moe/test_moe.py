@@ -849,7 +849,7 @@ def test_fp8_example_step_kernel_calls():
     hlo = jax.jit(s.step).trace(s.params, s.opt_state, *s.batches[0]).lower(
         lowering_platforms=("cuda",)).as_text()
     calls = (_kernel_calls(hlo, fp8r.KERNEL_TARGET), _kernel_calls(hlo))
-    assert calls == (3, 3) and sum(calls) == flax_moe.expected_kernel_calls(fp8=True)
+    assert calls == (3, 3) and sum(calls) == flax_moe.expected_kernel_calls()
     assert _kernel_calls(hlo, gp.KERNEL_TARGET) == _kernel_calls(hlo, ggp.KERNEL_TARGET) == 0
 
 
